@@ -1,0 +1,146 @@
+//! The [`Communicator`] trait: the collectives every rank of an SPMD program calls.
+
+use std::fmt::Debug;
+
+use super::{Buf, BufMut, CommElement, CommStats, even_split};
+use crate::Result;
+
+/// How a reduction combines the ranks' values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise sum divided by the world size.
+    Mean,
+    /// Element-wise maximum.
+    Max,
+}
+
+/// One rank's handle on a world of ranks (SPMD, as DeepSpeed's `torch.distributed` groups).
+///
+/// Every rank runs the same program and calls the same collectives in the same order; a rank
+/// that diverges, panics or stalls makes the others return an error rather than hang (the thread
+/// world within its timeout; MPI by aborting the job).
+///
+/// The methods take dtype-tagged buffers so that the trait stays object-safe
+/// (`Arc<dyn Communicator>`); [`CommunicatorExt`] adds the typed, generic forms, which are the
+/// ones to call.
+pub trait Communicator: Send + Sync + Debug {
+    /// This rank, in `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// Short name of the implementation (`"threads"`, `"mpi"`).
+    fn backend(&self) -> &'static str;
+
+    /// Reduces `buf` across ranks in place; every rank gets the result.
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()>;
+    /// Reduces `input` (the full length, `counts.iter().sum()`, on every rank) and leaves
+    /// chunk `rank` (of `counts[rank]` elements, contiguous in rank order) in `output`.
+    fn reduce_scatter_buf(
+        &self,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()>;
+    /// Concatenates every rank's `input` (of `counts[rank]` elements) in rank order into
+    /// `output` (of `counts.iter().sum()` elements) on every rank.
+    fn all_gather_buf(&self, input: Buf<'_>, output: BufMut<'_>, counts: &[usize]) -> Result<()>;
+    /// Copies `root`'s `buf` into every other rank's `buf`.
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
+    /// Splits `input` into `world_size` equal chunks; chunk `j` goes to rank `j`, and `output`
+    /// receives chunk `rank` of every rank, in rank order.
+    fn all_to_all_buf(&self, input: Buf<'_>, output: BufMut<'_>) -> Result<()>;
+    /// Sends `buf` to rank `dst` with a tag; it returns once the message is buffered or delivered.
+    fn send_buf(&self, buf: Buf<'_>, dst: usize, tag: u16) -> Result<()>;
+    /// Receives the next message with `tag` from rank `src` into `buf` (lengths must match).
+    fn recv_buf(&self, buf: BufMut<'_>, src: usize, tag: u16) -> Result<()>;
+    /// Waits until every rank has reached the barrier.
+    fn barrier(&self) -> Result<()>;
+    /// This rank's counters since the communicator was created.
+    fn stats(&self) -> CommStats;
+}
+
+macro_rules! comm_span {
+    ($name:literal, $self:ident, $len:expr) => {
+        tracing::trace_span!(
+            $name,
+            rank = $self.rank(),
+            world = $self.world_size(),
+            elems = $len
+        )
+        .entered()
+    };
+}
+
+/// Typed forms of the [`Communicator`] collectives, with a `tracing` span around each.
+pub trait CommunicatorExt: Communicator {
+    /// See [`Communicator::all_reduce_buf`].
+    fn all_reduce<T: CommElement>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let _span = comm_span!("all_reduce", self, buf.len());
+        self.all_reduce_buf(T::buf_mut(buf), op)
+    }
+    /// Reduce-scatter with per-rank chunk sizes; see [`Communicator::reduce_scatter_buf`].
+    fn reduce_scatter<T: CommElement>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let _span = comm_span!("reduce_scatter", self, input.len());
+        self.reduce_scatter_buf(T::buf(input), T::buf_mut(output), counts, op)
+    }
+    /// Reduce-scatter of an input whose length divides evenly by the world size.
+    fn reduce_scatter_equal<T: CommElement>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let counts = vec![output.len(); self.world_size()];
+        self.reduce_scatter(input, output, &counts, op)
+    }
+    /// All-gather with per-rank chunk sizes; see [`Communicator::all_gather_buf`].
+    fn all_gather<T: CommElement>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+    ) -> Result<()> {
+        let _span = comm_span!("all_gather", self, output.len());
+        self.all_gather_buf(T::buf(input), T::buf_mut(output), counts)
+    }
+    /// All-gather of equal chunks (`output.len() == input.len() * world_size`).
+    fn all_gather_equal<T: CommElement>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let counts = vec![input.len(); self.world_size()];
+        self.all_gather(input, output, &counts)
+    }
+    /// See [`Communicator::broadcast_buf`].
+    fn broadcast<T: CommElement>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        let _span = comm_span!("broadcast", self, buf.len());
+        self.broadcast_buf(T::buf_mut(buf), root)
+    }
+    /// See [`Communicator::all_to_all_buf`].
+    fn all_to_all<T: CommElement>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let _span = comm_span!("all_to_all", self, input.len());
+        self.all_to_all_buf(T::buf(input), T::buf_mut(output))
+    }
+    /// See [`Communicator::send_buf`].
+    fn send<T: CommElement>(&self, buf: &[T], dst: usize, tag: u16) -> Result<()> {
+        let _span = comm_span!("send", self, buf.len());
+        self.send_buf(T::buf(buf), dst, tag)
+    }
+    /// See [`Communicator::recv_buf`].
+    fn recv<T: CommElement>(&self, buf: &mut [T], src: usize, tag: u16) -> Result<()> {
+        let _span = comm_span!("recv", self, buf.len());
+        self.recv_buf(T::buf_mut(buf), src, tag)
+    }
+    /// The even split of `n` elements over this world (see [`even_split`]).
+    fn even_counts(&self, n: usize) -> Vec<usize> {
+        even_split(n, self.world_size())
+    }
+}
+
+impl<C: Communicator + ?Sized> CommunicatorExt for C {}

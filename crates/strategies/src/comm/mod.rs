@@ -1,0 +1,18 @@
+//! The communicator: one trait, an in-process thread world and an MPI world.
+
+mod communicator;
+mod element;
+#[cfg(feature = "mpi")]
+mod mpi;
+mod stats;
+mod thread;
+
+pub use communicator::*;
+pub use element::*;
+#[cfg(feature = "mpi")]
+pub use mpi::*;
+pub use stats::*;
+pub use thread::*;
+
+#[cfg(test)]
+mod tests;

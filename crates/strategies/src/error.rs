@@ -1,0 +1,59 @@
+//! The error type of the strategies crate.
+
+use std::time::Duration;
+
+/// Errors raised by communicators and parallel strategies.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    /// Another rank panicked, timed out or left the world while this rank waited on it.
+    #[error("rank {rank} failed during `{op}`: {reason}")]
+    PeerFailed {
+        /// The rank that failed.
+        rank: usize,
+        /// The operation this rank was running when it learned of the failure.
+        op: &'static str,
+        /// What happened to the failed rank.
+        reason: String,
+    },
+    /// This rank waited longer than the world's timeout for its peers.
+    #[error(
+        "rank {rank} timed out after {waited:?} in `{op}` waiting for rank(s) {missing:?} \
+         (a rank stalled or diverged; raise the timeout if this is a slow step)"
+    )]
+    Timeout {
+        /// This rank.
+        rank: usize,
+        /// The operation that timed out.
+        op: &'static str,
+        /// How long this rank waited.
+        waited: Duration,
+        /// The ranks that had not arrived.
+        missing: Vec<usize>,
+    },
+    /// Ranks called different collectives, or the same one with incompatible arguments.
+    #[error("rank {rank}: collective mismatch in `{op}`: {detail}")]
+    Mismatch {
+        /// This rank.
+        rank: usize,
+        /// The operation this rank called.
+        op: &'static str,
+        /// What differed between the ranks.
+        detail: String,
+    },
+    /// A buffer length or rank argument is invalid for the operation.
+    #[error("invalid argument to `{op}` on rank {rank}: {detail}")]
+    InvalidArgument {
+        /// This rank.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// What is wrong.
+        detail: String,
+    },
+    /// The MPI backend could not be used.
+    #[error("MPI: {0}")]
+    Mpi(String),
+}
+
+/// Result type of the strategies crate.
+pub type Result<T> = std::result::Result<T, CommError>;

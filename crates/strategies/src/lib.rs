@@ -1,0 +1,15 @@
+//! Parallel-training strategies for burn-deepspeed: the [`Communicator`](comm::Communicator)
+//! that SPMD ranks talk through, and the gradient bucketing of data parallelism.
+//!
+//! Ranks are SPMD, as in DeepSpeed: every rank runs the same program and calls the same
+//! collectives in the same order. Three worlds implement [`comm::Communicator`]: in-process
+//! threads ([`comm::ThreadWorld`], the default), MPI (feature `mpi`, under `mpirun`) and, later,
+//! NCCL.
+#![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod bucket;
+pub mod comm;
+mod error;
+
+pub use error::*;

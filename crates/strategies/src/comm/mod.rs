@@ -1,6 +1,7 @@
 //! The communicator: one trait, an in-process thread world and an MPI world.
 
 mod communicator;
+pub mod conformance;
 mod element;
 #[cfg(feature = "mpi")]
 mod mpi;

@@ -7,9 +7,7 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 
-use super::{
-    Buf, BufMut, CommElement, CommStats, Communicator, DType, OpKind, ReduceOp, op_cost,
-};
+use super::{Buf, BufMut, CommElement, CommStats, Communicator, DType, OpKind, ReduceOp, op_cost};
 use crate::{CommError, Result};
 
 /// Options of a [`ThreadWorld`].
@@ -231,7 +229,10 @@ impl ThreadCommunicator {
         if r >= self.shared.world {
             return Err(self.invalid(
                 op,
-                format!("{what} {r} is not a rank of a world of {}", self.shared.world),
+                format!(
+                    "{what} {r} is not a rank of a world of {}",
+                    self.shared.world
+                ),
             ));
         }
         Ok(())

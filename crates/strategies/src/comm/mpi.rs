@@ -1,0 +1,405 @@
+//! The MPI world: one process per rank under `mpirun`, through the `mpi` crate (rsmpi).
+//!
+//! MPI is initialized once per process (`MPI_THREAD_SERIALIZED`), and every call goes through
+//! one mutex, so the communicator may be shared between threads. A rank that panics calls
+//! `MPI_Abort`, and `mpirun` then ends every other rank instead of leaving them blocked.
+//!
+//! Reductions of f16/bf16 run in f32 and of u8 in u32 (MPI has no 16-bit float types and its
+//! u8 sum would overflow before a mean), with the same semantics as the thread world. Data
+//! movement (gather, broadcast, all-to-all, send/recv) travels as raw bytes.
+
+use std::sync::{Mutex, MutexGuard, Once};
+
+use half::{bf16, f16};
+use mpi::Threading;
+use mpi::collective::SystemOperation;
+use mpi::datatype::PartitionMut;
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::Communicator as _;
+use mpi::traits::*;
+
+use super::{Buf, BufMut, CommStats, Communicator, OpKind, ReduceOp, op_cost};
+use crate::{CommError, Result};
+
+/// True when this process was started by `mpirun`/`mpiexec` (OpenMPI's `OMPI_COMM_WORLD_SIZE`
+/// or a PMI launcher's `PMI_SIZE` is set).
+pub fn launched_by_mpirun() -> bool {
+    std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
+}
+
+struct Inner {
+    // Dropping the universe finalizes MPI; it lives as long as the communicator.
+    _universe: Universe,
+    world: SimpleCommunicator,
+}
+
+// SAFETY: MPI was initialized with MPI_THREAD_SERIALIZED and every use of `Inner` goes through
+// the mutex in `MpiCommunicator`, so no two MPI calls ever run concurrently.
+unsafe impl Send for Inner {}
+
+/// One process's handle on the MPI world (`MPI_COMM_WORLD`).
+pub struct MpiCommunicator {
+    inner: Mutex<Inner>,
+    rank: usize,
+    size: usize,
+    stats: Mutex<CommStats>,
+}
+
+impl std::fmt::Debug for MpiCommunicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiCommunicator")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl MpiCommunicator {
+    /// Initializes MPI and returns this process's communicator.
+    ///
+    /// Fails if MPI was already initialized in this process (MPI allows it once), or if the
+    /// library cannot provide serialized multi-threading.
+    pub fn init() -> Result<Self> {
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| CommError::Mpi("MPI was already initialized in this process".into()))?;
+        if threading < Threading::Serialized {
+            return Err(CommError::Mpi(format!(
+                "the MPI library offers only {threading:?} threading; Serialized is needed"
+            )));
+        }
+        let world = universe.world();
+        let rank = world.rank() as usize;
+        let size = world.size() as usize;
+        install_abort_on_panic();
+        Ok(Self {
+            inner: Mutex::new(Inner {
+                _universe: universe,
+                world,
+            }),
+            rank,
+            size,
+            stats: Mutex::new(CommStats::default()),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn invalid(&self, op: &'static str, detail: String) -> CommError {
+        CommError::InvalidArgument {
+            rank: self.rank,
+            op,
+            detail,
+        }
+    }
+
+    fn record(&self, kind: OpKind, counts: &[usize], root: usize, elem: usize) {
+        let (s, r) = op_cost(kind, self.rank, self.size, counts, root, elem);
+        self.stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record(kind, s, r);
+    }
+
+    fn check_rank(&self, op: &'static str, what: &str, r: usize) -> Result<()> {
+        if r >= self.size {
+            return Err(self.invalid(op, format!("{what} {r} is not a rank of {}", self.size)));
+        }
+        Ok(())
+    }
+
+    /// All-reduce of f32 values in place (Mean = Sum / size).
+    fn reduce_f32(&self, data: &mut [f32], op: ReduceOp) {
+        let send = data.to_vec();
+        let inner = self.lock();
+        match op {
+            ReduceOp::Max => inner
+                .world
+                .all_reduce_into(&send[..], data, SystemOperation::max()),
+            ReduceOp::Sum | ReduceOp::Mean => {
+                inner
+                    .world
+                    .all_reduce_into(&send[..], data, SystemOperation::sum())
+            }
+        }
+        drop(inner);
+        if op == ReduceOp::Mean {
+            let n = self.size as f32;
+            data.iter_mut().for_each(|v| *v /= n);
+        }
+    }
+
+    /// Reduce-scatter of f32 values with per-rank counts: chunks are padded to the largest so
+    /// that `MPI_Reduce_scatter_block` applies.
+    fn reduce_scatter_f32(&self, input: &[f32], counts: &[usize], op: ReduceOp) -> Vec<f32> {
+        let max = counts.iter().copied().max().unwrap_or(0);
+        let mut padded = vec![0.0f32; max * self.size];
+        let mut off = 0;
+        for (r, &c) in counts.iter().enumerate() {
+            padded[r * max..r * max + c].copy_from_slice(&input[off..off + c]);
+            off += c;
+        }
+        let mut out = vec![0.0f32; max];
+        let mpi_op = match op {
+            ReduceOp::Max => SystemOperation::max(),
+            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
+        };
+        if max > 0 {
+            self.lock()
+                .world
+                .reduce_scatter_block_into(&padded[..], &mut out[..], mpi_op);
+        }
+        out.truncate(counts[self.rank]);
+        if op == ReduceOp::Mean {
+            let n = self.size as f32;
+            out.iter_mut().for_each(|v| *v /= n);
+        }
+        out
+    }
+}
+
+fn install_abort_on_panic() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            previous(info);
+            eprintln!("burn-deepspeed: a rank panicked; aborting the MPI job");
+            SimpleCommunicator::world().abort(101);
+        }));
+    });
+}
+
+fn widen(buf: Buf<'_>) -> Vec<f32> {
+    match buf {
+        Buf::F32(s) => s.to_vec(),
+        Buf::F16(s) => s.iter().map(|v| v.to_f32()).collect(),
+        Buf::BF16(s) => s.iter().map(|v| v.to_f32()).collect(),
+        Buf::U8(s) => s.iter().map(|&v| v as f32).collect(),
+    }
+}
+
+fn narrow(values: &[f32], out: BufMut<'_>, op: ReduceOp) {
+    match out {
+        BufMut::F32(s) => s.copy_from_slice(values),
+        BufMut::F16(s) => s
+            .iter_mut()
+            .zip(values)
+            .for_each(|(o, v)| *o = f16::from_f32(*v)),
+        BufMut::BF16(s) => s
+            .iter_mut()
+            .zip(values)
+            .for_each(|(o, v)| *o = bf16::from_f32(*v)),
+        // u8 sums wrap and means floor, as in the thread world. u8 values summed in f32 are
+        // exact up to 2^24 / 255 ranks.
+        BufMut::U8(s) => s.iter_mut().zip(values).for_each(|(o, v)| {
+            *o = match op {
+                ReduceOp::Sum => (*v as u64 % 256) as u8,
+                ReduceOp::Mean | ReduceOp::Max => v.floor() as u8,
+            }
+        }),
+    }
+}
+
+impl Communicator for MpiCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn backend(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let n = buf.len();
+        let elem = buf.dtype().size();
+        let mut values = widen(buf.as_buf());
+        if buf.dtype() == super::DType::U8 && op == ReduceOp::Mean {
+            // Mean of u8 floors the exact sum.
+            self.reduce_f32(&mut values, ReduceOp::Sum);
+            let size = self.size as f32;
+            values.iter_mut().for_each(|v| *v = (*v / size).floor());
+        } else {
+            self.reduce_f32(&mut values, op);
+        }
+        narrow(&values, buf, op);
+        self.record(OpKind::AllReduce, &[n], 0, elem);
+        Ok(())
+    }
+
+    fn reduce_scatter_buf(
+        &self,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let name = OpKind::ReduceScatter.name();
+        let total: usize = counts.iter().sum();
+        if counts.len() != self.size
+            || input.len() != total
+            || output.len() != counts[self.rank]
+            || input.dtype() != output.dtype()
+        {
+            return Err(self.invalid(
+                name,
+                format!(
+                    "input {} / output {} elements ({:?} / {:?}) do not fit counts {counts:?}",
+                    input.len(),
+                    output.len(),
+                    input.dtype(),
+                    output.dtype()
+                ),
+            ));
+        }
+        let elem = input.dtype().size();
+        let values = widen(input);
+        let u8_mean = input.dtype() == super::DType::U8 && op == ReduceOp::Mean;
+        let reduce_op = if u8_mean { ReduceOp::Sum } else { op };
+        let mut out = self.reduce_scatter_f32(&values, counts, reduce_op);
+        if u8_mean {
+            let size = self.size as f32;
+            out.iter_mut().for_each(|v| *v = (*v / size).floor());
+        }
+        narrow(&out, output, op);
+        self.record(OpKind::ReduceScatter, counts, 0, elem);
+        Ok(())
+    }
+
+    fn all_gather_buf(
+        &self,
+        input: Buf<'_>,
+        mut output: BufMut<'_>,
+        counts: &[usize],
+    ) -> Result<()> {
+        let name = OpKind::AllGather.name();
+        let total: usize = counts.iter().sum();
+        if counts.len() != self.size
+            || input.len() != counts[self.rank]
+            || output.len() != total
+            || input.dtype() != output.dtype()
+        {
+            return Err(self.invalid(
+                name,
+                format!(
+                    "input {} / output {} elements do not fit counts {counts:?}",
+                    input.len(),
+                    output.len()
+                ),
+            ));
+        }
+        let elem = input.dtype().size();
+        let byte_counts: Vec<i32> = counts.iter().map(|&c| (c * elem) as i32).collect();
+        let displs: Vec<i32> = byte_counts
+            .iter()
+            .scan(0i32, |acc, &c| {
+                let d = *acc;
+                *acc += c;
+                Some(d)
+            })
+            .collect();
+        {
+            let inner = self.lock();
+            let mut partition =
+                PartitionMut::new(output.as_bytes_mut(), &byte_counts[..], &displs[..]);
+            inner
+                .world
+                .all_gather_varcount_into(input.as_bytes(), &mut partition);
+        }
+        self.record(OpKind::AllGather, counts, 0, elem);
+        Ok(())
+    }
+
+    fn broadcast_buf(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+        self.check_rank(OpKind::Broadcast.name(), "root", root)?;
+        let n = buf.len();
+        let elem = buf.dtype().size();
+        {
+            let inner = self.lock();
+            inner
+                .world
+                .process_at_rank(root as i32)
+                .broadcast_into(buf.as_bytes_mut());
+        }
+        self.record(OpKind::Broadcast, &[n], root, elem);
+        Ok(())
+    }
+
+    fn all_to_all_buf(&self, input: Buf<'_>, mut output: BufMut<'_>) -> Result<()> {
+        if input.len() % self.size != 0
+            || output.len() != input.len()
+            || input.dtype() != output.dtype()
+        {
+            return Err(self.invalid(
+                OpKind::AllToAll.name(),
+                format!(
+                    "input ({}) must split into {} equal chunks and output ({}) match it",
+                    input.len(),
+                    self.size,
+                    output.len()
+                ),
+            ));
+        }
+        let chunk = input.len() / self.size;
+        let elem = input.dtype().size();
+        {
+            let inner = self.lock();
+            inner
+                .world
+                .all_to_all_into(input.as_bytes(), output.as_bytes_mut());
+        }
+        self.record(OpKind::AllToAll, &vec![chunk; self.size], 0, elem);
+        Ok(())
+    }
+
+    fn send_buf(&self, buf: Buf<'_>, dst: usize, tag: u16) -> Result<()> {
+        self.check_rank(OpKind::Send.name(), "destination", dst)?;
+        {
+            let inner = self.lock();
+            inner
+                .world
+                .process_at_rank(dst as i32)
+                .send_with_tag(buf.as_bytes(), tag as i32);
+        }
+        self.record(OpKind::Send, &[buf.len()], 0, buf.dtype().size());
+        Ok(())
+    }
+
+    fn recv_buf(&self, mut buf: BufMut<'_>, src: usize, tag: u16) -> Result<()> {
+        self.check_rank(OpKind::Recv.name(), "source", src)?;
+        let expected = buf.as_bytes_mut().len();
+        let status = {
+            let inner = self.lock();
+            inner
+                .world
+                .process_at_rank(src as i32)
+                .receive_into_with_tag(buf.as_bytes_mut(), tag as i32)
+        };
+        let got = status.count(u8::equivalent_datatype()) as usize;
+        if got != expected {
+            return Err(CommError::Mismatch {
+                rank: self.rank,
+                op: OpKind::Recv.name(),
+                detail: format!("rank {src} sent {got} bytes, {expected} expected"),
+            });
+        }
+        self.record(OpKind::Recv, &[buf.len()], 0, buf.dtype().size());
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.lock().world.barrier();
+        self.record(OpKind::Barrier, &[0], 0, 1);
+        Ok(())
+    }
+
+    fn stats(&self) -> CommStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

@@ -1,1 +1,110 @@
-fn main() {}
+//! Trains the byte-level GPT with burn-deepspeed.
+//!
+//! ```text
+//! cargo run --release --example gpt -- [--config FILE] [--model tiny|small] [--ranks N]
+//!     [--steps N] [--data PATH] [--seed S] [--json]
+//! mpirun -n N target/release/examples/gpt ...        # built with --features mpi
+//! ```
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed::launch::launch;
+use burn_deepspeed_example_gpt::DEFAULT_CONFIG;
+use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
+use burn_deepspeed_example_gpt::model::GptShape;
+use burn_deepspeed_example_gpt::run::{RunSpec, run_rank};
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(about = "Train a byte-level GPT with burn-deepspeed")]
+struct Args {
+    /// A `ds_config.json`; the example's default config when absent.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// Model size.
+    #[arg(long, default_value = "tiny", value_parser = ["tiny", "small"])]
+    model: String,
+    /// Data-parallel ranks as threads (under mpirun, the MPI world decides).
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 50)]
+    steps: u64,
+    /// Train on the bytes of this file instead of the embedded corpus.
+    #[arg(long)]
+    data: Option<std::path::PathBuf>,
+    /// Seed of the initialization and the batch sampling.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Print a JSON summary as the last line of stdout.
+    #[arg(long)]
+    json: bool,
+    /// Seconds a rank waits for the others before failing.
+    #[arg(long, default_value_t = 600)]
+    timeout: u64,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> burn_deepspeed::Result<()> {
+    let (config, warnings) = match &args.config {
+        Some(path) => DeepSpeedConfig::from_file(path)?,
+        None => DeepSpeedConfig::from_json_str(DEFAULT_CONFIG)?,
+    };
+    let bytes = match &args.data {
+        Some(path) => std::fs::read(path).map_err(|e| {
+            burn_deepspeed::DeepSpeedError::Data(format!("cannot read {}: {e}", path.display()))
+        })?,
+        None => EMBEDDED_CORPUS.to_vec(),
+    };
+    let spec = RunSpec {
+        config,
+        shape: GptShape::preset(&args.model).expect("clap checked the preset"),
+        steps: args.steps,
+        corpus: ByteCorpus::new(bytes, args.seed),
+        seed: args.seed,
+        progress: true,
+    };
+    // ANCHOR: launch
+    let (_, reports) = launch(args.ranks, Duration::from_secs(args.timeout), |comm| {
+        if comm.rank() == 0 {
+            for w in &warnings {
+                eprintln!("warning: {w}");
+            }
+        }
+        let rank = comm.rank();
+        run_rank(&spec, comm).map(|r| (rank, r))
+    })?;
+    // ANCHOR_END: launch
+    // Every rank's report is the same; rank 0 (in this process) prints it.
+    if let Some((_, report)) = reports.into_iter().find(|(rank, _)| *rank == 0) {
+        eprintln!(
+            "trained {} params for {} steps on {} rank(s) ({}): loss {:.4} -> {:.4}, {:.0} tokens/s",
+            report.params,
+            report.steps,
+            report.world,
+            report.backend,
+            report.losses.first().copied().unwrap_or(f64::NAN),
+            report.losses.last().copied().unwrap_or(f64::NAN),
+            report.tokens_per_s
+        );
+        if args.json {
+            println!(
+                "{}",
+                serde_json::to_string(&report).expect("the report serializes")
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,506 @@
+//! [`DeepSpeedConfig`]: a typed `ds_config.json`, with DeepSpeed's defaults and clear errors.
+//!
+//! The sections are plain serde structs rather than Burn `#[derive(Config)]` types, because the
+//! format is DeepSpeed's: `{"type", "params"}` objects, keys with aliases, counts written as
+//! floats (`5e8`), and errors that must name the offending key.
+
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::serde_util::{count, opt_count};
+use super::{
+    ActivationCheckpointingConfig, BatchSizes, Bf16Config, FlopsProfilerConfig, Fp16Config,
+    OptimizerConfig, PipelineConfig, PldConfig, SchedulerConfig, ZeroConfig, ZeroStage,
+    resolve_batch,
+};
+use crate::{DeepSpeedError, Result};
+
+/// A DeepSpeed configuration (`ds_config.json`).
+///
+/// Build one in Rust (`DeepSpeedConfig { zero_optimization: ..., ..Default::default() }`) or
+/// load one with [`DeepSpeedConfig::from_json_str`] / [`DeepSpeedConfig::from_file`]; then
+/// [`DeepSpeedConfig::resolve`] fills every default for a world size.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeepSpeedConfig {
+    /// Samples per optimizer step over all data-parallel ranks.
+    #[serde(
+        deserialize_with = "opt_count",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub train_batch_size: Option<u64>,
+    /// Samples per forward/backward on one rank.
+    #[serde(
+        deserialize_with = "opt_count",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub train_micro_batch_size_per_gpu: Option<u64>,
+    /// Micro-batches accumulated per optimizer step.
+    #[serde(
+        deserialize_with = "opt_count",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub gradient_accumulation_steps: Option<u64>,
+    /// The optimizer; AdamW with DeepSpeed's defaults when absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<OptimizerConfig>,
+    /// The learning-rate schedule; constant when absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scheduler: Option<SchedulerConfig>,
+    /// Largest global L2 norm of the gradient (0: no clipping).
+    pub gradient_clipping: f64,
+    /// Divide gradients before the all-reduce (by `gradient_predivide_factor`) rather than
+    /// after it (by the world size).
+    pub prescale_gradients: bool,
+    /// Pre-division factor of `prescale_gradients`.
+    pub gradient_predivide_factor: f64,
+    /// fp16 mixed precision.
+    pub fp16: Fp16Config,
+    /// bf16 mixed precision.
+    #[serde(alias = "bfloat16")]
+    pub bf16: Bf16Config,
+    /// ZeRO.
+    pub zero_optimization: ZeroConfig,
+    /// Pipeline parallelism.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineConfig>,
+    /// Progressive layer dropping.
+    pub progressive_layer_drop: PldConfig,
+    /// Flops profiler.
+    pub flops_profiler: FlopsProfilerConfig,
+    /// Activation checkpointing.
+    pub activation_checkpointing: ActivationCheckpointingConfig,
+    /// Print progress every this many optimizer steps.
+    #[serde(deserialize_with = "count")]
+    pub steps_per_print: u64,
+    /// Print the time spent in forward, backward, reduction and step.
+    pub wall_clock_breakdown: bool,
+}
+
+impl Default for DeepSpeedConfig {
+    fn default() -> Self {
+        Self {
+            train_batch_size: None,
+            train_micro_batch_size_per_gpu: None,
+            gradient_accumulation_steps: None,
+            optimizer: None,
+            scheduler: None,
+            gradient_clipping: 0.0,
+            prescale_gradients: false,
+            gradient_predivide_factor: 1.0,
+            fp16: Fp16Config::default(),
+            bf16: Bf16Config::default(),
+            zero_optimization: ZeroConfig::default(),
+            pipeline: None,
+            progressive_layer_drop: PldConfig::default(),
+            flops_profiler: FlopsProfilerConfig::default(),
+            activation_checkpointing: ActivationCheckpointingConfig::default(),
+            steps_per_print: 10,
+            wall_clock_breakdown: false,
+        }
+    }
+}
+
+/// A note about a config that loaded: a DeepSpeed key that is ignored, or a setting that has
+/// no effect (yet).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigWarning {
+    /// Dotted path of the key.
+    pub key: String,
+    /// What happens to it.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigWarning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "`{}`: {}", self.key, self.message)
+    }
+}
+
+/// Top-level DeepSpeed keys that this version does not implement: they load, are ignored, and
+/// produce a [`ConfigWarning`].
+const UNIMPLEMENTED_KEYS: &[&str] = &[
+    "aio",
+    "amp",
+    "autotuning",
+    "checkpoint",
+    "comms_logger",
+    "communication_data_type",
+    "compile",
+    "compression_training",
+    "csv_monitor",
+    "curriculum_learning",
+    "data_efficiency",
+    "data_types",
+    "disable_allgather",
+    "dump_state",
+    "eigenvalue",
+    "elasticity",
+    "gradient_accumulation_dtype",
+    "graph_harvesting",
+    "hybrid_engine",
+    "memory_breakdown",
+    "nebula",
+    "quantize_training",
+    "seq_parallel_communication_data_type",
+    "sparse_attention",
+    "sparse_gradients",
+    "tensorboard",
+    "timers",
+    "torch_autocast",
+    "use_data_before_expert_parallel_",
+    "wandb",
+    "weight_quantization",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+];
+
+impl DeepSpeedConfig {
+    /// Parses a `ds_config.json` text. Unknown keys are errors that name the key and the
+    /// closest known one; DeepSpeed keys not implemented here load with a warning.
+    pub fn from_json_str(text: &str) -> Result<(Self, Vec<ConfigWarning>)> {
+        let mut value: Value =
+            serde_json::from_str(text).map_err(|e| DeepSpeedError::ConfigSyntax {
+                line: e.line(),
+                column: e.column(),
+                message: e.to_string(),
+            })?;
+        let mut warnings = Vec::new();
+        match value.as_object_mut() {
+            Some(obj) => {
+                for key in UNIMPLEMENTED_KEYS {
+                    if obj.remove(*key).is_some() {
+                        warnings.push(ConfigWarning {
+                            key: (*key).into(),
+                            message: "DeepSpeed key not implemented by burn-deepspeed yet; \
+                                      ignored"
+                                .into(),
+                        });
+                    }
+                }
+            }
+            None => {
+                return Err(DeepSpeedError::InvalidValue {
+                    path: "(root)".into(),
+                    message: "a DeepSpeed config is a JSON object".into(),
+                });
+            }
+        }
+        let config: DeepSpeedConfig =
+            serde_path_to_error::deserialize(value).map_err(map_serde_error)?;
+        warnings.extend(config.feature_warnings());
+        Ok((config, warnings))
+    }
+
+    /// Reads and parses a `ds_config.json` file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<(Self, Vec<ConfigWarning>)> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| DeepSpeedError::ConfigIo {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_json_str(&text)
+    }
+
+    /// Fills every default for `world_size` data-parallel ranks: the three batch numbers, the
+    /// optimizer (AdamW when absent) and its parameters; and validates the values.
+    pub fn resolve(&mut self, world_size: usize) -> Result<BatchSizes> {
+        let batch = resolve_batch(
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+            world_size as u64,
+        )?;
+        self.train_batch_size = Some(batch.train_batch_size);
+        self.train_micro_batch_size_per_gpu = Some(batch.train_micro_batch_size_per_gpu);
+        self.gradient_accumulation_steps = Some(batch.gradient_accumulation_steps);
+        self.optimizer
+            .get_or_insert_with(OptimizerConfig::default)
+            .resolve()?;
+        if let Some(s) = &self.scheduler {
+            s.validate()?;
+        }
+        if !(self.gradient_clipping >= 0.0 && self.gradient_clipping.is_finite()) {
+            return Err(DeepSpeedError::InvalidValue {
+                path: "gradient_clipping".into(),
+                message: format!("must be ≥ 0, found {}", self.gradient_clipping),
+            });
+        }
+        if !(self.gradient_predivide_factor > 0.0) {
+            return Err(DeepSpeedError::InvalidValue {
+                path: "gradient_predivide_factor".into(),
+                message: format!("must be > 0, found {}", self.gradient_predivide_factor),
+            });
+        }
+        if self.fp16.enabled && self.bf16.enabled {
+            return Err(DeepSpeedError::InvalidValue {
+                path: "fp16.enabled".into(),
+                message: "fp16 and bf16 cannot both be enabled".into(),
+            });
+        }
+        Ok(batch)
+    }
+
+    /// The config as pretty JSON, in DeepSpeed's key names.
+    pub fn to_json_pretty(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a config always serializes")
+    }
+
+    /// Warnings for settings that load but that this version does not act on (yet).
+    fn feature_warnings(&self) -> Vec<ConfigWarning> {
+        let mut w = Vec::new();
+        let mut add = |key: &str, message: &str| {
+            w.push(ConfigWarning {
+                key: key.into(),
+                message: message.into(),
+            })
+        };
+        let refused = "parsed, but the engine does not implement it yet and refuses to train";
+        if self.fp16.enabled {
+            add("fp16.enabled", refused);
+        }
+        if self.bf16.enabled {
+            add("bf16.enabled", refused);
+        }
+        if self.zero_optimization.stage != ZeroStage::Disabled {
+            add(
+                "zero_optimization.stage",
+                "stages 1-3 are parsed, but the engine runs stage 0 only and refuses others",
+            );
+        }
+        if let Some(o) = &self.optimizer {
+            if o.kind.is_one_bit() {
+                add("optimizer.type", refused);
+            }
+            for (k, v) in [
+                ("torch_adam", o.params.torch_adam.is_some()),
+                ("cuda_aware", o.params.cuda_aware.is_some()),
+                ("comm_backend_name", o.params.comm_backend_name.is_some()),
+            ] {
+                if v {
+                    add(
+                        &format!("optimizer.params.{k}"),
+                        "accepted for compatibility; has no effect here",
+                    );
+                }
+            }
+        }
+        if self
+            .pipeline
+            .as_ref()
+            .and_then(|p| p.stage_count())
+            .unwrap_or(1)
+            > 1
+        {
+            add("pipeline.stages", refused);
+        }
+        if self.progressive_layer_drop.enabled {
+            add("progressive_layer_drop.enabled", refused);
+        }
+        if self.flops_profiler.enabled {
+            add("flops_profiler.enabled", "not implemented yet; ignored");
+        }
+        if self.activation_checkpointing != ActivationCheckpointingConfig::default() {
+            add("activation_checkpointing", "not implemented yet; ignored");
+        }
+        w
+    }
+}
+
+fn map_serde_error(e: serde_path_to_error::Error<serde_json::Error>) -> DeepSpeedError {
+    let path = e.path().to_string();
+    let inner = e.into_inner();
+    let message = inner.to_string();
+    if let Some(rest) = message.strip_prefix("unknown field `") {
+        let key = rest.split('`').next().unwrap_or_default().to_string();
+        let expected: Vec<&str> = rest
+            .split_once("expected ")
+            .map(|(_, list)| list.split('`').skip(1).step_by(2).collect())
+            .unwrap_or_default();
+        let parent = path
+            .rsplit_once('.')
+            .map(|(p, _)| format!("{p}."))
+            .unwrap_or_default();
+        let full = if path.ends_with(&key) {
+            path.clone()
+        } else {
+            format!("{parent}{key}")
+        };
+        return DeepSpeedError::UnknownKey {
+            path: full,
+            suggestion: closest(&key, &expected).map(|s| format!("{parent}{s}")),
+        };
+    }
+    // serde_json appends " at line L column C"; keep it, it helps find the value.
+    DeepSpeedError::InvalidValue {
+        path: if path == "." { "(root)".into() } else { path },
+        message,
+    }
+}
+
+/// The known key closest to `key` by edit distance, if it is close enough to be a typo.
+fn closest(key: &str, known: &[&str]) -> Option<String> {
+    let key_l = key.to_ascii_lowercase();
+    known
+        .iter()
+        .map(|k| (edit_distance(&key_l, &k.to_ascii_lowercase()), *k))
+        .filter(|(d, k)| *d <= (k.len().max(key.len()) / 3).max(2))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k.to_string())
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::OptimizerKind;
+
+    #[test]
+    fn empty_config_gets_deepspeeds_defaults() {
+        let (mut c, w) = DeepSpeedConfig::from_json_str(r#"{"train_batch_size": 8}"#).unwrap();
+        assert!(w.is_empty());
+        let b = c.resolve(2).unwrap();
+        assert_eq!(b.train_micro_batch_size_per_gpu, 4);
+        assert_eq!(c.zero_optimization.reduce_bucket_size, 500_000_000);
+        assert_eq!(c.steps_per_print, 10);
+        let o = c.optimizer.unwrap();
+        assert_eq!(o.kind, OptimizerKind::AdamW);
+        assert_eq!(o.params.betas, Some((0.9, 0.999)));
+    }
+
+    #[test]
+    fn misspelled_key_names_the_key_and_the_closest() {
+        let e = DeepSpeedConfig::from_json_str(r#"{"zero_optimization": {"stgae": 2}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("zero_optimization.stgae"), "{e}");
+        assert!(e.contains("did you mean `zero_optimization.stage`"), "{e}");
+        let e = DeepSpeedConfig::from_json_str(r#"{"train_batch_szie": 2}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`train_batch_size`"), "{e}");
+        let e = DeepSpeedConfig::from_json_str(r#"{"completely_else": 2}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("completely_else") && !e.contains("did you mean"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn wrong_type_names_the_key_and_the_expected_type() {
+        let e = DeepSpeedConfig::from_json_str(r#"{"zero_optimization": {"stage": "two"}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("zero_optimization.stage"), "{e}");
+        assert!(e.contains("expected u8"), "{e}");
+        let e = DeepSpeedConfig::from_json_str(r#"{"gradient_clipping": true}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("gradient_clipping") && e.contains("expected f64"),
+            "{e}"
+        );
+        let e = DeepSpeedConfig::from_json_str(r#"{"zero_optimization": {"stage": 5}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("0, 1, 2 or 3"), "{e}");
+    }
+
+    #[test]
+    fn float_counts_and_aliases_load() {
+        let (c, _) = DeepSpeedConfig::from_json_str(
+            r#"{"zero_optimization": {"reduce_bucket_size": 5e7,
+                "stage3_prefetch_bucket_size": 1e6},
+                "bfloat16": {"enabled": false}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.zero_optimization.reduce_bucket_size, 50_000_000);
+        assert_eq!(c.zero_optimization.prefetch_bucket_size, 1_000_000);
+        assert!(
+            DeepSpeedConfig::from_json_str(r#"{"zero_optimization": {"reduce_bucket_size": 1.5}}"#)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn unimplemented_deepspeed_keys_warn() {
+        let (_, w) = DeepSpeedConfig::from_json_str(
+            r#"{"tensorboard": {"enabled": true}, "fp16": {"enabled": true}}"#,
+        )
+        .unwrap();
+        let keys: Vec<&str> = w.iter().map(|w| w.key.as_str()).collect();
+        assert!(
+            keys.contains(&"tensorboard") && keys.contains(&"fp16.enabled"),
+            "{keys:?}"
+        );
+    }
+
+    #[test]
+    fn optimizer_names_are_case_insensitive_and_params_checked() {
+        let (mut c, _) = DeepSpeedConfig::from_json_str(
+            r#"{"train_batch_size": 4, "optimizer": {"type": "lamb", "params": {"lr": 0.01}}}"#,
+        )
+        .unwrap();
+        c.resolve(1).unwrap();
+        let o = c.optimizer.unwrap();
+        assert_eq!(o.kind, OptimizerKind::Lamb);
+        assert_eq!(o.params.max_coeff, Some(10.0));
+        let (mut c, _) = DeepSpeedConfig::from_json_str(
+            r#"{"train_batch_size": 4, "optimizer": {"type": "AdamW",
+                "params": {"freeze_step": 10}}}"#,
+        )
+        .unwrap();
+        let e = c.resolve(1).unwrap_err().to_string();
+        assert!(e.contains("optimizer.params.freeze_step"), "{e}");
+        let e = DeepSpeedConfig::from_json_str(r#"{"optimizer": {"type": "Adagrad"}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("optimizer.type") && e.contains("Adagrad"), "{e}");
+    }
+
+    #[test]
+    fn published_deepspeed_configs_load() {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../configs/deepspeed-examples"
+        );
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).expect("configs folder") {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "json") {
+                let (mut c, _) = DeepSpeedConfig::from_file(&path)
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                c.resolve(16)
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                n += 1;
+            }
+        }
+        assert!(n >= 3, "only {n} configs found");
+    }
+
+    #[test]
+    fn resolved_config_round_trips() {
+        let (mut c, _) = DeepSpeedConfig::from_json_str(r#"{"train_batch_size": 8}"#).unwrap();
+        c.resolve(2).unwrap();
+        let (back, _) = DeepSpeedConfig::from_json_str(&c.to_json_pretty()).unwrap();
+        assert_eq!(back, c);
+    }
+}

@@ -1,0 +1,16 @@
+//! DeepSpeed's `ds_config.json`, typed, with DeepSpeed's defaults and errors that name the key.
+
+mod base;
+mod batch;
+mod optimizer;
+mod scheduler;
+mod sections;
+mod serde_util;
+mod zero;
+
+pub use base::*;
+pub use batch::*;
+pub use optimizer::*;
+pub use scheduler::*;
+pub use sections::*;
+pub use zero::*;

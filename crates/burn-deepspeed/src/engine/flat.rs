@@ -1,0 +1,204 @@
+//! A module's parameters laid out as one flat f32 buffer, in the module's visiting order.
+//!
+//! Every rank builds the same layout from the same model, so a flat gradient buffer can be
+//! reduced in buckets and mapped back to [`GradientsParams`] by [`ParamId`]. This is the seam
+//! between Burn's per-parameter tensors and the communicator's flat buffers.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Tensor, TensorData};
+
+/// One parameter's place in the flat buffer.
+#[derive(Debug, Clone)]
+pub struct ParamSlot {
+    /// The parameter.
+    pub id: ParamId,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// First element in the flat buffer.
+    pub offset: usize,
+    /// Number of elements.
+    pub numel: usize,
+}
+
+/// The flat layout of a module's float parameters.
+#[derive(Debug, Clone, Default)]
+pub struct ParamLayout {
+    /// Slots in visiting order.
+    pub slots: Vec<ParamSlot>,
+    /// Total elements.
+    pub numel: usize,
+}
+
+impl ParamLayout {
+    /// The layout of `module`'s float parameters.
+    pub fn of<M: Module>(module: &M) -> Self {
+        struct V(ParamLayout);
+        impl ModuleVisitor for V {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let shape = param.lazy_shape().to_vec();
+                let numel = shape.iter().product();
+                self.0.slots.push(ParamSlot {
+                    id: param.id,
+                    shape,
+                    offset: self.0.numel,
+                    numel,
+                });
+                self.0.numel += numel;
+            }
+        }
+        let mut v = V(ParamLayout::default());
+        module.visit(&mut v);
+        v.0
+    }
+
+    fn slot_index(&self) -> std::collections::HashMap<ParamId, usize> {
+        self.slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.id, i))
+            .collect()
+    }
+}
+
+fn to_f32_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data_as::<f32>()
+        .try_into_vec::<f32>()
+        .expect("f32 data converts to a Vec<f32>")
+}
+
+/// Adds the gradients in `grads` into `flat` (zeros where a parameter has none), marks the
+/// parameters that had one in `present`, and remembers their device. Returns bytes read.
+pub fn accumulate_grads<M: Module>(
+    module: &M,
+    layout: &ParamLayout,
+    grads: &GradientsParams,
+    flat: &mut [f32],
+    present: &mut [u8],
+    device: &mut Option<Device>,
+) {
+    struct V<'a> {
+        index: std::collections::HashMap<ParamId, usize>,
+        layout: &'a ParamLayout,
+        grads: &'a GradientsParams,
+        flat: &'a mut [f32],
+        present: &'a mut [u8],
+        device: &'a mut Option<Device>,
+    }
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(&i) = self.index.get(&param.id) else {
+                return;
+            };
+            if let Some(g) = self.grads.get::<D>(param.id) {
+                if self.device.is_none() {
+                    *self.device = Some(g.device());
+                }
+                let slot = &self.layout.slots[i];
+                let values = to_f32_vec(g);
+                let dst = &mut self.flat[slot.offset..slot.offset + slot.numel];
+                dst.iter_mut().zip(values).for_each(|(d, v)| *d += v);
+                self.present[i] = 1;
+            }
+        }
+    }
+    let mut v = V {
+        index: layout.slot_index(),
+        layout,
+        grads,
+        flat,
+        present,
+        device,
+    };
+    module.visit(&mut v);
+}
+
+/// Rebuilds [`GradientsParams`] from `flat` for the parameters marked in `present`.
+pub fn grads_from_flat<M: Module>(
+    module: &M,
+    layout: &ParamLayout,
+    flat: &[f32],
+    present: &[u8],
+    device: &Device,
+) -> GradientsParams {
+    struct V<'a> {
+        index: std::collections::HashMap<ParamId, usize>,
+        layout: &'a ParamLayout,
+        flat: &'a [f32],
+        present: &'a [u8],
+        device: &'a Device,
+        out: GradientsParams,
+    }
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(&i) = self.index.get(&param.id) else {
+                return;
+            };
+            if self.present[i] == 0 {
+                return;
+            }
+            let slot = &self.layout.slots[i];
+            let data = TensorData::new(
+                self.flat[slot.offset..slot.offset + slot.numel].to_vec(),
+                slot.shape.clone(),
+            );
+            self.out
+                .register::<D>(param.id, Tensor::from_data(data, self.device));
+        }
+    }
+    let mut v = V {
+        index: layout.slot_index(),
+        layout,
+        flat,
+        present,
+        device,
+        out: GradientsParams::new(),
+    };
+    module.visit(&mut v);
+    v.out
+}
+
+/// The module's parameter values as one flat f32 buffer.
+pub fn params_to_flat<M: Module>(module: &M, layout: &ParamLayout) -> Vec<f32> {
+    struct V<'a> {
+        out: &'a mut Vec<f32>,
+    }
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.out.extend(to_f32_vec(param.val()));
+        }
+    }
+    let mut out = Vec::with_capacity(layout.numel);
+    module.visit(&mut V { out: &mut out });
+    out
+}
+
+/// Replaces the module's parameter values with those in `flat` (same layout), keeping each
+/// parameter's id, device and `require_grad` flag.
+pub fn params_from_flat<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -> M {
+    struct Mapper<'a> {
+        layout: &'a ParamLayout,
+        flat: &'a [f32],
+        next: usize,
+    }
+    impl ModuleMapper for Mapper<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, tensor, mapper) = param.consume();
+            let slot = &self.layout.slots[self.next];
+            self.next += 1;
+            debug_assert_eq!(slot.id, id, "layout order matches the module");
+            let data = TensorData::new(
+                self.flat[slot.offset..slot.offset + slot.numel].to_vec(),
+                slot.shape.clone(),
+            );
+            let require_grad = tensor.is_require_grad();
+            let new = Tensor::<D>::from_data(data, &tensor.device()).set_require_grad(require_grad);
+            Param::from_mapped_value(id, new, mapper)
+        }
+    }
+    module.map(&mut Mapper {
+        layout,
+        flat,
+        next: 0,
+    })
+}

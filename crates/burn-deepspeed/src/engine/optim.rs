@@ -1,0 +1,74 @@
+//! Builds Burn's optimizers from the `optimizer` section.
+
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::{AdamConfig, AdamWConfig, LambConfig, ModuleOptimizer};
+
+use crate::config::{OptimizerConfig, OptimizerKind};
+use crate::{DeepSpeedError, Result};
+
+/// Number of f32 state tensors per parameter that the optimizer keeps (m and v for the Adam
+/// family and LAMB), used for model-state accounting.
+pub fn state_tensors_per_param(kind: OptimizerKind) -> usize {
+    match kind {
+        OptimizerKind::Adam
+        | OptimizerKind::AdamW
+        | OptimizerKind::Lamb
+        | OptimizerKind::OneBitAdam
+        | OptimizerKind::OneBitLamb
+        | OptimizerKind::ZeroOneAdam => 2,
+    }
+}
+
+/// Burn's optimizer for a resolved `optimizer` section.
+///
+/// Differences from DeepSpeed, refused or documented:
+/// * Burn's Adam/AdamW/LAMB always apply bias correction: `bias_correction: false` is refused.
+/// * Burn's LAMB does not clip the trust ratio: `max_coeff`/`min_coeff` have no effect (the
+///   fused LAMB kernel of `burn-deepspeed-cubecl-kernels` will honour them).
+/// * The 1-bit optimizers are refused until they are implemented.
+pub fn build_optimizer(cfg: &OptimizerConfig) -> Result<ModuleOptimizer> {
+    let p = &cfg.params;
+    let (b1, b2) = p.betas.unwrap_or((0.9, 0.999));
+    let eps = p.eps.unwrap_or(1e-8) as f32;
+    let wd = p.weight_decay.unwrap_or(0.0) as f32;
+    if p.bias_correction == Some(false) {
+        return Err(DeepSpeedError::Unsupported {
+            key: "optimizer.params.bias_correction".into(),
+            reason: "Burn's Adam, AdamW and LAMB always correct the bias; remove the key or set \
+                     it to true"
+                .into(),
+        });
+    }
+    Ok(match cfg.kind {
+        OptimizerKind::Adam if !cfg.decoupled_weight_decay() => {
+            let decay = (wd != 0.0).then(|| WeightDecayConfig::new(wd));
+            AdamConfig::new()
+                .with_beta_1(b1 as f32)
+                .with_beta_2(b2 as f32)
+                .with_epsilon(eps)
+                .with_weight_decay(decay)
+                .init()
+        }
+        OptimizerKind::Adam | OptimizerKind::AdamW => AdamWConfig::new()
+            .with_beta_1(b1 as f32)
+            .with_beta_2(b2 as f32)
+            .with_epsilon(eps)
+            .with_weight_decay(wd)
+            .init(),
+        OptimizerKind::Lamb => LambConfig::new()
+            .with_beta_1(b1 as f32)
+            .with_beta_2(b2 as f32)
+            .with_epsilon(eps)
+            .with_weight_decay(wd)
+            .init(),
+        kind => {
+            return Err(DeepSpeedError::Unsupported {
+                key: "optimizer.type".into(),
+                reason: format!(
+                    "{kind:?} (communication-compressed) is not implemented yet; use Adam, \
+                     AdamW or Lamb"
+                ),
+            });
+        }
+    })
+}

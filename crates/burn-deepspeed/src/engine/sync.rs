@@ -1,0 +1,122 @@
+//! [`GradientSync`]: accumulates a rank's gradients in a flat buffer and averages them over the
+//! data-parallel world (bucketed all-reduce), with global-norm clipping. Shared by the
+//! engine and the Learner strategy.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::Device;
+use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
+
+use super::flat::{
+    ParamLayout, accumulate_grads, grads_from_flat, params_from_flat, params_to_flat,
+};
+use super::reduce::{ReduceOptions, all_reduce_mean, clip_global_norm};
+use crate::Result;
+use crate::config::DeepSpeedConfig;
+
+/// A rank's gradient accumulation buffer and its reduction over the world.
+pub struct GradientSync {
+    comm: Arc<dyn Communicator>,
+    layout: ParamLayout,
+    flat: Vec<f32>,
+    present: Vec<u8>,
+    device: Option<Device>,
+    micro_steps: u64,
+    bucket_size: usize,
+    predivide: Option<f32>,
+    clip: f64,
+}
+
+impl GradientSync {
+    /// A buffer for `module`'s parameters, with the reduction settings of `config`.
+    pub fn new<M: Module>(
+        module: &M,
+        config: &DeepSpeedConfig,
+        comm: Arc<dyn Communicator>,
+    ) -> Self {
+        let layout = ParamLayout::of(module);
+        Self {
+            comm,
+            flat: vec![0.0; layout.numel],
+            present: vec![0; layout.slots.len()],
+            layout,
+            device: None,
+            micro_steps: 0,
+            bucket_size: config.zero_optimization.reduce_bucket_size as usize,
+            predivide: config
+                .prescale_gradients
+                .then_some(config.gradient_predivide_factor as f32),
+            clip: config.gradient_clipping,
+        }
+    }
+
+    /// The parameter layout.
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// Micro-batches accumulated since the last reduction.
+    pub fn micro_steps(&self) -> u64 {
+        self.micro_steps
+    }
+
+    /// Elements (with a gradient in the last reduction) per parameter slot.
+    pub fn present(&self) -> &[u8] {
+        &self.present
+    }
+
+    /// Makes every rank's `module` equal to rank 0's.
+    pub fn broadcast_params<M: Module>(&self, module: M) -> Result<M> {
+        if self.comm.world_size() == 1 {
+            return Ok(module);
+        }
+        let mut flat = params_to_flat(&module, &self.layout);
+        self.comm.broadcast(&mut flat, 0)?;
+        Ok(params_from_flat(module, &self.layout, &flat))
+    }
+
+    /// Adds one micro-batch's gradients.
+    pub fn accumulate<M: Module>(&mut self, module: &M, grads: &GradientsParams) {
+        accumulate_grads(
+            module,
+            &self.layout,
+            grads,
+            &mut self.flat,
+            &mut self.present,
+            &mut self.device,
+        );
+        self.micro_steps += 1;
+    }
+
+    /// Averages the accumulated gradient over ranks and micro-batches, clips it by global
+    /// norm, returns it as [`GradientsParams`] with the norm before clipping, and clears the
+    /// buffer.
+    pub fn reduce<M: Module>(&mut self, module: &M) -> Result<(GradientsParams, f64)> {
+        if self.comm.world_size() > 1 {
+            // A parameter gets a gradient when any rank produced one.
+            self.comm.all_reduce(&mut self.present, ReduceOp::Max)?;
+        }
+        all_reduce_mean(
+            self.comm.as_ref(),
+            &mut self.flat,
+            ReduceOptions {
+                bucket_size: self.bucket_size,
+                predivide_factor: self.predivide,
+                gradient_accumulation_steps: self.micro_steps.max(1),
+            },
+        )?;
+        let norm = clip_global_norm(&mut self.flat, self.clip);
+        let device = self.device.clone().unwrap_or_default();
+        let grads = grads_from_flat(module, &self.layout, &self.flat, &self.present, &device);
+        self.flat.iter_mut().for_each(|g| *g = 0.0);
+        self.micro_steps = 0;
+        Ok((grads, norm))
+    }
+
+    /// Clears the per-parameter gradient marks (after the optimizer has consumed them).
+    pub fn clear_marks(&mut self) {
+        self.present.iter_mut().for_each(|p| *p = 0);
+    }
+}

@@ -1,0 +1,62 @@
+//! The error type of the burn-deepspeed crate.
+
+use burn_deepspeed_strategies::CommError;
+
+/// Errors from configuration, the engine and the launcher.
+#[derive(Debug, thiserror::Error)]
+pub enum DeepSpeedError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    ConfigIo {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The text is not JSON.
+    #[error("config is not valid JSON (line {line}, column {column}): {message}")]
+    ConfigSyntax {
+        /// Line of the error.
+        line: usize,
+        /// Column of the error.
+        column: usize,
+        /// What the parser said.
+        message: String,
+    },
+    /// A key no DeepSpeed config has.
+    #[error("unknown config key `{path}`{}", suggestion.as_ref().map(|s| format!(" (did you mean `{s}`?)")).unwrap_or_default())]
+    UnknownKey {
+        /// Dotted path of the key.
+        path: String,
+        /// The closest known key at that level, if one is close.
+        suggestion: Option<String>,
+    },
+    /// A value of the wrong type or out of range.
+    #[error("config key `{path}`: {message}")]
+    InvalidValue {
+        /// Dotted path of the key.
+        path: String,
+        /// What was expected and what was found.
+        message: String,
+    },
+    /// The batch-size keys do not agree with each other and the world size.
+    #[error("inconsistent batch size: {0}")]
+    BatchSize(String),
+    /// A configured feature that this version cannot run yet.
+    #[error("`{key}` is not supported yet: {reason}")]
+    Unsupported {
+        /// The config key.
+        key: String,
+        /// Why, and what to do instead.
+        reason: String,
+    },
+    /// A communication failure.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The training data cannot feed the configured batch.
+    #[error("data: {0}")]
+    Data(String),
+}
+
+/// Result type of the burn-deepspeed crate.
+pub type Result<T> = std::result::Result<T, DeepSpeedError>;

@@ -1,0 +1,306 @@
+//! [`DeepSpeedStrategy`]: data-parallel training inside Burn's `SupervisedTraining`.
+//!
+//! ```text
+//! SupervisedTraining::new(dir, train, valid)
+//!     .with_training_strategy(TrainingStrategy::Custom(Arc::new(
+//!         DeepSpeedStrategy::new(ds_config, 4),
+//!     )))
+//!     .launch(Learner::new(model, optim, lr_scheduler));
+//! ```
+//!
+//! Each rank trains a replica on its own contiguous slice of the training set (as DeepSpeed's
+//! distributed sampler), so every global step combines one disjoint micro-batch per rank;
+//! gradients are averaged by the same bucketed all-reduce and global-norm clipping as the
+//! engine; then every rank applies the `Learner`'s own optimizer and schedule. Rank 0 reports
+//! events, validates and checkpoints. Under `mpirun` (feature `mpi`) each process is one rank.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::train::InferenceStep;
+use burn::train::{
+    EventProcessorTraining, Learner, LearnerEvent, LearnerModel, SupervisedLearningStrategy,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingItem, ValidLoader,
+};
+use burn_deepspeed_strategies::comm::{
+    Communicator, CommunicatorExt, ReduceOp, ThreadWorld, ThreadWorldOptions,
+};
+
+use crate::DeepSpeedConfig;
+use crate::engine::GradientSync;
+use crate::engine::refuse_unsupported;
+use crate::launch::launched_by_mpirun;
+
+/// A `SupervisedLearningStrategy` that trains with DeepSpeed-style data parallelism.
+#[derive(Debug, Clone)]
+pub struct DeepSpeedStrategy {
+    config: DeepSpeedConfig,
+    ranks: usize,
+    timeout: Duration,
+}
+
+impl DeepSpeedStrategy {
+    /// `ranks` data-parallel ranks as threads (ignored under `mpirun`, where each process is
+    /// one rank). `gradient_clipping`, `reduce_bucket_size` and `prescale_gradients` come
+    /// from `config`; the optimizer and schedule are the `Learner`'s; the number of
+    /// micro-batches per step is `SupervisedTraining`'s gradient accumulation (default 1).
+    pub fn new(config: DeepSpeedConfig, ranks: usize) -> Self {
+        Self {
+            config,
+            ranks: ranks.max(1),
+            timeout: Duration::from_secs(1800),
+        }
+    }
+
+    /// How long a rank waits for the others (default 30 minutes, like NCCL's).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+struct RankRun<'a, M: LearnerModel> {
+    comm: Arc<dyn Communicator>,
+    learner: Learner<M>,
+    train: TrainLoader<M>,
+    grad_accumulation: usize,
+    config: &'a DeepSpeedConfig,
+}
+
+impl<M: LearnerModel> RankRun<'_, M> {
+    /// This rank's contiguous slice of the training set.
+    fn shard(&self) -> TrainLoader<M> {
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let n = self.train.num_items();
+        let per = n / world;
+        self.train.slice(rank * per, (rank + 1) * per)
+    }
+
+    /// Trains epochs; `on_item` sees every processed item on this rank (rank 0 forwards it to
+    /// the event processor) and `stop` is polled once per step (rank 0's interrupter).
+    fn run_epochs(
+        mut self,
+        epochs: std::ops::RangeInclusive<usize>,
+        mut on_epoch: impl FnMut(EpochEvent<'_, M>) -> bool,
+    ) -> crate::Result<Learner<M>> {
+        let shard = self.shard();
+        let mut sync = GradientSync::new(&self.learner.model(), self.config, self.comm.clone());
+        // Every replica starts from rank 0's parameters; the optimizer and schedule are kept.
+        let model = sync.broadcast_params(self.learner.model())?;
+        self.learner.load_model(model.into_record());
+        for epoch in epochs {
+            if !on_epoch(EpochEvent::Start(epoch, shard.num_items())) {
+                break;
+            }
+            let mut iter = shard.iter();
+            let mut iteration = 0;
+            'steps: loop {
+                let mut micro = Vec::with_capacity(self.grad_accumulation);
+                while micro.len() < self.grad_accumulation {
+                    match iter.next() {
+                        Some(Ok(item)) => micro.push(item),
+                        _ => break,
+                    }
+                }
+                // Every rank must take part in every step: stop the epoch when any rank ran
+                // out of data or was asked to stop.
+                let stop = micro.len() < self.grad_accumulation || on_epoch(EpochEvent::ShouldStop);
+                let mut flag = [u8::from(stop)];
+                self.comm.all_reduce(&mut flag, ReduceOp::Max)?;
+                if flag[0] != 0 {
+                    break 'steps;
+                }
+                let model = self.learner.model();
+                let mut outputs = Vec::with_capacity(micro.len());
+                for item in micro {
+                    let out = self.learner.train_step(item);
+                    sync.accumulate(&model, &out.grads);
+                    outputs.push(out.item);
+                }
+                let (grads, _norm) = sync.reduce(&model)?;
+                sync.clear_marks();
+                self.learner.lr_step();
+                self.learner.optimizer_step(grads);
+                for item in outputs {
+                    iteration += 1;
+                    let progress = iter.progress();
+                    on_epoch(EpochEvent::Item(TrainingItem::new(
+                        item,
+                        progress,
+                        Some(iteration),
+                        Some(self.learner.lr_current()),
+                    )));
+                }
+            }
+            if !on_epoch(EpochEvent::End(epoch, &self.learner)) {
+                break;
+            }
+        }
+        Ok(self.learner)
+    }
+}
+
+enum EpochEvent<'a, M: LearnerModel> {
+    Start(usize, usize),
+    ShouldStop,
+    Item(TrainingItem<<M as burn::train::TrainStep>::Output>),
+    End(usize, &'a Learner<M>),
+}
+
+impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
+    fn fit(
+        &self,
+        components: TrainingComponents<M>,
+        learner: Learner<M>,
+        train: TrainLoader<M>,
+        valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let mut config = self.config.clone();
+        if let Err(e) = refuse_unsupported(&config) {
+            panic!("burn-deepspeed: {e}");
+        }
+        config.gradient_accumulation_steps = None;
+        let grad_accumulation = components.grad_accumulation.unwrap_or(1).max(1);
+        let epochs = starting_epoch..=components.num_epochs;
+        let mut processor = components.event_processor;
+        let interrupter = components.interrupter.clone();
+        let mut checkpointer = components.checkpointer;
+        let event_store = components.event_store.clone();
+        let device = learner
+            .model()
+            .devices()
+            .into_iter()
+            .next()
+            .unwrap_or_default();
+
+        // Rank 0's events: the event processor, validation and checkpoints.
+        let mut rank0_events = |event: EpochEvent<'_, M>| -> bool {
+            match event {
+                EpochEvent::Start(epoch, items) => {
+                    interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
+                        epoch_number: epoch,
+                        total_items: items,
+                    }));
+                    true
+                }
+                EpochEvent::ShouldStop => interrupter.should_stop(),
+                EpochEvent::Item(item) => {
+                    interrupter
+                        .fail_on_error(processor.process_train(LearnerEvent::ProcessedItem(item)));
+                    true
+                }
+                EpochEvent::End(epoch, learner) => {
+                    interrupter
+                        .fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
+                    interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
+                        epoch_number: epoch,
+                        total_items: valid.num_items(),
+                    }));
+                    let model = learner.model().valid();
+                    let mut it = valid.iter();
+                    let mut iteration = 0;
+                    while let Some(Ok(item)) = it.next() {
+                        iteration += 1;
+                        let out = InferenceStep::step(&model, item);
+                        let item = TrainingItem::new(out, it.progress(), Some(iteration), None);
+                        interrupter.fail_on_error(
+                            processor.process_valid(LearnerEvent::ProcessedItem(item)),
+                        );
+                    }
+                    interrupter
+                        .fail_on_error(processor.process_valid(LearnerEvent::EndSplit(epoch)));
+                    interrupter
+                        .fail_on_error(processor.process_train(LearnerEvent::EndEpoch(epoch)));
+                    if let Some(c) = &mut checkpointer {
+                        c.checkpoint(learner, epoch, &event_store);
+                    }
+                    true
+                }
+            }
+        };
+
+        let result = if launched_by_mpirun() {
+            run_mpi(|comm| {
+                let rank0 = comm.rank() == 0;
+                let run = RankRun {
+                    comm,
+                    learner: learner.clone(),
+                    train: train.clone(),
+                    grad_accumulation,
+                    config: &config,
+                };
+                if rank0 {
+                    run.run_epochs(epochs.clone(), &mut rank0_events)
+                } else {
+                    run.run_epochs(epochs.clone(), |e| !matches!(e, EpochEvent::ShouldStop))
+                }
+            })
+        } else {
+            let world = ThreadWorld::new(
+                self.ranks,
+                ThreadWorldOptions {
+                    timeout: self.timeout,
+                },
+            );
+            let mut comms = world.communicators().into_iter();
+            let comm0 = comms.next().expect("at least one rank");
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = comms
+                    .map(|comm| {
+                        let mut learner = learner.clone();
+                        learner.fork(&device);
+                        let run = RankRun {
+                            comm: Arc::new(comm) as Arc<dyn Communicator>,
+                            learner,
+                            train: train.clone(),
+                            grad_accumulation,
+                            config: &config,
+                        };
+                        let epochs = epochs.clone();
+                        scope.spawn(move || {
+                            run.run_epochs(epochs, |e| !matches!(e, EpochEvent::ShouldStop))
+                                .map(|_| ())
+                        })
+                    })
+                    .collect();
+                let mut learner0 = learner.clone();
+                learner0.fork(&device);
+                let run = RankRun {
+                    comm: Arc::new(comm0) as Arc<dyn Communicator>,
+                    learner: learner0,
+                    train: train.clone(),
+                    grad_accumulation,
+                    config: &config,
+                };
+                let r0 = run.run_epochs(epochs.clone(), &mut rank0_events);
+                for (i, h) in handles.into_iter().enumerate() {
+                    match h.join() {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => panic!("burn-deepspeed: rank {}: {e}", i + 1),
+                        Err(_) => panic!("burn-deepspeed: rank {} panicked", i + 1),
+                    }
+                }
+                r0
+            })
+        };
+        match result {
+            Ok(learner) => (learner.model(), processor),
+            Err(e) => panic!("burn-deepspeed: rank 0: {e}"),
+        }
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi<R>(f: impl FnOnce(Arc<dyn Communicator>) -> crate::Result<R>) -> crate::Result<R> {
+    let comm = burn_deepspeed_strategies::comm::MpiCommunicator::init()?;
+    f(Arc::new(comm))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi<R>(_f: impl FnOnce(Arc<dyn Communicator>) -> crate::Result<R>) -> crate::Result<R> {
+    Err(crate::DeepSpeedError::Unsupported {
+        key: "mpirun".into(),
+        reason: "launched under mpirun, but built without the `mpi` feature".into(),
+    })
+}

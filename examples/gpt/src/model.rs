@@ -1,0 +1,282 @@
+//! A byte-level GPT: pre-LN transformer blocks, learned positions, an untied head.
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::tensor::activation::{gelu, softmax};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+
+/// Vocabulary: one token per byte.
+pub const VOCAB: usize = 256;
+
+/// Size of a GPT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GptShape {
+    /// Model width.
+    pub d_model: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Context length.
+    pub seq_len: usize,
+}
+
+impl GptShape {
+    /// d 128, 4 layers, 4 heads, context 128 (about 0.9M parameters).
+    pub const TINY: GptShape = GptShape {
+        d_model: 128,
+        layers: 4,
+        heads: 4,
+        seq_len: 128,
+    };
+    /// d 256, 8 layers, 8 heads, context 256 (about 6.5M parameters).
+    pub const SMALL: GptShape = GptShape {
+        d_model: 256,
+        layers: 8,
+        heads: 8,
+        seq_len: 256,
+    };
+
+    /// A preset by name (`tiny`, `small`).
+    pub fn preset(name: &str) -> Option<GptShape> {
+        match name {
+            "tiny" => Some(Self::TINY),
+            "small" => Some(Self::SMALL),
+            _ => None,
+        }
+    }
+}
+
+/// One pre-LN transformer block.
+#[derive(Module, Debug)]
+pub struct Block {
+    ln_attn: LayerNorm,
+    qkv: Linear,
+    attn_out: Linear,
+    ln_mlp: LayerNorm,
+    mlp_in: Linear,
+    mlp_out: Linear,
+    heads: usize,
+}
+
+impl Block {
+    fn new(d: usize, heads: usize, device: &Device) -> Self {
+        Self {
+            ln_attn: LayerNormConfig::new(d).init(device),
+            qkv: LinearConfig::new(d, 3 * d).init(device),
+            attn_out: LinearConfig::new(d, d).init(device),
+            ln_mlp: LayerNormConfig::new(d).init(device),
+            mlp_in: LinearConfig::new(d, 4 * d).init(device),
+            mlp_out: LinearConfig::new(4 * d, d).init(device),
+            heads,
+        }
+    }
+
+    fn forward(&self, x: Tensor<3>, causal: Tensor<4>) -> Tensor<3> {
+        let [b, t, d] = x.dims();
+        let h = self.heads;
+        let dh = d / h;
+        let qkv = self.qkv.forward(self.ln_attn.forward(x.clone()));
+        let split = |i: usize| {
+            qkv.clone()
+                .narrow(2, i * d, d)
+                .reshape([b, t, h, dh])
+                .swap_dims(1, 2)
+        };
+        let (q, k, v) = (split(0), split(1), split(2));
+        let scores = q.matmul(k.transpose()).div_scalar((dh as f64).sqrt()) + causal;
+        let att = softmax(scores, 3).matmul(v);
+        let att = att.swap_dims(1, 2).reshape([b, t, d]);
+        let x = x + self.attn_out.forward(att);
+        let m = self
+            .mlp_out
+            .forward(gelu(self.mlp_in.forward(self.ln_mlp.forward(x.clone()))));
+        x + m
+    }
+}
+
+/// The byte-level GPT.
+#[derive(Module, Debug)]
+pub struct Gpt {
+    tok_emb: Embedding,
+    pos_emb: Embedding,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    head: Linear,
+    seq_len: usize,
+}
+
+/// A batch of token sequences and their next-token targets, each `[batch, seq]`.
+#[derive(Debug, Clone)]
+pub struct GptBatch {
+    /// Input tokens.
+    pub inputs: Tensor<2, Int>,
+    /// The token after each input token.
+    pub targets: Tensor<2, Int>,
+}
+
+impl Gpt {
+    /// A GPT of `shape` initialized from `seed`: N(0, 0.02) weights, N(0, 0.02/√(2L)) for the
+    /// two residual output projections, zero biases, unit LayerNorm scales. The values depend
+    /// on the seed alone, not on Burn's global RNG or on threads.
+    pub fn new(shape: GptShape, seed: u64, device: &Device) -> Self {
+        let d = shape.d_model;
+        let model = Self {
+            tok_emb: EmbeddingConfig::new(VOCAB, d).init(device),
+            pos_emb: EmbeddingConfig::new(shape.seq_len, d).init(device),
+            blocks: (0..shape.layers)
+                .map(|_| Block::new(d, shape.heads, device))
+                .collect(),
+            ln_f: LayerNormConfig::new(d).init(device),
+            head: LinearConfig::new(d, VOCAB).with_bias(false).init(device),
+            seq_len: shape.seq_len,
+        };
+        model.map(&mut GptInit::new(seed, shape.layers))
+    }
+
+    /// Logits `[batch, seq, 256]`.
+    pub fn forward(&self, inputs: Tensor<2, Int>) -> Tensor<3> {
+        let [b, t] = inputs.dims();
+        let device = inputs.device();
+        assert!(
+            t <= self.seq_len,
+            "sequence of {t} exceeds the context of {}",
+            self.seq_len
+        );
+        let positions = Tensor::<1, Int>::arange(0..t as i64, &device)
+            .reshape([1, t])
+            .repeat_dim(0, b);
+        let mut x = self.tok_emb.forward(inputs) + self.pos_emb.forward(positions);
+        let causal = causal_mask(t, &device);
+        for block in &self.blocks {
+            x = block.forward(x, causal.clone());
+        }
+        self.head.forward(self.ln_f.forward(x))
+    }
+
+    /// Mean next-token cross-entropy over the batch, with the logits and targets flattened.
+    pub fn forward_loss(&self, batch: GptBatch) -> ClassificationOutput {
+        let logits = self.forward(batch.inputs);
+        let [b, t, v] = logits.dims();
+        let logits = logits.reshape([b * t, v]);
+        let targets = batch.targets.reshape([b * t]);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.clone(), targets.clone());
+        ClassificationOutput::new(loss, logits, targets)
+    }
+}
+
+/// Additive causal mask `[1, 1, t, t]`: 0 on and below the diagonal, −1e9 above.
+fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
+    let values: Vec<f32> = (0..t * t)
+        .map(|i| if i % t > i / t { -1e9 } else { 0.0 })
+        .collect();
+    Tensor::<2>::from_data(TensorData::new(values, [t, t]), device).reshape([1, 1, t, t])
+}
+
+impl TrainStep for Gpt {
+    type Input = GptBatch;
+    type Output = ClassificationOutput;
+
+    fn step(&self, batch: GptBatch) -> TrainOutput<ClassificationOutput> {
+        let out = self.forward_loss(batch);
+        let grads = out.loss.backward();
+        TrainOutput::new(self, grads, out)
+    }
+}
+
+impl InferenceStep for Gpt {
+    type Input = GptBatch;
+    type Output = ClassificationOutput;
+
+    fn step(&self, batch: GptBatch) -> ClassificationOutput {
+        self.forward_loss(batch)
+    }
+}
+
+/// Re-initializes every parameter deterministically from a seed and its position.
+struct GptInit {
+    seed: u64,
+    layers: usize,
+    path: Vec<String>,
+    index: u64,
+}
+
+impl GptInit {
+    fn new(seed: u64, layers: usize) -> Self {
+        Self {
+            seed,
+            layers,
+            path: Vec::new(),
+            index: 0,
+        }
+    }
+}
+
+impl ModuleMapper for GptInit {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.shape().to_vec();
+        let n: usize = shape.iter().product();
+        let name = self.path.last().map(String::as_str).unwrap_or("");
+        let in_residual_out = self.path.iter().any(|p| p == "attn_out" || p == "mlp_out");
+        let mut rng = SplitMix64::new(self.seed ^ (self.index.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        self.index += 1;
+        let values: Vec<f32> = match name {
+            "gamma" => vec![1.0; n],
+            "beta" | "bias" => vec![0.0; n],
+            _ => {
+                let std = if in_residual_out {
+                    0.02 / (2.0 * self.layers as f64).sqrt()
+                } else {
+                    0.02
+                };
+                (0..n).map(|_| (rng.normal() * std) as f32).collect()
+            }
+        };
+        let require_grad = tensor.is_require_grad();
+        let new = Tensor::<D>::from_data(TensorData::new(values, shape), &tensor.device())
+            .set_require_grad(require_grad);
+        Param::from_mapped_value(id, new, mapper)
+    }
+}
+
+/// A small, fast, seedable generator (SplitMix64), for reproducible init and sampling.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// A generator from a seed.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Standard normal (Box–Muller).
+    pub fn normal(&mut self) -> f64 {
+        let u1 = self.uniform().max(f64::MIN_POSITIVE);
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+}

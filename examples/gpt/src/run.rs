@@ -1,0 +1,153 @@
+//! The training driver of the example: one call per rank (SPMD).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::tensor::Device;
+use burn_deepspeed::comm::{Communicator, CommunicatorExt};
+use burn_deepspeed::progress::TrainProgress;
+use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine, DeepSpeedError, Result};
+use serde::Serialize;
+
+use crate::data::ByteCorpus;
+use crate::model::{Gpt, GptShape};
+
+/// What one run trains.
+#[derive(Debug, Clone)]
+pub struct RunSpec {
+    /// The DeepSpeed config (batch sizes, optimizer, schedule, ZeRO...).
+    pub config: DeepSpeedConfig,
+    /// Model size.
+    pub shape: GptShape,
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Training data.
+    pub corpus: ByteCorpus,
+    /// Seed of the initialization.
+    pub seed: u64,
+    /// Show the progress bar (rank 0).
+    pub progress: bool,
+}
+
+/// The JSON summary of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunReport {
+    /// Data-parallel ranks.
+    pub world: usize,
+    /// `"threads"` or `"mpi"`.
+    pub backend: String,
+    /// ZeRO stage.
+    pub zero_stage: u8,
+    /// Parameter count.
+    pub params: usize,
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Global mean loss of each optimizer step.
+    pub losses: Vec<f64>,
+    /// Tokens per second over all ranks (wall clock of the whole run).
+    pub tokens_per_s: f64,
+    /// Samples per optimizer step over all ranks.
+    pub train_batch_size: u64,
+    /// Micro-batches per step on each rank.
+    pub gradient_accumulation_steps: u64,
+    /// Bytes of parameters + gradients + optimizer state a rank holds after the last step
+    /// (the largest over ranks).
+    pub model_state_bytes_per_rank: u64,
+    /// The largest such figure during a step (the largest over ranks).
+    pub peak_model_state_bytes_per_rank: u64,
+    /// Bytes each rank sent, in rank order.
+    pub comm_bytes_per_rank: Vec<u64>,
+    /// Peak resident memory of the process (the largest over ranks' processes).
+    pub peak_rss_bytes: u64,
+}
+
+/// Trains on this rank. Every rank returns the same report.
+pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport> {
+    let device = Device::flex().autodiff();
+    let (rank, world) = (comm.rank(), comm.world_size());
+    // ANCHOR: engine_loop
+    let model = Gpt::new(spec.shape, spec.seed, &device);
+    let mut engine = DeepSpeedEngine::new(model, spec.config.clone(), comm.clone())?;
+    let batch = engine.batch();
+    let seq = spec.shape.seq_len;
+    if spec.corpus.len() <= seq + 1 {
+        return Err(DeepSpeedError::Data(format!(
+            "the corpus has {} bytes; at least {} are needed for sequences of {seq}",
+            spec.corpus.len(),
+            seq + 2
+        )));
+    }
+    let micro = batch.train_micro_batch_size_per_gpu as usize;
+    let gas = batch.gradient_accumulation_steps;
+    let progress = TrainProgress::new(if spec.progress { rank } else { usize::MAX }, spec.steps);
+    let inner = device.clone().inner();
+    let mut losses = Vec::with_capacity(spec.steps as usize);
+    let start = Instant::now();
+    for step in 0..spec.steps {
+        // Global sequence index of (micro-step k, rank r, row i) = (k·world + r)·micro + i:
+        // the ranks hold disjoint shards of each global batch.
+        let micro_batches = (0..gas).map(|k| {
+            let first = (k * world as u64 + rank as u64) * micro as u64;
+            spec.corpus.batch(step, first, micro, seq, &inner)
+        });
+        let report = engine.train_batch(micro_batches)?;
+        // ANCHOR_END: engine_loop
+        losses.push(report.loss);
+        let elapsed = start.elapsed().as_secs_f64();
+        let tokens = (step + 1) * batch.train_batch_size * seq as u64;
+        progress.update(step + 1, report.loss, tokens as f64 / elapsed);
+        let every = engine.config().steps_per_print.max(1);
+        if (step + 1) % every == 0 {
+            tracing::info!(step = step + 1, loss = report.loss, lr = report.lr, "step");
+        }
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    progress.finish();
+
+    let sent = comm.stats().total_sent();
+    let state = engine.model_state_bytes().total();
+    let peak = engine.peak_model_state_bytes();
+    let rss = peak_rss_bytes();
+    // Gather each rank's figures (as little-endian bytes: the communicator moves u8).
+    let mine: Vec<u8> = [sent, state, peak, rss]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let mut all = vec![0u8; mine.len() * world];
+    comm.all_gather_equal(&mine, &mut all)?;
+    let figures: Vec<[u64; 4]> = all
+        .chunks(32)
+        .map(|c| {
+            let v = |i: usize| u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+            [v(0), v(1), v(2), v(3)]
+        })
+        .collect();
+    Ok(RunReport {
+        world,
+        backend: comm.backend().to_string(),
+        zero_stage: engine.config().zero_optimization.stage.into(),
+        params: engine.num_params(),
+        steps: spec.steps,
+        losses,
+        tokens_per_s: (spec.steps * batch.train_batch_size * seq as u64) as f64 / elapsed,
+        train_batch_size: batch.train_batch_size,
+        gradient_accumulation_steps: gas,
+        model_state_bytes_per_rank: figures.iter().map(|f| f[1]).max().unwrap_or(0),
+        peak_model_state_bytes_per_rank: figures.iter().map(|f| f[2]).max().unwrap_or(0),
+        comm_bytes_per_rank: figures.iter().map(|f| f[0]).collect(),
+        peak_rss_bytes: figures.iter().map(|f| f[3]).max().unwrap_or(0),
+    })
+}
+
+/// The process's peak resident set size (`VmHWM`), or 0 where `/proc` is unavailable.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the system packages burn-deepspeed needs (OpenMPI, and libclang for the `mpi`
+# crate's bindgen). Idempotent: does nothing when they are present.
+set -euo pipefail
+need=()
+command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
+[ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] || [ -e /usr/include/mpi.h ] \
+    || dpkg -s libopenmpi-dev >/dev/null 2>&1 || need+=(libopenmpi-dev)
+dpkg -s libclang-dev >/dev/null 2>&1 || need+=(libclang-dev)
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+if [ ${#need[@]} -eq 0 ]; then
+    exit 0
+fi
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+echo "installing: ${need[*]}"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}"

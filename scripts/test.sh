@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The test command: unit and integration tests, then the MPI tests under mpirun.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh
+
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1
+FEATURES="burn-deepspeed-strategies/mpi,burn-deepspeed/mpi,burn-deepspeed-example-gpt/mpi,burn-deepspeed-tests/mpi"
+
+# Every crate's tests (threads at world sizes 1-4; MPI conformance as a world of one).
+cargo test --workspace --features "$FEATURES"
+
+# The communicator conformance suite over MPI at 2 and 3 ranks.
+conformance=$(cargo test -p burn-deepspeed-strategies --features mpi --test mpi_conformance \
+    --no-run --message-format=json 2>/dev/null \
+    | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "mpi_conformance" and m.get("executable"):
+        print(m["executable"])')
+for n in 2 3; do
+    mpirun -n "$n" "$conformance"
+done
+
+# The GPT example over MPI prints the same losses as the same run in threads.
+cargo build --example gpt --features burn-deepspeed-example-gpt/mpi
+gpt=target/debug/examples/gpt
+args=(--steps 4 --seed 7 --json)
+"$gpt" --ranks 2 "${args[@]}" | tail -n 1 > target/gpt-threads.json
+mpirun -n 2 "$gpt" "${args[@]}" | tail -n 1 > target/gpt-mpi.json
+python3 - target/gpt-threads.json target/gpt-mpi.json <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+assert a["backend"] == "threads" and b["backend"] == "mpi", (a["backend"], b["backend"])
+assert a["world"] == b["world"] == 2
+worst = max(abs(x - y) / abs(x) for x, y in zip(a["losses"], b["losses"]))
+print(f"gpt threads vs mpirun -n 2: losses {a['losses']} vs {b['losses']}, max rel diff {worst:.2e}")
+ok = len(a["losses"]) == len(b["losses"]) == 4 and worst <= 1e-4
+print("mpi gpt parity: 1 passed, 0 failed" if ok else "mpi gpt parity: 0 passed, 1 failed")
+sys.exit(0 if ok else 1)
+PY

@@ -1,0 +1,156 @@
+//! Data-parallel training of the GPT example: the trajectory does not depend on the number of
+//! ranks, the bucket size or how the global batch is split into micro-batches.
+
+use std::time::Duration;
+
+use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed::launch::launch;
+use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
+use burn_deepspeed_example_gpt::model::GptShape;
+use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
+
+const SHAPE: GptShape = GptShape {
+    d_model: 64,
+    layers: 2,
+    heads: 4,
+    seq_len: 32,
+};
+
+fn config(extra: &str) -> DeepSpeedConfig {
+    let text = format!(
+        r#"{{"train_batch_size": 8, "gradient_clipping": 1.0,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 3e-3, "weight_decay": 0.01}}}}
+            {extra}}}"#
+    );
+    DeepSpeedConfig::from_json_str(&text)
+        .expect("valid config")
+        .0
+}
+
+fn train(ranks: usize, config: DeepSpeedConfig, steps: u64) -> RunReport {
+    let spec = RunSpec {
+        config,
+        shape: SHAPE,
+        steps,
+        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 11),
+        seed: 3,
+        progress: false,
+    };
+    let (_, reports) = launch(ranks, Duration::from_secs(120), |comm| {
+        run_rank(&spec, comm)
+    })
+    .expect("training runs");
+    let first = reports[0].clone();
+    for r in &reports {
+        assert_eq!(r.losses, first.losses, "every rank reports the same losses");
+    }
+    first
+}
+
+fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / x.abs())
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn two_ranks_reproduce_one_rank_over_20_steps() {
+    let one = train(1, config(""), 20);
+    let two = train(2, config(""), 20);
+    let diff = max_rel_diff(&one.losses, &two.losses);
+    println!(
+        "losses world 1: {:?}\nlosses world 2: {:?}\nmax rel diff {diff:e}",
+        one.losses, two.losses
+    );
+    assert!(diff <= 1e-4, "max relative loss difference {diff}");
+    // It learns.
+    assert!(two.losses[19] < two.losses[0] * 0.8, "{:?}", two.losses);
+    // Stage 0 per rank: 4Ψ params + 4Ψ gradient buffer + 8Ψ AdamW state.
+    let psi = one.params as u64;
+    assert_eq!(two.model_state_bytes_per_rank, 16 * psi);
+    assert!(two.peak_model_state_bytes_per_rank >= 16 * psi);
+    // Ring all-reduce of the fp32 gradient each step: 2 (N-1)/N Ψ elements per rank.
+    let per_step = two.comm_bytes_per_rank[0] / 20;
+    assert!(
+        per_step >= 4 * psi,
+        "{per_step} bytes per step for {psi} params"
+    );
+    assert_eq!(one.comm_bytes_per_rank, vec![0]);
+}
+
+#[test]
+fn accumulation_and_buckets_do_not_change_the_trajectory() {
+    let plain = train(1, config(""), 6);
+    // Three ranks would not divide 8; two ranks x 2 micro-batches of 2, small buckets.
+    let accumulated = train(
+        2,
+        config(
+            r#", "train_micro_batch_size_per_gpu": 2,
+                 "zero_optimization": {"reduce_bucket_size": 1000}"#,
+        ),
+        6,
+    );
+    assert_eq!(accumulated.gradient_accumulation_steps, 2);
+    let diff = max_rel_diff(&plain.losses, &accumulated.losses);
+    assert!(diff <= 1e-4, "max relative loss difference {diff}");
+    let four = train(
+        4,
+        config(r#", "prescale_gradients": true, "gradient_predivide_factor": 2.0"#),
+        6,
+    );
+    let diff = max_rel_diff(&plain.losses, &four.losses);
+    assert!(
+        diff <= 1e-4,
+        "world 4 with prescaling: max relative loss difference {diff}"
+    );
+}
+
+#[test]
+fn unsupported_settings_are_refused_with_the_key() {
+    let spec = RunSpec {
+        config: config(r#", "zero_optimization": {"stage": 2}"#),
+        shape: SHAPE,
+        steps: 1,
+        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 1),
+        seed: 1,
+        progress: false,
+    };
+    let err = launch(1, Duration::from_secs(30), |comm| run_rank(&spec, comm))
+        .err()
+        .expect("stage 2 is refused")
+        .to_string();
+    assert!(err.contains("zero_optimization.stage"), "{err}");
+
+    let mut spec = spec;
+    spec.config = config("");
+    spec.config.train_batch_size = Some(9);
+    let err = launch(2, Duration::from_secs(30), |comm| run_rank(&spec, comm))
+        .err()
+        .expect("9 samples do not split over 2 ranks")
+        .to_string();
+    assert!(err.contains("(9)") && err.contains("(2)"), "{err}");
+}
+
+#[test]
+fn a_failing_rank_fails_the_run_instead_of_hanging() {
+    let spec = RunSpec {
+        config: config(""),
+        shape: SHAPE,
+        steps: 3,
+        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 1),
+        seed: 1,
+        progress: false,
+    };
+    let start = std::time::Instant::now();
+    let result = launch(2, Duration::from_secs(60), |comm| {
+        if comm.rank() == 1 {
+            panic!("rank 1 crashes before training");
+        }
+        run_rank(&spec, comm)
+    });
+    let err = result.err().expect("the run fails").to_string();
+    assert!(err.contains("rank 1"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(30));
+}

@@ -118,8 +118,7 @@ fn unsupported_settings_are_refused_with_the_key() {
         progress: false,
     };
     let err = launch(1, Duration::from_secs(30), |comm| run_rank(&spec, comm))
-        .err()
-        .expect("stage 2 is refused")
+        .expect_err("stage 2 is refused")
         .to_string();
     assert!(err.contains("zero_optimization.stage"), "{err}");
 
@@ -127,8 +126,7 @@ fn unsupported_settings_are_refused_with_the_key() {
     spec.config = config("");
     spec.config.train_batch_size = Some(9);
     let err = launch(2, Duration::from_secs(30), |comm| run_rank(&spec, comm))
-        .err()
-        .expect("9 samples do not split over 2 ranks")
+        .expect_err("9 samples do not split over 2 ranks")
         .to_string();
     assert!(err.contains("(9)") && err.contains("(2)"), "{err}");
 }
@@ -150,7 +148,7 @@ fn a_failing_rank_fails_the_run_instead_of_hanging() {
         }
         run_rank(&spec, comm)
     });
-    let err = result.err().expect("the run fails").to_string();
+    let err = result.expect_err("the run fails").to_string();
     assert!(err.contains("rank 1"), "{err}");
     assert!(start.elapsed() < Duration::from_secs(30));
 }

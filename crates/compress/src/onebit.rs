@@ -84,7 +84,7 @@ mod tests {
             })
             .collect();
         let mut error = vec![0.0; 22];
-        let mut sent = vec![0.0f64; 22];
+        let mut sent = [0.0f64; 22];
         for x in &inputs {
             for (s, v) in sent.iter_mut().zip(compress(x, &mut error).decompress()) {
                 *s += v as f64;

@@ -69,3 +69,35 @@ impl ByteCorpus {
         }
     }
 }
+
+/// Batches byte windows of `seq_len + 1` bytes into a [`GptBatch`], for Burn's data loaders
+/// (and so for `SupervisedTraining`).
+#[derive(Debug, Clone, Copy)]
+pub struct WindowBatcher;
+
+impl burn::data::dataloader::batcher::Batcher<Vec<u8>, GptBatch> for WindowBatcher {
+    fn batch(&self, items: Vec<Vec<u8>>, device: &Device) -> GptBatch {
+        let seq = items.first().map_or(0, |w| w.len().saturating_sub(1));
+        let n = items.len();
+        let mut inputs = Vec::with_capacity(n * seq);
+        let mut targets = Vec::with_capacity(n * seq);
+        for w in &items {
+            assert_eq!(w.len(), seq + 1, "windows of one batch have one length");
+            inputs.extend(w[..seq].iter().map(|&b| b as i64));
+            targets.extend(w[1..].iter().map(|&b| b as i64));
+        }
+        let make = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [n, seq]), device);
+        GptBatch {
+            inputs: make(inputs),
+            targets: make(targets),
+        }
+    }
+}
+
+/// Non-overlapping windows of `seq_len + 1` bytes covering the corpus.
+pub fn windows(bytes: &[u8], seq_len: usize) -> Vec<Vec<u8>> {
+    bytes
+        .chunks_exact(seq_len + 1)
+        .map(|w| w.to_vec())
+        .collect()
+}

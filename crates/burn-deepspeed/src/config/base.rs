@@ -229,7 +229,7 @@ impl DeepSpeedConfig {
                 message: format!("must be ≥ 0, found {}", self.gradient_clipping),
             });
         }
-        if !(self.gradient_predivide_factor > 0.0) {
+        if self.gradient_predivide_factor.is_nan() || self.gradient_predivide_factor <= 0.0 {
             return Err(DeepSpeedError::InvalidValue {
                 path: "gradient_predivide_factor".into(),
                 message: format!("must be > 0, found {}", self.gradient_predivide_factor),

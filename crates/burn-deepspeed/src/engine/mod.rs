@@ -1,13 +1,13 @@
 //! The training engine: data parallelism over a [`Communicator`](burn_deepspeed_strategies::comm::Communicator).
 
-mod engine;
+mod base;
 pub mod flat;
 mod memory;
 mod optim;
 pub mod reduce;
 mod sync;
 
-pub use engine::*;
+pub use base::*;
 pub use memory::*;
 pub use optim::*;
 pub use sync::*;

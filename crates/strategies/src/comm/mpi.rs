@@ -332,7 +332,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn all_to_all_buf(&self, input: Buf<'_>, mut output: BufMut<'_>) -> Result<()> {
-        if input.len() % self.size != 0
+        if !input.len().is_multiple_of(self.size)
             || output.len() != input.len()
             || input.dtype() != output.dtype()
         {

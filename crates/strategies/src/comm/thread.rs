@@ -518,7 +518,7 @@ impl Communicator for ThreadCommunicator {
     fn all_to_all_buf(&self, input: Buf<'_>, output: BufMut<'_>) -> Result<()> {
         let name = OpKind::AllToAll.name();
         let world = self.shared.world;
-        if input.len() % world != 0 || output.len() != input.len() {
+        if !input.len().is_multiple_of(world) || output.len() != input.len() {
             return Err(self.invalid(
                 name,
                 format!(

@@ -179,7 +179,9 @@ where
         self.loss_sum = 0.0;
         if self.config.wall_clock_breakdown
             && self.comm.rank() == 0
-            && self.global_step % self.config.steps_per_print.max(1) == 0
+            && self
+                .global_step
+                .is_multiple_of(self.config.steps_per_print.max(1))
         {
             eprintln!(
                 "[step {}] forward+backward {:.1} ms | reduce {:.1} ms | optimizer {:.1} ms",

@@ -13,14 +13,17 @@ fn every_include_resolves_and_no_chapter_is_empty() {
     let summary = std::fs::read_to_string(src.join("SUMMARY.md")).expect("SUMMARY.md");
     let chapters: Vec<String> = summary
         .lines()
-        .filter_map(|l| l.split_once("](").map(|(_, rest)| rest.trim_end_matches(')').to_string()))
+        .filter_map(|l| {
+            l.split_once("](")
+                .map(|(_, rest)| rest.trim_end_matches(')').to_string())
+        })
         .collect();
     assert!(!chapters.is_empty());
     let mut includes = 0;
     for chapter in &chapters {
         assert!(!chapter.is_empty(), "an empty chapter link in SUMMARY.md");
-        let page = std::fs::read_to_string(src.join(chapter))
-            .unwrap_or_else(|e| panic!("{chapter}: {e}"));
+        let page =
+            std::fs::read_to_string(src.join(chapter)).unwrap_or_else(|e| panic!("{chapter}: {e}"));
         assert!(page.lines().count() > 5, "{chapter} is nearly empty");
         for part in page.split("{{#include ").skip(1) {
             let target = part.split("}}").next().expect("closing braces");

@@ -11,5 +11,6 @@
 pub mod bucket;
 pub mod comm;
 mod error;
+pub mod pipe;
 
 pub use error::*;

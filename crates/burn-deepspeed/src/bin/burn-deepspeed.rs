@@ -6,6 +6,7 @@
 use std::process::ExitCode;
 
 use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed_strategies::pipe::{PipeInstruction, TrainSchedule};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -26,6 +27,19 @@ enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+    /// Print DeepSpeed's 1F1B pipeline schedule (TrainSchedule) for every stage.
+    Schedule {
+        /// Pipeline stages.
+        #[arg(long)]
+        stages: usize,
+        /// Micro-batches per optimizer step.
+        #[arg(long)]
+        micro_batches: usize,
+        /// Print one JSON object: `{"stages", "micro_batches", "schedule"}`, where
+        /// `schedule[stage][step]` lists `[name, buffer_id]` pairs.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -40,9 +54,60 @@ enum ConfigCommand {
     },
 }
 
+fn print_schedule(stages: usize, micro_batches: usize, json: bool) -> ExitCode {
+    if stages == 0 || micro_batches == 0 {
+        eprintln!("error: --stages and --micro-batches must be at least 1");
+        return ExitCode::FAILURE;
+    }
+    let per_stage: Vec<Vec<Vec<PipeInstruction>>> = (0..stages)
+        .map(|s| TrainSchedule::new(micro_batches, stages, s).steps())
+        .collect();
+    if json {
+        let schedule: Vec<Vec<Vec<serde_json::Value>>> = per_stage
+            .iter()
+            .map(|steps| {
+                steps
+                    .iter()
+                    .map(|cmds| {
+                        cmds.iter()
+                            .map(|c| serde_json::json!([c.name(), c.buffer()]))
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        let out = serde_json::json!({
+            "stages": stages,
+            "micro_batches": micro_batches,
+            "schedule": schedule,
+        });
+        println!("{out}");
+    } else {
+        print!("{:>4}", "step");
+        for s in 0..stages {
+            print!(" | {:<40}", format!("stage {s}"));
+        }
+        println!();
+        for step in 0..per_stage[0].len() {
+            print!("{step:>4}");
+            for steps in &per_stage {
+                let cell: Vec<String> = steps[step].iter().map(|c| c.to_string()).collect();
+                print!(" | {:<40}", cell.join(" "));
+            }
+            println!();
+        }
+    }
+    ExitCode::SUCCESS
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Schedule {
+            stages,
+            micro_batches,
+            json,
+        } => print_schedule(stages, micro_batches, json),
         Command::Config {
             command: ConfigCommand::Check { file, world },
         } => {

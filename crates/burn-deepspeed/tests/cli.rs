@@ -1,0 +1,91 @@
+//! The `burn-deepspeed` binary: exit codes and output of `config check` and `schedule`.
+
+use std::process::Command;
+
+fn cli(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_burn-deepspeed"))
+        .args(args)
+        .output()
+        .expect("the binary runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> String {
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).expect("write config");
+    path.display().to_string()
+}
+
+#[test]
+fn config_check_prints_the_resolved_config_or_the_error() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ok = write(&dir, "ok.json", r#"{"train_batch_size": 32}"#);
+    let (code, stdout, _) = cli(&["config", "check", &ok, "--world", "4"]);
+    assert_eq!(code, 0);
+    let resolved: serde_json::Value = serde_json::from_str(&stdout).expect("JSON on stdout");
+    assert_eq!(resolved["train_micro_batch_size_per_gpu"], 8);
+    assert_eq!(
+        resolved["zero_optimization"]["reduce_bucket_size"],
+        500_000_000u64
+    );
+    assert_eq!(resolved["optimizer"]["type"], "AdamW");
+
+    let typo = write(
+        &dir,
+        "typo.json",
+        r#"{"train_batch_size": 8, "gradient_clippin": 1}"#,
+    );
+    let (code, _, stderr) = cli(&["config", "check", &typo]);
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("did you mean `gradient_clipping`"),
+        "{stderr}"
+    );
+
+    let batch = write(
+        &dir,
+        "batch.json",
+        r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}"#,
+    );
+    let (code, _, stderr) = cli(&["config", "check", &batch, "--world", "2"]);
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("(10)") && stderr.contains("(4)") && stderr.contains("(2)"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn schedule_json_has_one_list_per_stage_and_step() {
+    let (code, stdout, _) = cli(&[
+        "schedule",
+        "--stages",
+        "4",
+        "--micro-batches",
+        "8",
+        "--json",
+    ]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("JSON");
+    assert_eq!(v["stages"], 4);
+    assert_eq!(v["micro_batches"], 8);
+    let schedule = v["schedule"].as_array().expect("array");
+    assert_eq!(schedule.len(), 4);
+    assert!(
+        schedule
+            .iter()
+            .all(|s| s.as_array().map(Vec::len) == Some(22))
+    );
+    assert_eq!(
+        v["schedule"][0][0][0],
+        serde_json::json!(["LoadMicroBatch", 0])
+    );
+    assert_eq!(
+        v["schedule"][3][21][0],
+        serde_json::json!(["ReduceTiedGrads", null])
+    );
+}

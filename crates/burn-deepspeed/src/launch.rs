@@ -32,7 +32,7 @@ where
     F: Fn(Arc<dyn Communicator>) -> Result<R> + Sync,
 {
     if launched_by_mpirun() {
-        return launch_mpi(f).map(|r| (LaunchKind::Mpi, vec![r]));
+        return f(mpi_world()?).map(|r| (LaunchKind::Mpi, vec![r]));
     }
     if threads == 0 {
         return Err(DeepSpeedError::Data(
@@ -67,20 +67,16 @@ where
     }
 }
 
+/// This process's communicator in the MPI world (initializes MPI; once per process).
 #[cfg(feature = "mpi")]
-fn launch_mpi<R, F>(f: F) -> Result<R>
-where
-    F: Fn(Arc<dyn Communicator>) -> Result<R>,
-{
+pub(crate) fn mpi_world() -> Result<Arc<dyn Communicator>> {
     let comm = burn_deepspeed_strategies::comm::MpiCommunicator::init()?;
-    f(Arc::new(comm))
+    Ok(Arc::new(comm))
 }
 
+/// Without the `mpi` feature a run under `mpirun` is refused.
 #[cfg(not(feature = "mpi"))]
-fn launch_mpi<R, F>(_f: F) -> Result<R>
-where
-    F: Fn(Arc<dyn Communicator>) -> Result<R>,
-{
+pub(crate) fn mpi_world() -> Result<Arc<dyn Communicator>> {
     Err(DeepSpeedError::Unsupported {
         key: "mpirun".into(),
         reason: "this binary was built without the `mpi` feature; rebuild with \

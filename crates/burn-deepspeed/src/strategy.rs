@@ -29,7 +29,7 @@ use burn_deepspeed_strategies::comm::{
 use crate::DeepSpeedConfig;
 use crate::engine::GradientSync;
 use crate::engine::refuse_unsupported;
-use crate::launch::launched_by_mpirun;
+use crate::launch::{launched_by_mpirun, mpi_world};
 
 /// A `SupervisedLearningStrategy` that trains with DeepSpeed-style data parallelism.
 #[derive(Debug, Clone)]
@@ -221,7 +221,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
         };
 
         let result = if launched_by_mpirun() {
-            run_mpi(|comm| {
+            mpi_world().and_then(|comm| {
                 let rank0 = comm.rank() == 0;
                 let run = RankRun {
                     comm,
@@ -289,18 +289,4 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
             Err(e) => panic!("burn-deepspeed: rank 0: {e}"),
         }
     }
-}
-
-#[cfg(feature = "mpi")]
-fn run_mpi<R>(f: impl FnOnce(Arc<dyn Communicator>) -> crate::Result<R>) -> crate::Result<R> {
-    let comm = burn_deepspeed_strategies::comm::MpiCommunicator::init()?;
-    f(Arc::new(comm))
-}
-
-#[cfg(not(feature = "mpi"))]
-fn run_mpi<R>(_f: impl FnOnce(Arc<dyn Communicator>) -> crate::Result<R>) -> crate::Result<R> {
-    Err(crate::DeepSpeedError::Unsupported {
-        key: "mpirun".into(),
-        reason: "launched under mpirun, but built without the `mpi` feature".into(),
-    })
 }

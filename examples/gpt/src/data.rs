@@ -54,19 +54,33 @@ impl ByteCorpus {
         seq_len: usize,
         device: &Device,
     ) -> GptBatch {
-        let mut inputs = Vec::with_capacity(micro * seq_len);
-        let mut targets = Vec::with_capacity(micro * seq_len);
-        for i in 0..micro as u64 {
+        let windows = (0..micro as u64).map(|i| {
             let o = self.offset(step, first + i, seq_len);
-            inputs.extend(self.bytes[o..o + seq_len].iter().map(|&b| b as i64));
-            targets.extend(self.bytes[o + 1..o + seq_len + 1].iter().map(|&b| b as i64));
-        }
-        let make =
-            |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [micro, seq_len]), device);
-        GptBatch {
-            inputs: make(inputs),
-            targets: make(targets),
-        }
+            &self.bytes[o..o + seq_len + 1]
+        });
+        batch_of_windows(windows, micro, seq_len, device)
+    }
+}
+
+/// A [`GptBatch`] of `n` windows of `seq_len + 1` bytes: each window's first `seq_len` bytes
+/// are the inputs and its last `seq_len` the targets.
+fn batch_of_windows<'a>(
+    windows: impl Iterator<Item = &'a [u8]>,
+    n: usize,
+    seq_len: usize,
+    device: &Device,
+) -> GptBatch {
+    let mut inputs = Vec::with_capacity(n * seq_len);
+    let mut targets = Vec::with_capacity(n * seq_len);
+    for w in windows {
+        assert_eq!(w.len(), seq_len + 1, "windows of one batch have one length");
+        inputs.extend(w[..seq_len].iter().map(|&b| b as i64));
+        targets.extend(w[1..].iter().map(|&b| b as i64));
+    }
+    let make = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [n, seq_len]), device);
+    GptBatch {
+        inputs: make(inputs),
+        targets: make(targets),
     }
 }
 
@@ -78,19 +92,7 @@ pub struct WindowBatcher;
 impl burn::data::dataloader::batcher::Batcher<Vec<u8>, GptBatch> for WindowBatcher {
     fn batch(&self, items: Vec<Vec<u8>>, device: &Device) -> GptBatch {
         let seq = items.first().map_or(0, |w| w.len().saturating_sub(1));
-        let n = items.len();
-        let mut inputs = Vec::with_capacity(n * seq);
-        let mut targets = Vec::with_capacity(n * seq);
-        for w in &items {
-            assert_eq!(w.len(), seq + 1, "windows of one batch have one length");
-            inputs.extend(w[..seq].iter().map(|&b| b as i64));
-            targets.extend(w[1..].iter().map(|&b| b as i64));
-        }
-        let make = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [n, seq]), device);
-        GptBatch {
-            inputs: make(inputs),
-            targets: make(targets),
-        }
+        batch_of_windows(items.iter().map(Vec::as_slice), items.len(), seq, device)
     }
 }
 

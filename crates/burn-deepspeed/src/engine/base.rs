@@ -54,7 +54,6 @@ pub struct DeepSpeedEngine<M> {
     config: DeepSpeedConfig,
     batch: BatchSizes,
     sync: GradientSync,
-    micro_steps: u64,
     loss_sum: f64,
     global_step: u64,
     ledger: MemoryLedger,
@@ -93,7 +92,6 @@ where
             config,
             batch,
             sync,
-            micro_steps: 0,
             loss_sum: 0.0,
             global_step: 0,
             ledger,
@@ -115,7 +113,6 @@ where
         self.ledger
             .transient_grads(4 * self.sync.layout().numel as u64);
         self.sync.accumulate(&self.model, &out.grads);
-        self.micro_steps += 1;
         self.fb_time += start.elapsed();
         out.item
     }
@@ -123,7 +120,8 @@ where
     /// Averages the accumulated gradient over ranks and micro-batches, clips it, and takes
     /// one optimizer step (DeepSpeed's `engine.step` at an accumulation boundary).
     pub fn step(&mut self) -> Result<StepReport> {
-        if self.micro_steps == 0 {
+        let micro_steps = self.sync.micro_steps();
+        if micro_steps == 0 {
             return Err(DeepSpeedError::Data(
                 "step() called before any forward_backward()".into(),
             ));
@@ -131,7 +129,7 @@ where
         let world = self.comm.world_size();
         let reduce_start = Instant::now();
         let (grads, grad_norm) = self.sync.reduce(&self.model)?;
-        let mut loss = [(self.loss_sum / self.micro_steps as f64) as f32];
+        let mut loss = [(self.loss_sum / micro_steps as f64) as f32];
         if world > 1 {
             self.comm.all_reduce(&mut loss, ReduceOp::Mean)?;
         }
@@ -139,9 +137,7 @@ where
 
         let opt_start = Instant::now();
         let lr = self.lr_at(self.global_step);
-        // The rebuilt gradient tensors are alive during the step.
         let numel = self.sync.layout().numel;
-        self.ledger.transient_grads(4 * numel as u64);
         let model = self.model.clone();
         self.model = {
             let _span = tracing::debug_span!("optimizer_step", rank = self.comm.rank()).entered();
@@ -175,7 +171,6 @@ where
             reduce,
             optimizer,
         };
-        self.micro_steps = 0;
         self.loss_sum = 0.0;
         if self.config.wall_clock_breakdown
             && self.comm.rank() == 0

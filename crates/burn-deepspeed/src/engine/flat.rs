@@ -4,6 +4,8 @@
 //! reduced in buckets and mapped back to [`GradientsParams`] by [`ParamId`]. This is the seam
 //! between Burn's per-parameter tensors and the communicator's flat buffers.
 
+use std::collections::HashMap;
+
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
@@ -28,6 +30,8 @@ pub struct ParamLayout {
     pub slots: Vec<ParamSlot>,
     /// Total elements.
     pub numel: usize,
+    /// Slot of each parameter id, built once with the layout.
+    index: HashMap<ParamId, usize>,
 }
 
 impl ParamLayout {
@@ -49,15 +53,19 @@ impl ParamLayout {
         }
         let mut v = V(ParamLayout::default());
         module.visit(&mut v);
-        v.0
-    }
-
-    fn slot_index(&self) -> std::collections::HashMap<ParamId, usize> {
-        self.slots
+        let mut layout = v.0;
+        layout.index = layout
+            .slots
             .iter()
             .enumerate()
             .map(|(i, s)| (s.id, i))
-            .collect()
+            .collect();
+        layout
+    }
+
+    /// The slot of parameter `id`, if it belongs to this layout.
+    pub fn slot_of(&self, id: ParamId) -> Option<usize> {
+        self.index.get(&id).copied()
     }
 }
 
@@ -68,7 +76,7 @@ fn to_f32_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
 }
 
 /// Adds the gradients in `grads` into `flat` (zeros where a parameter has none), marks the
-/// parameters that had one in `present`, and remembers their device. Returns bytes read.
+/// parameters that had one in `present`, and remembers their device.
 pub fn accumulate_grads<M: Module>(
     module: &M,
     layout: &ParamLayout,
@@ -78,7 +86,6 @@ pub fn accumulate_grads<M: Module>(
     device: &mut Option<Device>,
 ) {
     struct V<'a> {
-        index: std::collections::HashMap<ParamId, usize>,
         layout: &'a ParamLayout,
         grads: &'a GradientsParams,
         flat: &'a mut [f32],
@@ -87,7 +94,7 @@ pub fn accumulate_grads<M: Module>(
     }
     impl ModuleVisitor for V<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let Some(&i) = self.index.get(&param.id) else {
+            let Some(i) = self.layout.slot_of(param.id) else {
                 return;
             };
             if let Some(g) = self.grads.get::<D>(param.id) {
@@ -103,7 +110,6 @@ pub fn accumulate_grads<M: Module>(
         }
     }
     let mut v = V {
-        index: layout.slot_index(),
         layout,
         grads,
         flat,
@@ -122,7 +128,6 @@ pub fn grads_from_flat<M: Module>(
     device: &Device,
 ) -> GradientsParams {
     struct V<'a> {
-        index: std::collections::HashMap<ParamId, usize>,
         layout: &'a ParamLayout,
         flat: &'a [f32],
         present: &'a [u8],
@@ -131,7 +136,7 @@ pub fn grads_from_flat<M: Module>(
     }
     impl ModuleVisitor for V<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let Some(&i) = self.index.get(&param.id) else {
+            let Some(i) = self.layout.slot_of(param.id) else {
                 return;
             };
             if self.present[i] == 0 {
@@ -147,7 +152,6 @@ pub fn grads_from_flat<M: Module>(
         }
     }
     let mut v = V {
-        index: layout.slot_index(),
         layout,
         flat,
         present,

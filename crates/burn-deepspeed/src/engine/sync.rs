@@ -62,7 +62,8 @@ impl GradientSync {
         self.micro_steps
     }
 
-    /// Elements (with a gradient in the last reduction) per parameter slot.
+    /// Per parameter slot, 1 when the parameter has had a gradient since the last
+    /// [`clear_marks`](Self::clear_marks) (on any rank, once reduced), else 0.
     pub fn present(&self) -> &[u8] {
         &self.present
     }

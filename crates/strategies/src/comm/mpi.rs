@@ -22,12 +22,6 @@ use mpi::traits::*;
 use super::{Buf, BufMut, CommStats, Communicator, OpKind, ReduceOp, op_cost};
 use crate::{CommError, Result};
 
-/// True when this process was started by `mpirun`/`mpiexec` (OpenMPI's `OMPI_COMM_WORLD_SIZE`
-/// or a PMI launcher's `PMI_SIZE` is set).
-pub fn launched_by_mpirun() -> bool {
-    std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
-}
-
 struct Inner {
     // Dropping the universe finalizes MPI; it lives as long as the communicator.
     _universe: Universe,
@@ -110,25 +104,22 @@ impl MpiCommunicator {
         Ok(())
     }
 
-    /// All-reduce of f32 values in place (Mean = Sum / size).
-    fn reduce_f32(&self, data: &mut [f32], op: ReduceOp) {
-        let send = data.to_vec();
-        let inner = self.lock();
-        match op {
-            ReduceOp::Max => inner
-                .world
-                .all_reduce_into(&send[..], data, SystemOperation::max()),
-            ReduceOp::Sum | ReduceOp::Mean => {
-                inner
-                    .world
-                    .all_reduce_into(&send[..], data, SystemOperation::sum())
-            }
-        }
-        drop(inner);
+    /// All-reduce of f32 values (Mean = Sum / size); MPI needs distinct send and receive
+    /// buffers, so the result comes back in a new one.
+    fn reduce_f32(&self, send: &[f32], op: ReduceOp) -> Vec<f32> {
+        let mut out = vec![0.0f32; send.len()];
+        let mpi_op = match op {
+            ReduceOp::Max => SystemOperation::max(),
+            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
+        };
+        self.lock()
+            .world
+            .all_reduce_into(send, &mut out[..], mpi_op);
         if op == ReduceOp::Mean {
             let n = self.size as f32;
-            data.iter_mut().for_each(|v| *v /= n);
+            out.iter_mut().for_each(|v| *v /= n);
         }
+        out
     }
 
     /// Reduce-scatter of f32 values with per-rank counts: chunks are padded to the largest so
@@ -219,15 +210,16 @@ impl Communicator for MpiCommunicator {
     fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let n = buf.len();
         let elem = buf.dtype().size();
-        let mut values = widen(buf.as_buf());
-        if buf.dtype() == super::DType::U8 && op == ReduceOp::Mean {
+        let send = widen(buf.as_buf());
+        let values = if buf.dtype() == super::DType::U8 && op == ReduceOp::Mean {
             // Mean of u8 floors the exact sum.
-            self.reduce_f32(&mut values, ReduceOp::Sum);
             let size = self.size as f32;
-            values.iter_mut().for_each(|v| *v = (*v / size).floor());
+            let mut sum = self.reduce_f32(&send, ReduceOp::Sum);
+            sum.iter_mut().for_each(|v| *v = (*v / size).floor());
+            sum
         } else {
-            self.reduce_f32(&mut values, op);
-        }
+            self.reduce_f32(&send, op)
+        };
         narrow(&values, buf, op);
         self.record(OpKind::AllReduce, &[n], 0, elem);
         Ok(())

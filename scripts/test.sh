@@ -25,11 +25,13 @@ done
 
 # The GPT example over MPI prints the same losses as the same run in threads.
 cargo build --example gpt --features burn-deepspeed-example-gpt/mpi
-gpt=target/debug/examples/gpt
+target_dir="${CARGO_TARGET_DIR:-target}"
+gpt="$target_dir/debug/examples/gpt"
+out=$(mktemp -d)
 args=(--steps 4 --seed 7 --json)
-"$gpt" --ranks 2 "${args[@]}" | tail -n 1 > target/gpt-threads.json
-mpirun -n 2 "$gpt" "${args[@]}" | tail -n 1 > target/gpt-mpi.json
-python3 - target/gpt-threads.json target/gpt-mpi.json <<'PY'
+"$gpt" --ranks 2 "${args[@]}" | tail -n 1 > "$out/gpt-threads.json"
+mpirun -n 2 "$gpt" "${args[@]}" | tail -n 1 > "$out/gpt-mpi.json"
+python3 - "$out/gpt-threads.json" "$out/gpt-mpi.json" <<'PY'
 import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 assert a["backend"] == "threads" and b["backend"] == "mpi", (a["backend"], b["backend"])

@@ -50,6 +50,9 @@ pub enum CommError {
         /// What is wrong.
         detail: String,
     },
+    /// A pipeline layout (stages, partition, topology) cannot be built as asked.
+    #[error("pipeline: {0}")]
+    Pipeline(String),
     /// The MPI backend could not be used.
     #[error("MPI: {0}")]
     Mpi(String),

@@ -1,6 +1,7 @@
 //! The [`Communicator`] trait: the collectives every rank of an SPMD program calls.
 
 use std::fmt::Debug;
+use std::sync::Arc;
 
 use super::{Buf, BufMut, CommElement, CommStats, even_split};
 use crate::Result;
@@ -60,6 +61,10 @@ pub trait Communicator: Send + Sync + Debug {
     fn barrier(&self) -> Result<()>;
     /// This rank's counters since the communicator was created.
     fn stats(&self) -> CommStats;
+    /// Splits the world into groups (MPI's `MPI_Comm_split`): ranks that pass the same
+    /// `color` form one new communicator, ranked in the order of their rank here. Every
+    /// rank must call it (a collective); the groups' traffic is counted in their own stats.
+    fn split(&self, color: usize) -> Result<Arc<dyn Communicator>>;
 }
 
 macro_rules! comm_span {

@@ -203,5 +203,59 @@ pub fn check_all(c: &dyn Communicator) -> Result<usize, String> {
             "all_reduce counted {got} bytes sent, {expected} expected"
         ));
     }
-    Ok(n + 1)
+    Ok(n + 1 + check_split(c)?)
+}
+
+/// Splits the world into two interleaved groups (even and odd ranks) and into one group of
+/// everybody, and checks ranks, sizes and a reduction and a gather inside each group.
+pub fn check_split(c: &dyn Communicator) -> Result<usize, String> {
+    let (rank, world) = (c.rank(), c.world_size());
+    let color = rank % 2;
+    let group = c.split(color).map_err(|e| err("split", e))?;
+    let members: Vec<usize> = (0..world).filter(|r| r % 2 == color).collect();
+    if group.world_size() != members.len() || members[group.rank()] != rank {
+        return Err(format!(
+            "split: rank {rank} became rank {} of {}, expected rank {} of {}",
+            group.rank(),
+            group.world_size(),
+            members
+                .iter()
+                .position(|&r| r == rank)
+                .unwrap_or(usize::MAX),
+            members.len()
+        ));
+    }
+    let mut sum = [rank as f32 + 1.0];
+    group
+        .all_reduce(&mut sum, ReduceOp::Sum)
+        .map_err(|e| err("all_reduce in a split group", e))?;
+    let want: f32 = members.iter().map(|&r| r as f32 + 1.0).sum();
+    if sum[0] != want {
+        return Err(format!("group all_reduce gave {}, expected {want}", sum[0]));
+    }
+    let mut gathered = vec![0u8; members.len()];
+    group
+        .all_gather_equal(&[rank as u8], &mut gathered)
+        .map_err(|e| err("all_gather in a split group", e))?;
+    let want: Vec<u8> = members.iter().map(|&r| r as u8).collect();
+    if gathered != want {
+        return Err(format!(
+            "group all_gather gave {gathered:?}, expected {want:?}"
+        ));
+    }
+    // A second split (everybody in one group) must not be confused with the first.
+    let all = c.split(7).map_err(|e| err("second split", e))?;
+    let mut max = [rank as f32];
+    all.all_reduce(&mut max, ReduceOp::Max)
+        .map_err(|e| err("all_reduce after a second split", e))?;
+    if all.world_size() != world || all.rank() != rank || max[0] != (world - 1) as f32 {
+        return Err(format!(
+            "second split: rank {} of {}, max {}",
+            all.rank(),
+            all.world_size(),
+            max[0]
+        ));
+    }
+    c.barrier().map_err(|e| err("barrier after split", e))?;
+    Ok(3)
 }

@@ -8,36 +8,63 @@
 //! u8 sum would overflow before a mean), with the same semantics as the thread world. Data
 //! movement (gather, broadcast, all-to-all, send/recv) travels as raw bytes.
 
-use std::sync::{Mutex, MutexGuard, Once};
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Mutex, MutexGuard, Once};
 
 use half::{bf16, f16};
 use mpi::Threading;
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
-use mpi::topology::SimpleCommunicator;
+use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::Communicator as _;
 use mpi::traits::*;
 
 use super::{Buf, BufMut, CommStats, Communicator, OpKind, ReduceOp, op_cost};
 use crate::{CommError, Result};
 
-struct Inner {
-    // Dropping the universe finalizes MPI; it lives as long as the communicator.
+/// The MPI environment of the process: dropping the universe finalizes MPI, so it lives as
+/// long as the last communicator. Its mutex serializes every MPI call of the process.
+struct Env {
     _universe: Universe,
-    world: SimpleCommunicator,
 }
 
-// SAFETY: MPI was initialized with MPI_THREAD_SERIALIZED and every use of `Inner` goes through
-// the mutex in `MpiCommunicator`, so no two MPI calls ever run concurrently.
-unsafe impl Send for Inner {}
+// SAFETY: MPI was initialized with MPI_THREAD_SERIALIZED and every MPI call goes through the
+// mutex around `Env`, so no two MPI calls ever run concurrently.
+unsafe impl Send for Env {}
 
-/// One process's handle on the MPI world (`MPI_COMM_WORLD`).
+/// An MPI communicator handle, used only while the [`Env`] mutex is held.
+struct Handle(ManuallyDrop<SimpleCommunicator>);
+
+// SAFETY: as for `Env`: the handle is only touched under the process-wide MPI mutex.
+unsafe impl Send for Handle {}
+// SAFETY: as above.
+unsafe impl Sync for Handle {}
+
+/// The MPI mutex held, with the communicator to call.
+struct Locked<'a> {
+    _guard: MutexGuard<'a, Env>,
+    world: &'a SimpleCommunicator,
+}
+
+/// One process's handle on an MPI communicator: `MPI_COMM_WORLD` from
+/// [`init`](MpiCommunicator::init), or a group from [`Communicator::split`].
 pub struct MpiCommunicator {
-    inner: Mutex<Inner>,
+    comm: Handle,
+    env: Arc<Mutex<Env>>,
     rank: usize,
     size: usize,
     stats: Mutex<CommStats>,
+}
+
+impl Drop for MpiCommunicator {
+    fn drop(&mut self) {
+        let _guard = self.env.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the handle is dropped once, here, and never used again; freeing a split
+        // communicator is an MPI call, so it happens under the mutex (and before the last
+        // `env` reference can finalize MPI).
+        unsafe { ManuallyDrop::drop(&mut self.comm.0) };
+    }
 }
 
 impl std::fmt::Debug for MpiCommunicator {
@@ -67,18 +94,21 @@ impl MpiCommunicator {
         let size = world.size() as usize;
         install_abort_on_panic();
         Ok(Self {
-            inner: Mutex::new(Inner {
+            comm: Handle(ManuallyDrop::new(world)),
+            env: Arc::new(Mutex::new(Env {
                 _universe: universe,
-                world,
-            }),
+            })),
             rank,
             size,
             stats: Mutex::new(CommStats::default()),
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> Locked<'_> {
+        Locked {
+            _guard: self.env.lock().unwrap_or_else(|e| e.into_inner()),
+            world: &self.comm.0,
+        }
     }
 
     fn invalid(&self, op: &'static str, detail: String) -> CommError {
@@ -393,5 +423,27 @@ impl Communicator for MpiCommunicator {
 
     fn stats(&self) -> CommStats {
         *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {
+        let color = i32::try_from(color).map_err(|_| {
+            self.invalid(
+                "split",
+                format!("color {color} does not fit an MPI color (i32)"),
+            )
+        })?;
+        let sub = self
+            .lock()
+            .world
+            .split_by_color(Color::with_value(color))
+            .ok_or_else(|| CommError::Mpi("MPI_Comm_split returned no communicator".into()))?;
+        let (rank, size) = (sub.rank() as usize, sub.size() as usize);
+        Ok(Arc::new(MpiCommunicator {
+            comm: Handle(ManuallyDrop::new(sub)),
+            env: self.env.clone(),
+            rank,
+            size,
+            stats: Mutex::new(CommStats::default()),
+        }))
     }
 }

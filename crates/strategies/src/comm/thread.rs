@@ -51,6 +51,7 @@ impl ThreadWorld {
                     mailboxes: HashMap::new(),
                     failure: None,
                     exited: vec![false; world_size],
+                    groups: HashMap::new(),
                 }),
                 cv: Condvar::new(),
             }),
@@ -64,6 +65,7 @@ impl ThreadWorld {
                 rank,
                 shared: self.shared.clone(),
                 seq: AtomicU64::new(0),
+                splits: AtomicU64::new(0),
                 stats: Mutex::new(CommStats::default()),
             })
             .collect()
@@ -112,6 +114,9 @@ struct State {
     mailboxes: HashMap<(usize, usize, u16), VecDeque<Owned>>,
     failure: Option<(usize, String)>,
     exited: Vec<bool>,
+    /// Worlds created by `split`, keyed by (split number, color), with how many of their
+    /// members have not picked them up yet.
+    groups: HashMap<(u64, usize), (Arc<Shared>, usize)>,
 }
 
 #[derive(Debug, Default)]
@@ -195,6 +200,7 @@ pub struct ThreadCommunicator {
     rank: usize,
     shared: Arc<Shared>,
     seq: AtomicU64,
+    splits: AtomicU64,
     stats: Mutex<CommStats>,
 }
 
@@ -664,6 +670,49 @@ impl Communicator for ThreadCommunicator {
 
     fn stats(&self) -> CommStats {
         *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {
+        let world = self.shared.world;
+        let mine = (color as u64).to_le_bytes();
+        let mut all = vec![0u8; 8 * world];
+        self.all_gather_buf(Buf::U8(&mine), BufMut::U8(&mut all), &vec![8; world])?;
+        let colors: Vec<usize> = all
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
+            .collect();
+        let members: Vec<usize> = (0..world).filter(|&r| colors[r] == color).collect();
+        let rank = members
+            .iter()
+            .position(|&r| r == self.rank)
+            .expect("a rank is a member of its own color");
+        let split = self.splits.fetch_add(1, Ordering::SeqCst);
+        let shared = {
+            let mut state = lock(&self.shared.state);
+            let key = (split, color);
+            let entry = state.groups.entry(key).or_insert_with(|| {
+                let group = ThreadWorld::new(
+                    members.len(),
+                    ThreadWorldOptions {
+                        timeout: self.shared.timeout,
+                    },
+                );
+                (group.shared, members.len())
+            });
+            let shared = entry.0.clone();
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                state.groups.remove(&key);
+            }
+            shared
+        };
+        Ok(Arc::new(ThreadCommunicator {
+            rank,
+            shared,
+            seq: AtomicU64::new(0),
+            splits: AtomicU64::new(0),
+            stats: Mutex::new(CommStats::default()),
+        }))
     }
 }
 

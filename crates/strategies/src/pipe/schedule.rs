@@ -93,6 +93,47 @@ impl fmt::Display for PipeInstruction {
     }
 }
 
+/// A stage's instruction stream, as a list of steps.
+pub trait PipeSchedule {
+    /// The instructions of every step, in order.
+    fn steps(&self) -> Vec<Vec<PipeInstruction>>;
+    /// Buffer slots the stage needs (activations it may hold at once).
+    fn num_pipe_buffers(&self) -> usize;
+}
+
+/// Which training schedule a pipeline runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ScheduleKind {
+    /// DeepSpeed's 1F1B [`TrainSchedule`].
+    #[default]
+    OneFOneB,
+    /// [`GPipeSchedule`]: every forward, then every backward.
+    GPipe,
+}
+
+impl ScheduleKind {
+    /// The schedule of `stage_id`.
+    pub fn schedule(
+        self,
+        micro_batches: usize,
+        stages: usize,
+        stage_id: usize,
+    ) -> Box<dyn PipeSchedule> {
+        match self {
+            ScheduleKind::OneFOneB => Box::new(TrainSchedule::new(micro_batches, stages, stage_id)),
+            ScheduleKind::GPipe => Box::new(GPipeSchedule::new(micro_batches, stages, stage_id)),
+        }
+    }
+}
+
+fn check_shape(micro_batches: usize, stages: usize, stage_id: usize) {
+    assert!(
+        micro_batches > 0 && stages > 0 && stage_id < stages,
+        "a schedule needs micro_batches > 0, stages > 0 and stage_id < stages \
+         (got {micro_batches}, {stages}, {stage_id})"
+    );
+}
+
 /// DeepSpeed's 1F1B training schedule for one stage.
 ///
 /// With S stages and M micro-batches it takes 2(M + S − 1) steps; stage `s` uses
@@ -113,7 +154,7 @@ impl TrainSchedule {
     /// # Panics
     /// When `stages` or `micro_batches` is 0 or `stage_id >= stages`.
     pub fn new(micro_batches: usize, stages: usize, stage_id: usize) -> Self {
-        assert!(micro_batches > 0 && stages > 0 && stage_id < stages);
+        check_shape(micro_batches, stages, stage_id);
         Self {
             micro_batches,
             stages,
@@ -133,6 +174,13 @@ impl TrainSchedule {
 
     fn valid(&self, mb: i64) -> bool {
         0 <= mb && mb < self.micro_batches as i64
+    }
+
+    /// The micro-batch this stage works on at `step` and whether it is a forward, or `None`
+    /// for an idle step.
+    pub fn micro_batch_at(&self, step: usize) -> Option<(usize, bool)> {
+        let (mb, forward) = self.step_to_micro_batch(step);
+        self.valid(mb).then_some((mb as usize, forward))
     }
 
     /// The micro-batch this stage works on at `step`, and whether it is a forward.
@@ -202,6 +250,161 @@ impl TrainSchedule {
             }
             prev = mb;
             out.push(cmds);
+        }
+        out
+    }
+}
+
+impl PipeSchedule for TrainSchedule {
+    fn steps(&self) -> Vec<Vec<PipeInstruction>> {
+        TrainSchedule::steps(self)
+    }
+    fn num_pipe_buffers(&self) -> usize {
+        TrainSchedule::num_pipe_buffers(self)
+    }
+}
+
+/// DeepSpeed's inference schedule: forwards only, M + S − 1 steps, two buffers used
+/// alternately for receiving and sending.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InferenceSchedule {
+    /// Micro-batches (M).
+    pub micro_batches: usize,
+    /// Pipeline stages (S).
+    pub stages: usize,
+    /// This stage (s).
+    pub stage_id: usize,
+}
+
+impl InferenceSchedule {
+    /// The schedule of stage `stage_id` of `stages` over `micro_batches`.
+    ///
+    /// # Panics
+    /// When `stages` or `micro_batches` is 0 or `stage_id >= stages`.
+    pub fn new(micro_batches: usize, stages: usize, stage_id: usize) -> Self {
+        check_shape(micro_batches, stages, stage_id);
+        Self {
+            micro_batches,
+            stages,
+            stage_id,
+        }
+    }
+}
+
+impl PipeSchedule for InferenceSchedule {
+    fn num_pipe_buffers(&self) -> usize {
+        2
+    }
+
+    fn steps(&self) -> Vec<Vec<PipeInstruction>> {
+        use PipeInstruction::*;
+        let s = self.stage_id;
+        let (first, last) = (s == 0, s == self.stages - 1);
+        let valid = |mb: i64| 0 <= mb && mb < self.micro_batches as i64;
+        (0..self.micro_batches + self.stages - 1)
+            .map(|step| {
+                let mb = step as i64 - s as i64;
+                // Even stages receive into the step's parity and send from the other buffer;
+                // odd stages the opposite, so that neighbours' buffers line up.
+                let (recv, send) = if s % 2 == 0 {
+                    (step % 2, (step + 1) % 2)
+                } else {
+                    ((step + 1) % 2, step % 2)
+                };
+                let mut cmds = Vec::new();
+                if (first || last) && valid(mb) {
+                    cmds.push(LoadMicroBatch { buffer: recv });
+                }
+                let send_cmd = (!last && valid(mb - 1)).then_some(SendActivation { buffer: send });
+                let recv_cmd = (!first && valid(mb)).then_some(RecvActivation { buffer: recv });
+                if s % 2 == 0 {
+                    cmds.extend(send_cmd);
+                    cmds.extend(recv_cmd);
+                } else {
+                    cmds.extend(recv_cmd);
+                    cmds.extend(send_cmd);
+                }
+                if valid(mb) {
+                    cmds.push(ForwardPass { buffer: recv });
+                }
+                cmds
+            })
+            .collect()
+    }
+}
+
+/// GPipe (arXiv 1811.06965), for comparison: every micro-batch forward, then every micro-batch
+/// backward. Same 2(M + S − 1) steps as 1F1B, but a stage keeps all M activations alive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GPipeSchedule {
+    /// Micro-batches (M).
+    pub micro_batches: usize,
+    /// Pipeline stages (S).
+    pub stages: usize,
+    /// This stage (s).
+    pub stage_id: usize,
+}
+
+impl GPipeSchedule {
+    /// The schedule of stage `stage_id` of `stages` over `micro_batches`.
+    ///
+    /// # Panics
+    /// When `stages` or `micro_batches` is 0 or `stage_id >= stages`.
+    pub fn new(micro_batches: usize, stages: usize, stage_id: usize) -> Self {
+        check_shape(micro_batches, stages, stage_id);
+        Self {
+            micro_batches,
+            stages,
+            stage_id,
+        }
+    }
+}
+
+impl PipeSchedule for GPipeSchedule {
+    fn num_pipe_buffers(&self) -> usize {
+        self.micro_batches
+    }
+
+    fn steps(&self) -> Vec<Vec<PipeInstruction>> {
+        use PipeInstruction::*;
+        let (m, stages, s) = (self.micro_batches, self.stages, self.stage_id);
+        let (first, last) = (s == 0, s == stages - 1);
+        let phase = m + stages - 1;
+        let mut out = Vec::with_capacity(2 * phase);
+        // Forward phase: stage s forwards micro-batch (step - s).
+        for step in 0..phase {
+            let mut cmds = Vec::new();
+            if let Some(mb) = step.checked_sub(s).filter(|&mb| mb < m) {
+                if !first {
+                    cmds.push(RecvActivation { buffer: mb });
+                }
+                if first || last {
+                    cmds.push(LoadMicroBatch { buffer: mb });
+                }
+                cmds.push(ForwardPass { buffer: mb });
+                if !last {
+                    cmds.push(SendActivation { buffer: mb });
+                }
+            }
+            out.push(cmds);
+        }
+        // Backward phase: the last stage starts; stage s backwards micro-batch
+        // (step - (S - 1 - s)).
+        for step in 0..phase {
+            let mut cmds = Vec::new();
+            if let Some(mb) = step.checked_sub(stages - 1 - s).filter(|&mb| mb < m) {
+                if !last {
+                    cmds.push(RecvGrad { buffer: mb });
+                }
+                cmds.push(BackwardPass { buffer: mb });
+                if !first {
+                    cmds.push(SendGrad { buffer: mb });
+                }
+            }
+            out.push(cmds);
+        }
+        if let Some(tail) = out.last_mut() {
+            tail.extend([ReduceTiedGrads, ReduceGrads, OptimizerStep]);
         }
         out
     }

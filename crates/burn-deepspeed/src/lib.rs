@@ -15,6 +15,7 @@ pub mod config;
 pub mod engine;
 mod error;
 pub mod launch;
+pub mod pipe;
 pub mod progress;
 pub mod strategy;
 

@@ -1,4 +1,5 @@
-//! A byte-level GPT: pre-LN transformer blocks, learned positions, an untied head.
+//! A byte-level GPT: pre-LN transformer blocks, learned positions, an untied head; also as a
+//! sequence of pipeline layers.
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -6,6 +7,7 @@ use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, L
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use burn_deepspeed::pipe::{LayerInput, PipeBatch, PipeLayer};
 
 /// Vocabulary: one token per byte.
 pub const VOCAB: usize = 256;
@@ -97,46 +99,16 @@ impl Block {
     }
 }
 
-/// The byte-level GPT.
+/// Token and position embeddings: the first layer of the GPT.
 #[derive(Module, Debug)]
-pub struct Gpt {
+pub struct GptEmbed {
     tok_emb: Embedding,
     pos_emb: Embedding,
-    blocks: Vec<Block>,
-    ln_f: LayerNorm,
-    head: Linear,
     seq_len: usize,
 }
 
-/// A batch of token sequences and their next-token targets, each `[batch, seq]`.
-#[derive(Debug, Clone)]
-pub struct GptBatch {
-    /// Input tokens.
-    pub inputs: Tensor<2, Int>,
-    /// The token after each input token.
-    pub targets: Tensor<2, Int>,
-}
-
-impl Gpt {
-    /// A GPT of `shape` initialized from `seed`: N(0, 0.02) weights, N(0, 0.02/√(2L)) for the
-    /// two residual output projections, zero biases, unit LayerNorm scales. The values depend
-    /// on the seed alone, not on Burn's global RNG or on threads.
-    pub fn new(shape: GptShape, seed: u64, device: &Device) -> Self {
-        let d = shape.d_model;
-        let model = Self {
-            tok_emb: EmbeddingConfig::new(VOCAB, d).init(device),
-            pos_emb: EmbeddingConfig::new(shape.seq_len, d).init(device),
-            blocks: (0..shape.layers)
-                .map(|_| Block::new(d, shape.heads, device))
-                .collect(),
-            ln_f: LayerNormConfig::new(d).init(device),
-            head: LinearConfig::new(d, VOCAB).with_bias(false).init(device),
-            seq_len: shape.seq_len,
-        };
-        model.map(&mut GptInit::new(seed, shape.layers))
-    }
-
-    /// Logits `[batch, seq, 256]`.
+impl GptEmbed {
+    /// Hidden states `[batch, seq, d]` of token ids `[batch, seq]`.
     pub fn forward(&self, inputs: Tensor<2, Int>) -> Tensor<3> {
         let [b, t] = inputs.dims();
         let device = inputs.device();
@@ -148,24 +120,147 @@ impl Gpt {
         let positions = Tensor::<1, Int>::arange(0..t as i64, &device)
             .reshape([1, t])
             .repeat_dim(0, b);
-        let mut x = self.tok_emb.forward(inputs) + self.pos_emb.forward(positions);
-        let causal = causal_mask(t, &device);
+        self.tok_emb.forward(inputs) + self.pos_emb.forward(positions)
+    }
+}
+
+/// Final LayerNorm and the (untied) output projection: the last layer of the GPT.
+#[derive(Module, Debug)]
+pub struct GptHead {
+    ln_f: LayerNorm,
+    head: Linear,
+}
+
+impl GptHead {
+    /// Logits `[batch, seq, 256]`.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.head.forward(self.ln_f.forward(x))
+    }
+}
+
+/// The byte-level GPT.
+#[derive(Module, Debug)]
+pub struct Gpt {
+    embed: GptEmbed,
+    blocks: Vec<Block>,
+    head: GptHead,
+}
+
+/// A batch of token sequences and their next-token targets, each `[batch, seq]`.
+#[derive(Debug, Clone)]
+pub struct GptBatch {
+    /// Input tokens.
+    pub inputs: Tensor<2, Int>,
+    /// The token after each input token.
+    pub targets: Tensor<2, Int>,
+}
+
+impl GptBatch {
+    /// Mean next-token cross-entropy of `logits` `[batch, seq, 256]`, with the logits (as
+    /// `[batch·seq, 256]`) and flattened targets.
+    pub fn cross_entropy(&self, logits: Tensor<3>) -> (Tensor<1>, Tensor<2>, Tensor<1, Int>) {
+        let [b, t, v] = logits.dims();
+        let logits = logits.reshape([b * t, v]);
+        let targets = self.targets.clone().reshape([b * t]);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.clone(), targets.clone());
+        (loss, logits, targets)
+    }
+}
+
+impl Gpt {
+    /// A GPT of `shape` initialized from `seed`: N(0, 0.02) weights, N(0, 0.02/√(2L)) for the
+    /// two residual output projections, zero biases, unit LayerNorm scales. The values depend
+    /// on the seed alone, not on Burn's global RNG or on threads.
+    pub fn new(shape: GptShape, seed: u64, device: &Device) -> Self {
+        let d = shape.d_model;
+        let model = Self {
+            embed: GptEmbed {
+                tok_emb: EmbeddingConfig::new(VOCAB, d).init(device),
+                pos_emb: EmbeddingConfig::new(shape.seq_len, d).init(device),
+                seq_len: shape.seq_len,
+            },
+            blocks: (0..shape.layers)
+                .map(|_| Block::new(d, shape.heads, device))
+                .collect(),
+            head: GptHead {
+                ln_f: LayerNormConfig::new(d).init(device),
+                head: LinearConfig::new(d, VOCAB).with_bias(false).init(device),
+            },
+        };
+        model.map(&mut GptInit::new(seed, shape.layers))
+    }
+
+    /// Logits `[batch, seq, 256]`.
+    pub fn forward(&self, inputs: Tensor<2, Int>) -> Tensor<3> {
+        let mut x = self.embed.forward(inputs);
+        let causal = causal_mask(x.dims()[1], &x.device());
         for block in &self.blocks {
             x = block.forward(x, causal.clone());
         }
-        self.head.forward(self.ln_f.forward(x))
+        self.head.forward(x)
     }
 
     /// Mean next-token cross-entropy over the batch, with the logits and targets flattened.
     pub fn forward_loss(&self, batch: GptBatch) -> ClassificationOutput {
-        let logits = self.forward(batch.inputs);
-        let [b, t, v] = logits.dims();
-        let logits = logits.reshape([b * t, v]);
-        let targets = batch.targets.reshape([b * t]);
-        let loss = CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits.clone(), targets.clone());
+        let logits = self.forward(batch.inputs.clone());
+        let (loss, logits, targets) = batch.cross_entropy(logits);
         ClassificationOutput::new(loss, logits, targets)
+    }
+
+    /// The model as a sequence of pipeline layers: the embeddings, each block, the head. The
+    /// parameters (ids and values) are this model's.
+    pub fn into_layers(self) -> Vec<GptLayer> {
+        std::iter::once(GptLayer::Embed(self.embed))
+            .chain(self.blocks.into_iter().map(GptLayer::Block))
+            .chain(std::iter::once(GptLayer::Head(self.head)))
+            .collect()
+    }
+}
+
+/// One layer of the pipelined GPT (see [`Gpt::into_layers`]).
+// Variants differ in size, but a model holds a few dozen layers: boxing saves nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum GptLayer {
+    /// Token and position embeddings (reads the micro-batch).
+    Embed(GptEmbed),
+    /// A transformer block.
+    Block(Block),
+    /// Final LayerNorm and output projection.
+    Head(GptHead),
+}
+
+impl PipeLayer<GptBatch> for GptLayer {
+    fn forward(&self, input: LayerInput<'_, GptBatch>) -> Tensor<3> {
+        match (self, input) {
+            (GptLayer::Embed(e), LayerInput::Batch(batch)) => e.forward(batch.inputs.clone()),
+            (GptLayer::Embed(_), LayerInput::Hidden(_)) => {
+                panic!("the embedding must be the first layer of the model")
+            }
+            (GptLayer::Block(b), input) => {
+                let x = input.hidden("Block");
+                let causal = causal_mask(x.dims()[1], &x.device());
+                b.forward(x, causal)
+            }
+            (GptLayer::Head(h), input) => h.forward(input.hidden("Head")),
+        }
+    }
+
+    fn type_name(&self) -> String {
+        match self {
+            GptLayer::Embed(_) => "Embed",
+            GptLayer::Block(_) => "Block",
+            GptLayer::Head(_) => "Head",
+        }
+        .to_string()
+    }
+}
+
+impl PipeBatch for GptBatch {
+    fn loss(&self, logits: Tensor<3>) -> Tensor<1> {
+        self.cross_entropy(logits).0
     }
 }
 

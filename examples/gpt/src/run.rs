@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use burn::tensor::Device;
 use burn_deepspeed::comm::{Communicator, CommunicatorExt};
+use burn_deepspeed::pipe::PipelineEngine;
 use burn_deepspeed::progress::TrainProgress;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine, DeepSpeedError, Result};
 use serde::Serialize;
@@ -59,10 +60,33 @@ pub struct RunReport {
     pub comm_bytes_per_rank: Vec<u64>,
     /// Peak resident memory of the process (the largest over ranks' processes).
     pub peak_rss_bytes: u64,
+    /// Pipeline stages (1 without pipeline parallelism).
+    pub pipeline_stages: usize,
+    /// Data-parallel replicas (`world / pipeline_stages`).
+    pub data_parallel: usize,
+    /// Pipelined runs: each stage's idle share of its schedule, 1 − (forward + backward
+    /// time) / (schedule time) summed over the run, averaged over every rank.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bubble_fraction: Option<f64>,
+    /// Pipelined runs: the most activations each stage held at once, stage 0 first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_live_activations_per_stage: Option<Vec<usize>>,
 }
 
-/// Trains on this rank. Every rank returns the same report.
+/// Trains on this rank: data parallel, or through the pipeline engine when the config has
+/// `"pipeline": {"stages": S}` (S stages x world/S replicas). Every rank returns the same
+/// report.
 pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport> {
+    check_corpus(spec)?;
+    if spec
+        .config
+        .pipeline
+        .as_ref()
+        .and_then(|p| p.stage_count())
+        .is_some()
+    {
+        return run_pipelined(spec, comm);
+    }
     let device = Device::flex().autodiff();
     let (rank, world) = (comm.rank(), comm.world_size());
     // ANCHOR: engine_loop
@@ -70,13 +94,6 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let mut engine = DeepSpeedEngine::new(model, spec.config.clone(), comm.clone())?;
     let batch = engine.batch();
     let seq = spec.shape.seq_len;
-    if spec.corpus.len() <= seq + 1 {
-        return Err(DeepSpeedError::Data(format!(
-            "the corpus has {} bytes; at least {} are needed for sequences of {seq}",
-            spec.corpus.len(),
-            seq + 2
-        )));
-    }
     let micro = batch.train_micro_batch_size_per_gpu as usize;
     let gas = batch.gradient_accumulation_steps;
     let progress = TrainProgress::new(if spec.progress { rank } else { usize::MAX }, spec.steps);
@@ -104,24 +121,17 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let elapsed = start.elapsed().as_secs_f64();
     progress.finish();
 
-    let sent = comm.stats().total_sent();
-    let state = engine.model_state_bytes().total();
-    let peak = engine.peak_model_state_bytes();
-    let rss = peak_rss_bytes();
-    // Gather each rank's figures (as little-endian bytes: the communicator moves u8).
-    let mine: Vec<u8> = [sent, state, peak, rss]
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect();
-    let mut all = vec![0u8; mine.len() * world];
-    comm.all_gather_equal(&mine, &mut all)?;
-    let figures: Vec<[u64; 4]> = all
-        .chunks(32)
-        .map(|c| {
-            let v = |i: usize| u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
-            [v(0), v(1), v(2), v(3)]
-        })
-        .collect();
+    let figures = gather_figures(
+        comm.as_ref(),
+        RankFigures {
+            sent: comm.stats().total_sent(),
+            state: engine.model_state_bytes().total(),
+            peak_state: engine.peak_model_state_bytes(),
+            rss: peak_rss_bytes(),
+            bubble: 0.0,
+            live_activations: 0,
+        },
+    )?;
     Ok(RunReport {
         world,
         backend: comm.backend().to_string(),
@@ -132,11 +142,145 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         tokens_per_s: (spec.steps * batch.train_batch_size * seq as u64) as f64 / elapsed,
         train_batch_size: batch.train_batch_size,
         gradient_accumulation_steps: gas,
-        model_state_bytes_per_rank: figures.iter().map(|f| f[1]).max().unwrap_or(0),
-        peak_model_state_bytes_per_rank: figures.iter().map(|f| f[2]).max().unwrap_or(0),
-        comm_bytes_per_rank: figures.iter().map(|f| f[0]).collect(),
-        peak_rss_bytes: figures.iter().map(|f| f[3]).max().unwrap_or(0),
+        model_state_bytes_per_rank: figures.iter().map(|f| f.state).max().unwrap_or(0),
+        peak_model_state_bytes_per_rank: figures.iter().map(|f| f.peak_state).max().unwrap_or(0),
+        comm_bytes_per_rank: figures.iter().map(|f| f.sent).collect(),
+        peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
+        pipeline_stages: 1,
+        data_parallel: world,
+        bubble_fraction: None,
+        peak_live_activations_per_stage: None,
     })
+}
+
+fn check_corpus(spec: &RunSpec) -> Result<()> {
+    let seq = spec.shape.seq_len;
+    if spec.corpus.len() <= seq + 1 {
+        return Err(DeepSpeedError::Data(format!(
+            "the corpus has {} bytes; at least {} are needed for sequences of {seq}",
+            spec.corpus.len(),
+            seq + 2
+        )));
+    }
+    Ok(())
+}
+
+/// Trains one stage of the pipelined GPT on this rank.
+fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport> {
+    let device = Device::flex().autodiff();
+    let rank = comm.rank();
+    let world = comm.world_size();
+    let layers = Gpt::new(spec.shape, spec.seed, &device).into_layers();
+    let mut engine =
+        PipelineEngine::new(layers, spec.config.clone(), comm.clone(), device.clone())?;
+    let batch = engine.batch();
+    let topo = engine.topology();
+    let replica = engine.replica();
+    let seq = spec.shape.seq_len;
+    let micro = batch.train_micro_batch_size_per_gpu as usize;
+    let progress = TrainProgress::new(if spec.progress { rank } else { usize::MAX }, spec.steps);
+    let inner = device.clone().inner();
+    let mut losses = Vec::with_capacity(spec.steps as usize);
+    let (mut compute, mut scheduled, mut live) = (0.0f64, 0.0f64, 0usize);
+    let start = Instant::now();
+    for step in 0..spec.steps {
+        // Replica d's micro-batch k holds the rows a data-parallel rank d would train on.
+        let report = engine.train_batch(|k| {
+            let first = (k as u64 * topo.replicas as u64 + replica as u64) * micro as u64;
+            spec.corpus.batch(step, first, micro, seq, &inner)
+        })?;
+        losses.push(report.loss);
+        compute += report.compute_time.as_secs_f64();
+        scheduled += report.schedule_time.as_secs_f64();
+        live = live.max(report.peak_live_activations);
+        let tokens = (step + 1) * batch.train_batch_size * seq as u64;
+        progress.update(
+            step + 1,
+            report.loss,
+            tokens as f64 / start.elapsed().as_secs_f64(),
+        );
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    progress.finish();
+    let state = engine.model_state_bytes();
+    let figures = gather_figures(
+        comm.as_ref(),
+        RankFigures {
+            sent: engine.bytes_sent(),
+            state,
+            peak_state: state,
+            rss: peak_rss_bytes(),
+            bubble: if scheduled > 0.0 {
+                1.0 - compute / scheduled
+            } else {
+                0.0
+            },
+            live_activations: live as u64,
+        },
+    )?;
+    Ok(RunReport {
+        world,
+        backend: comm.backend().to_string(),
+        zero_stage: engine.config().zero_optimization.stage.into(),
+        params: engine.total_params(),
+        steps: spec.steps,
+        losses,
+        tokens_per_s: (spec.steps * batch.train_batch_size * seq as u64) as f64 / elapsed,
+        train_batch_size: batch.train_batch_size,
+        gradient_accumulation_steps: batch.gradient_accumulation_steps,
+        model_state_bytes_per_rank: figures.iter().map(|f| f.state).max().unwrap_or(0),
+        peak_model_state_bytes_per_rank: figures.iter().map(|f| f.peak_state).max().unwrap_or(0),
+        comm_bytes_per_rank: figures.iter().map(|f| f.sent).collect(),
+        peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
+        pipeline_stages: topo.stages,
+        data_parallel: topo.replicas,
+        bubble_fraction: Some(figures.iter().map(|f| f.bubble).sum::<f64>() / world as f64),
+        peak_live_activations_per_stage: Some(
+            (0..topo.stages)
+                .map(|s| figures[topo.rank_of(s, 0)].live_activations as usize)
+                .collect(),
+        ),
+    })
+}
+
+/// One rank's end-of-run figures.
+struct RankFigures {
+    sent: u64,
+    state: u64,
+    peak_state: u64,
+    rss: u64,
+    bubble: f64,
+    live_activations: u64,
+}
+
+/// Every rank's figures, in rank order (moved as little-endian bytes: the communicator
+/// moves u8).
+fn gather_figures(comm: &dyn Communicator, mine: RankFigures) -> Result<Vec<RankFigures>> {
+    let words = [
+        mine.sent,
+        mine.state,
+        mine.peak_state,
+        mine.rss,
+        mine.bubble.to_bits(),
+        mine.live_activations,
+    ];
+    let bytes: Vec<u8> = words.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut all = vec![0u8; bytes.len() * comm.world_size()];
+    comm.all_gather_equal(&bytes, &mut all)?;
+    Ok(all
+        .chunks(bytes.len())
+        .map(|c| {
+            let v = |i: usize| u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+            RankFigures {
+                sent: v(0),
+                state: v(1),
+                peak_state: v(2),
+                rss: v(3),
+                bubble: f64::from_bits(v(4)),
+                live_activations: v(5),
+            }
+        })
+        .collect())
 }
 
 /// The process's peak resident set size (`VmHWM`), or 0 where `/proc` is unavailable.

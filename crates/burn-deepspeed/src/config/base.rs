@@ -288,14 +288,13 @@ impl DeepSpeedConfig {
                 }
             }
         }
-        if self
-            .pipeline
-            .as_ref()
-            .and_then(|p| p.stage_count())
-            .unwrap_or(1)
-            > 1
+        if let Some(p) = &self.pipeline
+            && p.activation_checkpoint_interval > 0
         {
-            add("pipeline.stages", refused);
+            add(
+                "pipeline.activation_checkpoint_interval",
+                "activation checkpointing is not implemented yet; ignored",
+            );
         }
         if self.progressive_layer_drop.enabled {
             add("progressive_layer_drop.enabled", refused);

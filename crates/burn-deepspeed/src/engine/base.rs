@@ -274,29 +274,11 @@ where
 
 /// Refuses settings that would change the math and that this version does not run yet.
 pub(crate) fn refuse_unsupported(config: &DeepSpeedConfig) -> Result<()> {
-    let refuse = |key: &str, reason: &str| {
-        Err(DeepSpeedError::Unsupported {
-            key: key.into(),
-            reason: reason.into(),
-        })
-    };
     if config.zero_optimization.stage != ZeroStage::Disabled {
-        return refuse(
+        return Err(unsupported(
             "zero_optimization.stage",
             "this version runs ZeRO stage 0 (data parallelism); set the stage to 0",
-        );
-    }
-    if config.fp16.enabled {
-        return refuse(
-            "fp16.enabled",
-            "mixed precision is not implemented yet; train in fp32",
-        );
-    }
-    if config.bf16.enabled {
-        return refuse(
-            "bf16.enabled",
-            "mixed precision is not implemented yet; train in fp32",
-        );
+        ));
     }
     if config
         .pipeline
@@ -305,18 +287,43 @@ pub(crate) fn refuse_unsupported(config: &DeepSpeedConfig) -> Result<()> {
         .unwrap_or(1)
         > 1
     {
-        return refuse(
+        return Err(unsupported(
             "pipeline.stages",
-            "pipeline parallelism is not implemented yet",
-        );
+            "DeepSpeedEngine is data-parallel only; train a pipeline with \
+             `burn_deepspeed::pipe::PipelineEngine`",
+        ));
+    }
+    refuse_unsupported_precision_and_pld(config)
+}
+
+/// The refusals every engine shares: mixed precision and progressive layer dropping.
+pub(crate) fn refuse_unsupported_precision_and_pld(config: &DeepSpeedConfig) -> Result<()> {
+    if config.fp16.enabled {
+        return Err(unsupported(
+            "fp16.enabled",
+            "mixed precision is not implemented yet; train in fp32",
+        ));
+    }
+    if config.bf16.enabled {
+        return Err(unsupported(
+            "bf16.enabled",
+            "mixed precision is not implemented yet; train in fp32",
+        ));
     }
     if config.progressive_layer_drop.enabled {
-        return refuse(
+        return Err(unsupported(
             "progressive_layer_drop.enabled",
             "progressive layer dropping is not implemented yet",
-        );
+        ));
     }
     Ok(())
+}
+
+pub(crate) fn unsupported(key: &str, reason: &str) -> DeepSpeedError {
+    DeepSpeedError::Unsupported {
+        key: key.into(),
+        reason: reason.into(),
+    }
 }
 
 impl StepLoss for burn::train::ClassificationOutput {

@@ -95,6 +95,14 @@ impl GradientSync {
     /// norm, returns it as [`GradientsParams`] with the norm before clipping, and clears the
     /// buffer.
     pub fn reduce<M: Module>(&mut self, module: &M) -> Result<(GradientsParams, f64)> {
+        self.average()?;
+        let norm = clip_global_norm(&mut self.flat, self.clip);
+        Ok((self.take(module), norm))
+    }
+
+    /// Averages the accumulated gradient over ranks and micro-batches in place (bucketed
+    /// all-reduce), without clipping. Follow with [`take`](Self::take).
+    pub fn average(&mut self) -> Result<()> {
         if self.comm.world_size() > 1 {
             // A parameter gets a gradient when any rank produced one.
             self.comm.all_reduce(&mut self.present, ReduceOp::Max)?;
@@ -107,13 +115,26 @@ impl GradientSync {
                 predivide_factor: self.predivide,
                 gradient_accumulation_steps: self.micro_steps.max(1),
             },
-        )?;
-        let norm = clip_global_norm(&mut self.flat, self.clip);
+        )
+    }
+
+    /// The flat gradient buffer (in [`layout`](Self::layout) order).
+    pub fn flat_mut(&mut self) -> &mut [f32] {
+        &mut self.flat
+    }
+
+    /// The configured clipping threshold (`gradient_clipping`; 0 disables it).
+    pub fn clip_threshold(&self) -> f64 {
+        self.clip
+    }
+
+    /// The buffer as [`GradientsParams`] of `module`; clears the buffer.
+    pub fn take<M: Module>(&mut self, module: &M) -> GradientsParams {
         let device = self.device.clone().unwrap_or_default();
         let grads = grads_from_flat(module, &self.layout, &self.flat, &self.present, &device);
         self.flat.iter_mut().for_each(|g| *g = 0.0);
         self.micro_steps = 0;
-        Ok((grads, norm))
+        grads
     }
 
     /// Clears the per-parameter gradient marks (after the optimizer has consumed them).

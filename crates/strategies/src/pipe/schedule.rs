@@ -306,7 +306,7 @@ impl PipeSchedule for InferenceSchedule {
                 let mb = step as i64 - s as i64;
                 // Even stages receive into the step's parity and send from the other buffer;
                 // odd stages the opposite, so that neighbours' buffers line up.
-                let (recv, send) = if s % 2 == 0 {
+                let (recv, send) = if s.is_multiple_of(2) {
                     (step % 2, (step + 1) % 2)
                 } else {
                     ((step + 1) % 2, step % 2)
@@ -317,7 +317,7 @@ impl PipeSchedule for InferenceSchedule {
                 }
                 let send_cmd = (!last && valid(mb - 1)).then_some(SendActivation { buffer: send });
                 let recv_cmd = (!first && valid(mb)).then_some(RecvActivation { buffer: recv });
-                if s % 2 == 0 {
+                if s.is_multiple_of(2) {
                     cmds.extend(send_cmd);
                     cmds.extend(recv_cmd);
                 } else {

@@ -1,0 +1,265 @@
+//! The pipeline engine on a small MLP with tied input and output layers: every stage count
+//! and schedule follows the one-stage trajectory, and the tied copies stay equal.
+
+use std::sync::Arc;
+
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_deepspeed_strategies::comm::{Communicator, ThreadWorld, ThreadWorldOptions};
+
+use super::*;
+use crate::DeepSpeedConfig;
+use crate::engine::flat::{ParamLayout, params_to_flat};
+
+const D: usize = 6;
+
+#[derive(Module, Debug)]
+enum Toy {
+    In(Linear),
+    Mid(Linear),
+    Out(Linear),
+}
+
+#[derive(Debug, Clone)]
+struct ToyBatch {
+    x: Tensor<3>,
+    y: Tensor<3>,
+}
+
+impl PipeLayer<ToyBatch> for Toy {
+    fn forward(&self, input: LayerInput<'_, ToyBatch>) -> Tensor<3> {
+        match (self, input) {
+            (Toy::In(l), LayerInput::Batch(b)) => l.forward(b.x.clone()).tanh(),
+            (Toy::Mid(l), input) => l.forward(input.hidden("Mid")).tanh(),
+            (Toy::Out(l), input) => l.forward(input.hidden("Out")),
+            (Toy::In(_), LayerInput::Hidden(_)) => panic!("In must come first"),
+        }
+    }
+    fn type_name(&self) -> String {
+        format!("{self:?}")
+            .split('(')
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    }
+    fn tie_key(&self) -> Option<String> {
+        matches!(self, Toy::In(_) | Toy::Out(_)).then(|| "io".to_string())
+    }
+}
+
+impl PipeBatch for ToyBatch {
+    fn loss(&self, out: Tensor<3>) -> Tensor<1> {
+        (out - self.y.clone()).powf_scalar(2.0).mean()
+    }
+}
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0) - 1.0)
+        .collect()
+}
+
+fn linear(seed: u64, device: &Device) -> Linear {
+    let w = values(D * D, seed)
+        .into_iter()
+        .map(|v| v * 0.5)
+        .collect::<Vec<_>>();
+    Linear {
+        weight: Param::from_tensor(Tensor::from_data(TensorData::new(w, [D, D]), device)),
+        bias: Some(Param::from_tensor(Tensor::from_data(
+            TensorData::new(values(D, seed + 1), [D]),
+            device,
+        ))),
+    }
+}
+
+/// The same values in every call. In and Out start different: the engine makes the tied
+/// copies equal (to In's).
+fn toy_layers(device: &Device) -> Vec<Toy> {
+    vec![
+        Toy::In(linear(1, device)),
+        Toy::Mid(linear(2, device)),
+        Toy::Mid(linear(3, device)),
+        Toy::Out(linear(4, device)),
+    ]
+}
+
+fn batch(step: u64, k: usize, replica: usize, device: &Device) -> ToyBatch {
+    let seed = step * 1000 + (k * 8 + replica) as u64;
+    let t = |s| Tensor::from_data(TensorData::new(values(2 * 3 * D, s), [2, 3, D]), device);
+    ToyBatch {
+        x: t(seed),
+        y: t(seed + 500),
+    }
+}
+
+struct Outcome {
+    losses: Vec<f64>,
+    /// (stage, flat parameters of each of its layers).
+    layers: Vec<(usize, Vec<Vec<f32>>)>,
+    peak_live: Vec<usize>,
+}
+
+/// Trains the toy for `steps` on `stages x replicas` thread ranks. Every rank builds the same
+/// initial layers (rank 0's values are broadcast as Burn's init is random per process).
+fn train(stages: usize, replicas: usize, kind: ScheduleKind, steps: u64) -> Outcome {
+    let config = DeepSpeedConfig::from_json_str(&format!(
+        r#"{{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+            "gradient_clipping": 0.5, "pipeline": {{"stages": {stages}, "partition": "uniform"}},
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}}}}"#
+    ))
+    .expect("valid")
+    .0;
+    let device = Device::flex().autodiff();
+    let template = toy_layers(&device);
+    let results = ThreadWorld::run(
+        stages * replicas,
+        ThreadWorldOptions::default(),
+        |c| -> (Vec<f64>, usize, Vec<Vec<f32>>, usize) {
+            let comm: Arc<dyn Communicator> = Arc::new(c);
+            let device = Device::flex().autodiff();
+            let mut engine =
+                PipelineEngine::new(template.clone(), config.clone(), comm, device.clone())
+                    .expect("engine")
+                    .with_schedule(kind);
+            let replica = engine.replica();
+            let mut losses = Vec::new();
+            let mut peak = 0;
+            for step in 0..steps {
+                let r = engine
+                    .train_batch(|k| batch(step, k, replica, &device))
+                    .expect("step");
+                losses.push(r.loss);
+                peak = peak.max(r.peak_live_activations);
+            }
+            let stage = engine.stage();
+            let flats = engine
+                .layers()
+                .iter()
+                .map(|l| params_to_flat(l, &ParamLayout::of(l)))
+                .collect();
+            (losses, stage, flats, peak)
+        },
+    );
+    let results: Vec<_> = results.into_iter().map(|r| r.expect("rank ok")).collect();
+    let mut peak_live = vec![0; stages];
+    for (_, s, _, p) in &results {
+        peak_live[*s] = peak_live[*s].max(*p);
+    }
+    Outcome {
+        losses: results[0].0.clone(),
+        layers: results.iter().map(|(_, s, f, _)| (*s, f.clone())).collect(),
+        peak_live,
+    }
+}
+
+fn max_rel(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / x.abs().max(1e-12))
+        .fold(0.0, f64::max)
+}
+
+fn tied_copies(o: &Outcome, stages: usize) -> (Vec<f32>, Vec<f32>) {
+    let first = o.layers.iter().find(|(s, _)| *s == 0).expect("stage 0");
+    let last = o
+        .layers
+        .iter()
+        .find(|(s, _)| *s == stages - 1)
+        .expect("last stage");
+    (first.1[0].clone(), last.1.last().expect("a layer").clone())
+}
+
+#[test]
+fn every_stage_count_follows_one_stage_and_tied_copies_stay_equal() {
+    let reference = train(1, 1, ScheduleKind::OneFOneB, 6);
+    let (a, b) = tied_copies(&reference, 1);
+    assert_eq!(a, b, "tied copies equal on one stage");
+    assert!(
+        reference.losses[5] < reference.losses[0],
+        "{:?}",
+        reference.losses
+    );
+    for stages in [2, 3, 4] {
+        let o = train(stages, 1, ScheduleKind::OneFOneB, 6);
+        let d = max_rel(&o.losses, &reference.losses);
+        assert!(d < 1e-5, "{stages} stages: {d} ({:?})", o.losses);
+        let (a, b) = tied_copies(&o, stages);
+        assert_eq!(a, b, "tied copies equal across {stages} stages");
+        for (s, &p) in o.peak_live.iter().enumerate() {
+            assert!(p <= (stages - s).min(4), "stage {s} held {p} activations");
+        }
+    }
+    // GPipe: same trajectory, all four micro-batches in flight on every stage.
+    let g = train(2, 1, ScheduleKind::GPipe, 6);
+    assert!(max_rel(&g.losses, &reference.losses) < 1e-5);
+    assert_eq!(g.peak_live, vec![4, 4]);
+}
+
+#[test]
+fn replicas_average_like_data_parallelism() {
+    // Two replicas see different data: the trajectory differs from one replica but is the
+    // same with one or two stages.
+    let one = train(1, 2, ScheduleKind::OneFOneB, 4);
+    let two = train(2, 2, ScheduleKind::OneFOneB, 4);
+    assert!(
+        max_rel(&one.losses, &two.losses) < 1e-5,
+        "{:?} {:?}",
+        one.losses,
+        two.losses
+    );
+    let single = train(1, 1, ScheduleKind::OneFOneB, 4);
+    assert!(max_rel(&one.losses, &single.losses) > 1e-4);
+}
+
+#[test]
+fn bad_layouts_are_refused() {
+    let device = Device::flex().autodiff();
+    let run = |json: &str, world: usize| -> String {
+        let config = DeepSpeedConfig::from_json_str(json).expect("valid").0;
+        let template = toy_layers(&device);
+        let out = ThreadWorld::run(world, ThreadWorldOptions::default(), |c| {
+            let comm: Arc<dyn Communicator> = Arc::new(c);
+            PipelineEngine::<Toy, ToyBatch>::new(
+                template.clone(),
+                config.clone(),
+                comm,
+                device.clone(),
+            )
+            .err()
+            .map(|e| e.to_string())
+        });
+        out.into_iter()
+            .next()
+            .expect("rank 0")
+            .expect("no panic")
+            .expect("an error")
+    };
+    let base = r#""train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2"#;
+    let e = run(&format!(r#"{{{base}, "pipeline": {{"stages": 4}}}}"#), 6);
+    assert!(
+        e.contains("6 ranks cannot be split into 4 pipeline stages"),
+        "{e}"
+    );
+    let e = run(&format!(r#"{{{base}, "pipeline": {{"stages": 5}}}}"#), 5);
+    assert!(e.contains("4 layers cannot fill 5 stages"), "{e}");
+    let e = run(
+        &format!(r#"{{{base}, "pipeline": {{"stages": "auto"}}}}"#),
+        2,
+    );
+    assert!(e.contains("pipeline.stages"), "{e}");
+    let e = run(
+        &format!(r#"{{{base}, "pipeline": {{"stages": 2}}, "zero_optimization": {{"stage": 2}}}}"#),
+        2,
+    );
+    assert!(
+        e.contains("cannot be combined with pipeline parallelism"),
+        "{e}"
+    );
+    let e = run(
+        &format!(r#"{{{base}, "pipeline": {{"stages": 2, "partition": "type:conv"}}}}"#),
+        2,
+    );
+    assert!(e.contains("matches none of the layer types"), "{e}");
+}

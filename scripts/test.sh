@@ -42,3 +42,20 @@ ok = len(a["losses"]) == len(b["losses"]) == 4 and worst <= 1e-4
 print("mpi gpt parity: 1 passed, 0 failed" if ok else "mpi gpt parity: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+
+# The pipelined GPT ((pp, dp) = (2, 2)) under mpirun -n 4 prints the same losses as in threads.
+args=(--config examples/gpt/configs/pipeline.json --steps 3 --seed 7 --json)
+"$gpt" --ranks 4 "${args[@]}" | tail -n 1 > "$out/pipe-threads.json"
+mpirun -n 4 "$gpt" "${args[@]}" | tail -n 1 > "$out/pipe-mpi.json"
+python3 - "$out/pipe-threads.json" "$out/pipe-mpi.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+assert a["backend"] == "threads" and b["backend"] == "mpi", (a["backend"], b["backend"])
+grid = [(r["pipeline_stages"], r["data_parallel"]) for r in (a, b)]
+assert grid == [(2, 2), (2, 2)], grid
+worst = max(abs(x - y) / abs(x) for x, y in zip(a["losses"], b["losses"]))
+print(f"pipelined gpt threads vs mpirun -n 4: losses {a['losses']} vs {b['losses']}, max rel diff {worst:.2e}")
+ok = len(a["losses"]) == len(b["losses"]) == 3 and worst <= 1e-4
+print("mpi pipeline parity: 1 passed, 0 failed" if ok else "mpi pipeline parity: 0 passed, 1 failed")
+sys.exit(0 if ok else 1)
+PY

@@ -3,11 +3,14 @@
 
 use std::time::Duration;
 
+mod common;
+
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
+use common::max_rel_diff;
 
 const SHAPE: GptShape = GptShape {
     d_model: 64,
@@ -28,31 +31,7 @@ fn config(extra: &str) -> DeepSpeedConfig {
 }
 
 fn train(ranks: usize, config: DeepSpeedConfig, steps: u64) -> RunReport {
-    let spec = RunSpec {
-        config,
-        shape: SHAPE,
-        steps,
-        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 11),
-        seed: 3,
-        progress: false,
-    };
-    let (_, reports) = launch(ranks, Duration::from_secs(120), |comm| {
-        run_rank(&spec, comm)
-    })
-    .expect("training runs");
-    let first = reports[0].clone();
-    for r in &reports {
-        assert_eq!(r.losses, first.losses, "every rank reports the same losses");
-    }
-    first
-}
-
-fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / x.abs())
-        .fold(0.0, f64::max)
+    common::train(ranks, &common::spec(config, SHAPE, steps, 11, 3))
 }
 
 #[test]

@@ -232,6 +232,7 @@ pub enum GptLayer {
     Head(GptHead),
 }
 
+// ANCHOR: pipe_layer
 impl PipeLayer<GptBatch> for GptLayer {
     fn forward(&self, input: LayerInput<'_, GptBatch>) -> Tensor<3> {
         match (self, input) {
@@ -263,6 +264,7 @@ impl PipeBatch for GptBatch {
         self.cross_entropy(logits).0
     }
 }
+// ANCHOR_END: pipe_layer
 
 /// Additive causal mask `[1, 1, t, t]`: 0 on and below the diagonal, −1e9 above.
 fn causal_mask(t: usize, device: &Device) -> Tensor<4> {

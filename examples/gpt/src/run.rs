@@ -170,6 +170,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
     let device = Device::flex().autodiff();
     let rank = comm.rank();
     let world = comm.world_size();
+    // ANCHOR: pipe_loop
     let layers = Gpt::new(spec.shape, spec.seed, &device).into_layers();
     let mut engine =
         PipelineEngine::new(layers, spec.config.clone(), comm.clone(), device.clone())?;
@@ -189,6 +190,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
             let first = (k as u64 * topo.replicas as u64 + replica as u64) * micro as u64;
             spec.corpus.batch(step, first, micro, seq, &inner)
         })?;
+        // ANCHOR_END: pipe_loop
         losses.push(report.loss);
         compute += report.compute_time.as_secs_f64();
         scheduled += report.schedule_time.as_secs_f64();

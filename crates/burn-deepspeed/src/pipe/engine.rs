@@ -10,7 +10,8 @@ use burn::tensor::{Device, Tensor};
 use burn_deepspeed_strategies::CommError;
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::pipe::{
-    PartitionMethod, PipeDataTopology, PipeInstruction, ScheduleKind,
+    InferenceSchedule, PartitionMethod, PipeDataTopology, PipeInstruction, PipeSchedule,
+    ScheduleKind,
 };
 use serde::Serialize;
 
@@ -373,6 +374,68 @@ where
             schedule_time,
             compute_time: compute,
         })
+    }
+
+    /// Mean loss of `gradient_accumulation_steps` micro-batches per replica without training
+    /// (DeepSpeed's `eval_batch`, on its [`InferenceSchedule`]); every rank gets the mean over
+    /// all replicas. `load` is called as in [`train_batch`](Self::train_batch).
+    pub fn eval_batch(&mut self, mut load: impl FnMut(usize) -> B) -> Result<f64> {
+        let stages = self.topo.stages;
+        let micro = self.batch.gradient_accumulation_steps as usize;
+        let last = self.stage == stages - 1;
+        let schedule = InferenceSchedule::new(micro, stages, self.stage);
+        let mut slots: Vec<Slot<B>> = (0..schedule.num_pipe_buffers())
+            .map(|_| Slot::default())
+            .collect();
+        let (mut loaded, mut loss_sum) = (0usize, 0.0f64);
+        for inst in schedule.steps().into_iter().flatten() {
+            match inst {
+                PipeInstruction::LoadMicroBatch { buffer } => {
+                    slots[buffer].batch = Some(load(loaded));
+                    loaded += 1;
+                }
+                PipeInstruction::RecvActivation { buffer } => {
+                    slots[buffer].input = Some(wire::recv(
+                        self.pipe.as_ref(),
+                        self.stage - 1,
+                        TAG_ACTIVATION,
+                        &self.device,
+                    )?);
+                }
+                PipeInstruction::ForwardPass { buffer } => {
+                    let slot = &mut slots[buffer];
+                    let y = self.forward_stage(slot)?.detach();
+                    if last {
+                        let batch = slot.batch.take().ok_or_else(|| {
+                            pipeline_error("the last stage has no micro-batch loaded".into())
+                        })?;
+                        loss_sum += batch.loss(y).into_scalar::<f32>() as f64;
+                    } else {
+                        slot.output = Some(y);
+                    }
+                    slot.input = None;
+                }
+                PipeInstruction::SendActivation { buffer } => {
+                    let y = slots[buffer].output.take().ok_or_else(|| {
+                        pipeline_error(format!("no activation in buffer {buffer} to send"))
+                    })?;
+                    wire::send(self.pipe.as_ref(), &y, self.stage + 1, TAG_ACTIVATION)?;
+                }
+                other => {
+                    return Err(pipeline_error(format!(
+                        "`{other}` in an inference schedule"
+                    )));
+                }
+            }
+        }
+        let mut loss = [(loss_sum / micro as f64) as f32];
+        if last && self.data.world_size() > 1 {
+            self.data.all_reduce(&mut loss, ReduceOp::Mean)?;
+        }
+        if stages > 1 {
+            self.pipe.broadcast(&mut loss, stages - 1)?;
+        }
+        Ok(loss[0] as f64)
     }
 
     /// Runs this stage's layers on a slot's input.

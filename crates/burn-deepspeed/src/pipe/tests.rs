@@ -126,6 +126,10 @@ fn train(stages: usize, replicas: usize, kind: ScheduleKind, steps: u64) -> Outc
             let replica = engine.replica();
             let mut losses = Vec::new();
             let mut peak = 0;
+            // Evaluation of step 0's batch before training equals step 0's training loss.
+            let eval = engine
+                .eval_batch(|k| batch(0, k, replica, &device))
+                .expect("eval");
             for step in 0..steps {
                 let r = engine
                     .train_batch(|k| batch(step, k, replica, &device))
@@ -133,6 +137,11 @@ fn train(stages: usize, replicas: usize, kind: ScheduleKind, steps: u64) -> Outc
                 losses.push(r.loss);
                 peak = peak.max(r.peak_live_activations);
             }
+            assert!(
+                (eval - losses[0]).abs() <= 1e-6 * losses[0].abs(),
+                "eval {eval} vs first training loss {}",
+                losses[0]
+            );
             let stage = engine.stage();
             let flats = engine
                 .layers()

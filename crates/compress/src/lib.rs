@@ -1,8 +1,10 @@
 //! Compressors for communication-efficient training (no communication here).
 //!
-//! Today: the error-feedback 1-bit compressor of 1-bit Adam (arXiv 2102.02888), a plain-Rust
-//! reference that the compressed all-reduce and the optimizers build on.
+//! The error-feedback 1-bit compressor of 1-bit Adam (arXiv 2102.02888), which the
+//! compressed all-reduce and the 1-bit optimizers build on, and the schedule of Progressive
+//! Layer Dropping (arXiv 2010.13369).
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod onebit;
+pub mod pld;

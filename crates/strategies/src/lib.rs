@@ -1,5 +1,6 @@
 //! Parallel-training strategies for burn-deepspeed: the [`Communicator`](comm::Communicator)
-//! that SPMD ranks talk through, and the gradient bucketing of data parallelism.
+//! that SPMD ranks talk through, the gradient bucketing of data parallelism, pipeline plans,
+//! and the error-compensated 1-bit all-reduce.
 //!
 //! Ranks are SPMD, as in DeepSpeed: every rank runs the same program and calls the same
 //! collectives in the same order. Three worlds implement [`comm::Communicator`]: in-process
@@ -10,6 +11,7 @@
 
 pub mod bucket;
 pub mod comm;
+pub mod compressed;
 mod error;
 pub mod pipe;
 

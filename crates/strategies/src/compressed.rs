@@ -103,29 +103,30 @@ pub fn compressed_all_reduce(
     Ok(())
 }
 
+/// A dense, serial f64 simulation of [`compressed_all_reduce`] over every rank (DeepSpeed's
+/// `torch_sim` oracle), for tests.
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::comm::{ThreadWorld, ThreadWorldOptions};
-
-    fn input(rank: usize, n: usize, round: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let v = ((i * 31 + rank * 17 + round * 7) % 41) as f32 - 20.0;
-                v / 8.0 + rank as f32 * 0.1
-            })
-            .collect()
-    }
+pub(crate) mod reference {
+    use super::padded_len;
 
     /// DeepSpeed's dense simulation: every rank compresses x + error densely, the results are
     /// averaged, and each server chunk is compressed with its own error; all in f64.
-    struct Dense {
-        worker: Vec<Vec<f64>>,
-        server: Vec<f64>,
+    pub(crate) struct Dense {
+        pub(crate) worker: Vec<Vec<f64>>,
+        pub(crate) server: Vec<f64>,
     }
 
     impl Dense {
-        fn step(&mut self, inputs: &[Vec<f32>], n: usize) -> Vec<f64> {
+        pub(crate) fn new(n: usize, world: usize) -> Self {
+            let padded = padded_len(n, world);
+            Self {
+                worker: vec![vec![0.0; padded]; world],
+                server: vec![0.0; padded],
+            }
+        }
+
+        /// The reduced vector (the same on every rank) of one call with these inputs.
+        pub(crate) fn step(&mut self, inputs: &[Vec<f32>], n: usize) -> Vec<f64> {
             let world = inputs.len();
             let padded = padded_len(n, world);
             let chunk = padded / world;
@@ -154,6 +155,22 @@ mod tests {
             out.truncate(n);
             out
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reference::Dense;
+    use super::*;
+    use crate::comm::{ThreadWorld, ThreadWorldOptions};
+
+    fn input(rank: usize, n: usize, round: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let v = ((i * 31 + rank * 17 + round * 7) % 41) as f32 - 20.0;
+                v / 8.0 + rank as f32 * 0.1
+            })
+            .collect()
     }
 
     #[test]
@@ -190,10 +207,7 @@ mod tests {
                 });
                 let results: Vec<_> = results.into_iter().map(|r| r.expect("rank")).collect();
                 let padded = padded_len(n, world);
-                let mut dense = Dense {
-                    worker: vec![vec![0.0; padded]; world],
-                    server: vec![0.0; padded],
-                };
+                let mut dense = Dense::new(n, world);
                 for round in 0..rounds {
                     let inputs: Vec<Vec<f32>> = (0..world).map(|r| input(r, n, round)).collect();
                     let want = dense.step(&inputs, n);

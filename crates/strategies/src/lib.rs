@@ -13,6 +13,7 @@ pub mod bucket;
 pub mod comm;
 pub mod compressed;
 mod error;
+pub mod onebit_adam;
 pub mod pipe;
 
 pub use error::*;

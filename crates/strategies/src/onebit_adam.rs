@@ -92,14 +92,10 @@ impl OneBitAdam {
             (self.m.len(), self.v.len()),
             "state lengths"
         );
-        let (n, world) = (
-            self.m.len(),
-            self.errors.worker.len() / self.errors.server.len().max(1),
-        );
+        self.errors = CompressionErrors::new(m.len(), self.world);
         self.m = m;
         self.v = v;
         self.step = step;
-        self.errors = CompressionErrors::new(n, world.max(1));
     }
 
     /// One step. `grad` is this rank's local gradient (not reduced; it is overwritten), `lr`
@@ -220,6 +216,21 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn restore_keeps_the_phase_and_zeroes_the_errors() {
+        let cfg = OneBitAdamConfig {
+            freeze_step: 2,
+            ..OneBitAdamConfig::default()
+        };
+        let mut opt = OneBitAdam::new(N, 2, cfg);
+        opt.errors.worker[0] = 1.0;
+        opt.restore(vec![0.1; N], vec![0.2; N], 5);
+        assert!(opt.compressing());
+        assert_eq!(opt.steps(), 5);
+        assert_eq!(opt.momentum(), &[0.1; N][..]);
+        assert_eq!(opt.errors, CompressionErrors::new(N, 2));
     }
 
     #[test]

@@ -8,9 +8,8 @@ mod common;
 
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::launch::launch;
-use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::GptShape;
-use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
+use burn_deepspeed_example_gpt::run::{RunReport, run_rank};
 use common::max_rel_diff;
 
 /// Four pipeline layers: the embeddings, two blocks, the head.
@@ -81,14 +80,7 @@ fn every_grid_follows_the_single_rank_run() {
 
 #[test]
 fn a_failing_stage_fails_the_pipeline_instead_of_hanging() {
-    let spec = RunSpec {
-        config: config(Some(2), 1, ""),
-        shape: SHAPE,
-        steps: 3,
-        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 1),
-        seed: 1,
-        progress: false,
-    };
+    let spec = common::spec(config(Some(2), 1, ""), SHAPE, 3, 1, 1);
     let start = std::time::Instant::now();
     let result = launch(2, Duration::from_secs(60), |comm| {
         if comm.rank() == 1 {
@@ -103,14 +95,13 @@ fn a_failing_stage_fails_the_pipeline_instead_of_hanging() {
 
 #[test]
 fn zero_stage_2_with_a_pipeline_is_refused_with_the_reason() {
-    let spec = RunSpec {
-        config: config(Some(2), 1, r#", "zero_optimization": {"stage": 2}"#),
-        shape: SHAPE,
-        steps: 1,
-        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 1),
-        seed: 1,
-        progress: false,
-    };
+    let spec = common::spec(
+        config(Some(2), 1, r#", "zero_optimization": {"stage": 2}"#),
+        SHAPE,
+        1,
+        1,
+        1,
+    );
     let err = launch(2, Duration::from_secs(30), |comm| run_rank(&spec, comm))
         .expect_err("refused")
         .to_string();

@@ -13,8 +13,8 @@ use serde_json::Value;
 use super::serde_util::{count, opt_count};
 use super::{
     ActivationCheckpointingConfig, BatchSizes, Bf16Config, FlopsProfilerConfig, Fp16Config,
-    OptimizerConfig, PipelineConfig, PldConfig, SchedulerConfig, ZeroConfig, ZeroStage,
-    resolve_batch,
+    OptimizerConfig, OptimizerKind, PipelineConfig, PldConfig, SchedulerConfig, ZeroConfig,
+    ZeroStage, resolve_batch,
 };
 use crate::{DeepSpeedError, Result};
 
@@ -159,6 +159,27 @@ const UNIMPLEMENTED_KEYS: &[&str] = &[
 ];
 
 impl DeepSpeedConfig {
+    /// Learning rate of optimizer step `step` (0-based): the scheduler's, from the optimizer's
+    /// `lr` (1e-3 when unset).
+    pub fn lr_at(&self, step: u64) -> f64 {
+        let base = self
+            .optimizer
+            .as_ref()
+            .and_then(|o| o.params.lr)
+            .unwrap_or(1e-3);
+        match &self.scheduler {
+            Some(s) => s.lr_at(step, base),
+            None => base,
+        }
+    }
+
+    /// The optimizer type (AdamW when the config has no optimizer section).
+    pub fn optimizer_kind(&self) -> OptimizerKind {
+        self.optimizer
+            .as_ref()
+            .map_or(OptimizerKind::AdamW, |o| o.kind)
+    }
+
     /// Parses a `ds_config.json` text. Unknown keys are errors that name the key and the
     /// closest known one; DeepSpeed keys not implemented here load with a warning.
     pub fn from_json_str(text: &str) -> Result<(Self, Vec<ConfigWarning>)> {

@@ -13,7 +13,7 @@ use serde::Serialize;
 use super::memory::{MemoryLedger, ModelStateBytes};
 use super::optim::{build_optimizer, state_tensors_per_param};
 use super::sync::GradientSync;
-use crate::config::{BatchSizes, DeepSpeedConfig, OptimizerKind, ZeroStage};
+use crate::config::{BatchSizes, DeepSpeedConfig, ZeroStage};
 use crate::{DeepSpeedError, Result};
 
 /// What the engine reads from a training step's output: the micro-batch's mean loss.
@@ -153,7 +153,7 @@ where
             .map(|(s, _)| s.numel)
             .sum();
         self.params_with_state = self.params_with_state.max(with_state);
-        let kind = self.optimizer_kind();
+        let kind = self.config.optimizer_kind();
         let state = (4 * state_tensors_per_param(kind) * self.params_with_state) as u64;
         self.ledger.update(|m| m.optimizer = state);
         // The peak of the step: the optimizer state is written while the rebuilt gradients
@@ -211,23 +211,7 @@ where
 
     /// Learning rate of optimizer step `step` (0-based).
     pub fn lr_at(&self, step: u64) -> f64 {
-        let base = self
-            .config
-            .optimizer
-            .as_ref()
-            .and_then(|o| o.params.lr)
-            .unwrap_or(1e-3);
-        match &self.config.scheduler {
-            Some(s) => s.lr_at(step, base),
-            None => base,
-        }
-    }
-
-    fn optimizer_kind(&self) -> OptimizerKind {
-        self.config
-            .optimizer
-            .as_ref()
-            .map_or(OptimizerKind::AdamW, |o| o.kind)
+        self.config.lr_at(step)
     }
 
     /// The model (identical on every rank after each step).

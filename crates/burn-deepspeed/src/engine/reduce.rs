@@ -58,6 +58,14 @@ pub fn global_norm(flat: &[f32]) -> f64 {
 /// `max_norm / (norm + 1e-6)` when below 1). Returns the norm before clipping.
 pub fn clip_global_norm(flat: &mut [f32], max_norm: f64) -> f64 {
     let norm = global_norm(flat);
+    scale_to_norm(flat, norm, max_norm);
+    norm
+}
+
+/// Scales `flat`, whose norm (possibly over several ranks' buffers) is `norm`, so that the
+/// norm is at most `max_norm` (DeepSpeed: coefficient `max_norm / (norm + 1e-6)` when below
+/// 1; `max_norm` 0 disables clipping).
+pub fn scale_to_norm(flat: &mut [f32], norm: f64, max_norm: f64) {
     if max_norm > 0.0 {
         let coef = max_norm / (norm + 1e-6);
         if coef < 1.0 {
@@ -65,7 +73,6 @@ pub fn clip_global_norm(flat: &mut [f32], max_norm: f64) -> f64 {
             flat.iter_mut().for_each(|g| *g *= c);
         }
     }
-    norm
 }
 
 #[cfg(test)]

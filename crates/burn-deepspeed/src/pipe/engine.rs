@@ -18,8 +18,9 @@ use serde::Serialize;
 use super::layer::{LayerInput, PipeBatch, PipeLayer};
 use super::ties::{TiedGroup, find_ties};
 use super::wire::{self, TAG_ACTIVATION, TAG_GRADIENT};
-use crate::config::{BatchSizes, DeepSpeedConfig, OptimizerKind, PipelineStages, ZeroStage};
+use crate::config::{BatchSizes, DeepSpeedConfig, PipelineStages, ZeroStage};
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat};
+use crate::engine::reduce::scale_to_norm;
 use crate::engine::{
     GradientSync, build_optimizer, refuse_unsupported_precision_and_pld, state_tensors_per_param,
     unsupported,
@@ -501,46 +502,26 @@ where
     /// Returns the norm before clipping.
     fn clip(&mut self) -> Result<f64> {
         let threshold = self.sync.clip_threshold();
-        let mut skip = vec![false; self.sync.layout().numel];
-        for tie in &self.ties {
-            for r in tie.duplicates() {
-                skip[r.clone()].iter_mut().for_each(|s| *s = true);
-            }
-        }
         let flat = self.sync.flat_mut();
-        let local: f64 = flat
+        let square = |r: &[f32]| r.iter().map(|&g| g as f64 * g as f64).sum::<f64>();
+        let duplicates: f64 = self
+            .ties
             .iter()
-            .zip(&skip)
-            .filter(|(_, s)| !**s)
-            .map(|(&g, _)| g as f64 * g as f64)
+            .flat_map(|t| t.duplicates())
+            .map(|r| square(&flat[r.clone()]))
             .sum();
-        let mut sq = [local as f32];
+        let mut sq = [(square(flat) - duplicates) as f32];
         if self.topo.stages > 1 {
             self.pipe.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
-        let norm = (sq[0] as f64).sqrt();
-        if threshold > 0.0 {
-            let coef = threshold / (norm + 1e-6);
-            if coef < 1.0 {
-                let c = coef as f32;
-                flat.iter_mut().for_each(|g| *g *= c);
-            }
-        }
+        let norm = (sq[0].max(0.0) as f64).sqrt();
+        scale_to_norm(flat, norm, threshold);
         Ok(norm)
     }
 
     /// Learning rate of optimizer step `step` (0-based).
     pub fn lr_at(&self, step: u64) -> f64 {
-        let base = self
-            .config
-            .optimizer
-            .as_ref()
-            .and_then(|o| o.params.lr)
-            .unwrap_or(1e-3);
-        match &self.config.scheduler {
-            Some(s) => s.lr_at(step, base),
-            None => base,
-        }
+        self.config.lr_at(step)
     }
 
     /// This rank's stage.
@@ -589,11 +570,7 @@ where
     }
     /// Bytes of parameters, gradient buffer and optimizer state this rank holds (fp32).
     pub fn model_state_bytes(&self) -> u64 {
-        let kind = self
-            .config
-            .optimizer
-            .as_ref()
-            .map_or(OptimizerKind::AdamW, |o| o.kind);
+        let kind = self.config.optimizer_kind();
         (4 * (2 + state_tensors_per_param(kind)) * self.stage_params()) as u64
     }
     /// Bytes this rank sent over the world, pipeline and data-parallel communicators.

@@ -95,6 +95,8 @@ fn unsupported_settings_are_refused_with_the_key() {
         corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 1),
         seed: 1,
         progress: false,
+        save_dir: None,
+        resume_from: None,
     };
     let err = launch(1, Duration::from_secs(30), |comm| run_rank(&spec, comm))
         .expect_err("stage 2 is refused")
@@ -119,6 +121,8 @@ fn a_failing_rank_fails_the_run_instead_of_hanging() {
         corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 1),
         seed: 1,
         progress: false,
+        save_dir: None,
+        resume_from: None,
     };
     let start = std::time::Instant::now();
     let result = launch(2, Duration::from_secs(60), |comm| {

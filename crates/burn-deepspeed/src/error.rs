@@ -53,6 +53,9 @@ pub enum DeepSpeedError {
     /// A communication failure.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// A checkpoint cannot be written, or cannot be loaded into this engine.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     /// The training data cannot feed the configured batch.
     #[error("data: {0}")]
     Data(String),

@@ -19,6 +19,7 @@ pub mod pipe;
 pub mod progress;
 pub mod strategy;
 
+pub use burn_deepspeed_compress::pld;
 pub use burn_deepspeed_strategies::comm;
 pub use config::DeepSpeedConfig;
 pub use engine::{DeepSpeedEngine, StepLoss, StepReport};

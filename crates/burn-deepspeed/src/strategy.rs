@@ -28,7 +28,7 @@ use burn_deepspeed_strategies::comm::{
 
 use crate::DeepSpeedConfig;
 use crate::engine::GradientSync;
-use crate::engine::refuse_unsupported;
+use crate::engine::{refuse_unsupported, unsupported};
 use crate::launch::{launched_by_mpirun, mpi_world};
 
 /// A `SupervisedLearningStrategy` that trains with DeepSpeed-style data parallelism.
@@ -157,7 +157,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
         starting_epoch: usize,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
         let mut config = self.config.clone();
-        if let Err(e) = refuse_unsupported(&config) {
+        if let Err(e) = refuse_unsupported(&config).and_then(|_| refuse_in_strategy(&config)) {
             panic!("burn-deepspeed: {e}");
         }
         config.gradient_accumulation_steps = None;
@@ -289,4 +289,27 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
             Err(e) => panic!("burn-deepspeed: rank 0: {e}"),
         }
     }
+}
+
+/// What the engine runs but the Learner strategy cannot: the strategy steps the `Learner`'s
+/// own optimizer and calls the `Learner`'s model as it is.
+fn refuse_in_strategy(config: &DeepSpeedConfig) -> crate::Result<()> {
+    let kind = config.optimizer_kind();
+    if kind.is_one_bit() {
+        return Err(unsupported(
+            "optimizer.type",
+            &format!(
+                "the Learner strategy steps the Learner's own optimizer; {kind:?} runs in \
+                 `DeepSpeedEngine`"
+            ),
+        ));
+    }
+    if config.progressive_layer_drop.enabled {
+        return Err(unsupported(
+            "progressive_layer_drop.enabled",
+            "the Learner strategy cannot hand θ to the Learner's model; drive the model with \
+             `DeepSpeedEngine::pld_theta`",
+        ));
+    }
+    Ok(())
 }

@@ -53,6 +53,14 @@ pub enum CommError {
     /// A pipeline layout (stages, partition, topology) cannot be built as asked.
     #[error("pipeline: {0}")]
     Pipeline(String),
+    /// A 1-bit optimizer was given buffers, or a saved state, that do not fit it.
+    #[error("{optimizer}: {detail}")]
+    Optimizer {
+        /// Which optimizer.
+        optimizer: &'static str,
+        /// What does not fit.
+        detail: String,
+    },
     /// The MPI backend could not be used.
     #[error("MPI: {0}")]
     Mpi(String),

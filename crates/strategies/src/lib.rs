@@ -1,6 +1,6 @@
 //! Parallel-training strategies for burn-deepspeed: the [`Communicator`](comm::Communicator)
 //! that SPMD ranks talk through, the gradient bucketing of data parallelism, pipeline plans,
-//! and the error-compensated 1-bit all-reduce.
+//! the error-compensated 1-bit all-reduce and the 1-bit optimizers built on it.
 //!
 //! Ranks are SPMD, as in DeepSpeed: every rank runs the same program and calls the same
 //! collectives in the same order. Three worlds implement [`comm::Communicator`]: in-process
@@ -13,7 +13,7 @@ pub mod bucket;
 pub mod comm;
 pub mod compressed;
 mod error;
-pub mod onebit_adam;
+pub mod onebit;
 pub mod pipe;
 
 pub use error::*;

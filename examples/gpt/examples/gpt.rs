@@ -41,6 +41,12 @@ struct Args {
     /// Print a JSON summary as the last line of stdout.
     #[arg(long)]
     json: bool,
+    /// Save a checkpoint in this directory after the last step.
+    #[arg(long)]
+    save_dir: Option<std::path::PathBuf>,
+    /// Resume from the latest checkpoint in this directory (`--steps` counts from step 0).
+    #[arg(long)]
+    resume: Option<std::path::PathBuf>,
     /// Seconds a rank waits for the others before failing.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -75,6 +81,8 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         corpus: ByteCorpus::new(bytes, args.seed),
         seed: args.seed,
         progress: true,
+        save_dir: args.save_dir.clone(),
+        resume_from: args.resume.clone(),
     };
     // ANCHOR: launch
     let (_, reports) = launch(args.ranks, Duration::from_secs(args.timeout), |comm| {

@@ -55,6 +55,8 @@ fn run(ranks: usize, shape: GptShape, config: DeepSpeedConfig, steps: u64) -> Ru
         corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 3),
         seed: 1,
         progress: false,
+        save_dir: None,
+        resume_from: None,
     };
     let (_, reports) = launch(ranks, Duration::from_secs(600), |comm| {
         run_rank(&spec, comm)

@@ -79,6 +79,7 @@ fn batch_of_windows<'a>(
     }
     let make = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [n, seq_len]), device);
     GptBatch {
+        layer_drop: None,
         inputs: make(inputs),
         targets: make(targets),
     }

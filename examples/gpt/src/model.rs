@@ -8,6 +8,7 @@ use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_deepspeed::pipe::{LayerInput, PipeBatch, PipeLayer};
+use burn_deepspeed::pld::ProgressiveLayerDrop;
 
 /// Vocabulary: one token per byte.
 pub const VOCAB: usize = 256;
@@ -76,7 +77,9 @@ impl Block {
         }
     }
 
-    fn forward(&self, x: Tensor<3>, causal: Tensor<4>) -> Tensor<3> {
+    /// The block, with its two residual branches multiplied by `scale` (1/p_l for a block
+    /// kept by progressive layer dropping, else 1).
+    fn forward(&self, x: Tensor<3>, causal: Tensor<4>, scale: f64) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let h = self.heads;
         let dh = d / h;
@@ -91,11 +94,12 @@ impl Block {
         let scores = q.matmul(k.transpose()).div_scalar((dh as f64).sqrt()) + causal;
         let att = softmax(scores, 3).matmul(v);
         let att = att.swap_dims(1, 2).reshape([b, t, d]);
-        let x = x + self.attn_out.forward(att);
+        let branch = |y: Tensor<3>| if scale == 1.0 { y } else { y.mul_scalar(scale) };
+        let x = x + branch(self.attn_out.forward(att));
         let m = self
             .mlp_out
             .forward(gelu(self.mlp_in.forward(self.ln_mlp.forward(x.clone()))));
-        x + m
+        x + branch(m)
     }
 }
 
@@ -153,6 +157,31 @@ pub struct GptBatch {
     pub inputs: Tensor<2, Int>,
     /// The token after each input token.
     pub targets: Tensor<2, Int>,
+    /// Progressive layer dropping for this training micro-batch, if on.
+    pub layer_drop: Option<LayerDrop>,
+}
+
+/// Progressive layer dropping (arXiv 2010.13369) for one training micro-batch: the engine's
+/// θ(t) (`DeepSpeedEngine::pld_theta`), handed to the model in the batch the way DeepSpeed
+/// passes `pld_theta` to `forward`, and the seed of this micro-batch's draws.
+///
+/// Block l of L (1-based) is kept with probability p_l = 1 − (l/L)(1 − θ), the paper's
+/// schedule; a kept block's attention and MLP outputs are scaled by 1/p_l, a dropped block is
+/// the identity. Evaluation never drops.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerDrop {
+    /// θ(t), the keep probability of the last block.
+    pub theta: f64,
+    /// Seed of the keep/drop draws.
+    pub seed: u64,
+}
+
+impl GptBatch {
+    /// The batch with progressive layer dropping at `layer_drop`.
+    pub fn with_layer_drop(mut self, layer_drop: Option<LayerDrop>) -> Self {
+        self.layer_drop = layer_drop;
+        self
+    }
 }
 
 impl GptBatch {
@@ -192,19 +221,47 @@ impl Gpt {
         model.map(&mut GptInit::new(seed, shape.layers))
     }
 
-    /// Logits `[batch, seq, 256]`.
+    /// Logits `[batch, seq, 256]`, every block applied.
     pub fn forward(&self, inputs: Tensor<2, Int>) -> Tensor<3> {
+        self.forward_dropping(inputs, None)
+    }
+
+    /// Logits `[batch, seq, 256]`, with the blocks dropped and scaled as `layer_drop` draws
+    /// (see [`LayerDrop`]); `None` applies every block.
+    pub fn forward_dropping(
+        &self,
+        inputs: Tensor<2, Int>,
+        layer_drop: Option<LayerDrop>,
+    ) -> Tensor<3> {
         let mut x = self.embed.forward(inputs);
         let causal = causal_mask(x.dims()[1], &x.device());
-        for block in &self.blocks {
-            x = block.forward(x, causal.clone());
+        let keep = layer_drop.map(|d| {
+            (
+                ProgressiveLayerDrop::keep_probabilities(d.theta, self.blocks.len()),
+                SplitMix64::new(d.seed),
+            )
+        });
+        match keep {
+            None => {
+                for block in &self.blocks {
+                    x = block.forward(x, causal.clone(), 1.0);
+                }
+            }
+            Some((p, mut rng)) => {
+                for (block, p) in self.blocks.iter().zip(p) {
+                    if rng.uniform() < p {
+                        x = block.forward(x, causal.clone(), 1.0 / p);
+                    }
+                }
+            }
         }
         self.head.forward(x)
     }
 
     /// Mean next-token cross-entropy over the batch, with the logits and targets flattened.
+    /// Drops layers when the batch asks for it (training only: see [`InferenceStep`]).
     pub fn forward_loss(&self, batch: GptBatch) -> ClassificationOutput {
-        let logits = self.forward(batch.inputs.clone());
+        let logits = self.forward_dropping(batch.inputs.clone(), batch.layer_drop);
         let (loss, logits, targets) = batch.cross_entropy(logits);
         ClassificationOutput::new(loss, logits, targets)
     }
@@ -243,7 +300,7 @@ impl PipeLayer<GptBatch> for GptLayer {
             (GptLayer::Block(b), input) => {
                 let x = input.hidden("Block");
                 let causal = causal_mask(x.dims()[1], &x.device());
-                b.forward(x, causal)
+                b.forward(x, causal, 1.0)
             }
             (GptLayer::Head(h), input) => h.forward(input.hidden("Head")),
         }
@@ -290,7 +347,8 @@ impl InferenceStep for Gpt {
     type Output = ClassificationOutput;
 
     fn step(&self, batch: GptBatch) -> ClassificationOutput {
-        self.forward_loss(batch)
+        // Evaluation never drops layers.
+        self.forward_loss(batch.with_layer_drop(None))
     }
 }
 

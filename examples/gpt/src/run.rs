@@ -1,5 +1,6 @@
 //! The training driver of the example: one call per rank (SPMD).
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -7,11 +8,11 @@ use burn::tensor::Device;
 use burn_deepspeed::comm::{Communicator, CommunicatorExt};
 use burn_deepspeed::pipe::PipelineEngine;
 use burn_deepspeed::progress::TrainProgress;
-use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine, DeepSpeedError, Result};
+use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine, DeepSpeedError, Result, StepReport};
 use serde::Serialize;
 
 use crate::data::ByteCorpus;
-use crate::model::{Gpt, GptShape};
+use crate::model::{Gpt, GptShape, LayerDrop, SplitMix64};
 
 /// What one run trains.
 #[derive(Debug, Clone)]
@@ -28,6 +29,11 @@ pub struct RunSpec {
     pub seed: u64,
     /// Show the progress bar (rank 0).
     pub progress: bool,
+    /// Save a checkpoint here after the last step (data-parallel runs).
+    pub save_dir: Option<PathBuf>,
+    /// Resume from the latest checkpoint here (data-parallel runs); training continues at the
+    /// saved step, on the batches an uninterrupted run would see.
+    pub resume_from: Option<PathBuf>,
 }
 
 /// The JSON summary of a run.
@@ -43,7 +49,9 @@ pub struct RunReport {
     pub params: usize,
     /// Optimizer steps.
     pub steps: u64,
-    /// Global mean loss of each optimizer step.
+    /// The step training started at (non-zero after a resume).
+    pub first_step: u64,
+    /// Global mean loss of each optimizer step run.
     pub losses: Vec<f64>,
     /// Tokens per second over all ranks (wall clock of the whole run).
     pub tokens_per_s: f64,
@@ -58,6 +66,17 @@ pub struct RunReport {
     pub peak_model_state_bytes_per_rank: u64,
     /// Bytes each rank sent, in rank order.
     pub comm_bytes_per_rank: Vec<u64>,
+    /// Bytes rank 0 sent in each optimizer step (data-parallel runs).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub comm_bytes_per_step: Vec<u64>,
+    /// Steps that exchanged 1-bit compressed momenta instead of all-reducing gradients.
+    pub compressed_steps: u64,
+    /// Progressive layer dropping: θ of the last step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pld_theta: Option<f64>,
+    /// Seconds per sample over all ranks, for each step run (wall clock of the step).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub step_seconds_per_sample: Vec<f64>,
     /// Peak resident memory of the process (the largest over ranks' processes).
     pub peak_rss_bytes: u64,
     /// Pipeline stages (1 without pipeline parallelism).
@@ -92,31 +111,38 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     // ANCHOR: engine_loop
     let model = Gpt::new(spec.shape, spec.seed, &device);
     let mut engine = DeepSpeedEngine::new(model, spec.config.clone(), comm.clone())?;
+    if let Some(dir) = &spec.resume_from {
+        engine.load_checkpoint(dir, None)?;
+    }
     let batch = engine.batch();
     let seq = spec.shape.seq_len;
-    let micro = batch.train_micro_batch_size_per_gpu as usize;
     let gas = batch.gradient_accumulation_steps;
     let progress = TrainProgress::new(if spec.progress { rank } else { usize::MAX }, spec.steps);
     let inner = device.clone().inner();
+    let first_step = engine.global_step();
     let mut losses = Vec::with_capacity(spec.steps as usize);
+    let (mut per_step_bytes, mut per_sample, mut compressed) = (Vec::new(), Vec::new(), 0);
+    let mut pld_theta = None;
     let start = Instant::now();
-    for step in 0..spec.steps {
-        // Global sequence index of (micro-step k, rank r, row i) = (k·world + r)·micro + i:
-        // the ranks hold disjoint shards of each global batch.
-        let micro_batches = (0..gas).map(|k| {
-            let first = (k * world as u64 + rank as u64) * micro as u64;
-            spec.corpus.batch(step, first, micro, seq, &inner)
-        });
-        let report = engine.train_batch(micro_batches)?;
+    for step in first_step..spec.steps {
+        let step_start = Instant::now();
+        let report = train_step(&mut engine, spec, step, &inner)?;
         // ANCHOR_END: engine_loop
         losses.push(report.loss);
+        per_step_bytes.push(report.bytes_sent);
+        per_sample.push(step_start.elapsed().as_secs_f64() / batch.train_batch_size as f64);
+        compressed += u64::from(report.compressed);
+        pld_theta = report.pld_theta;
         let elapsed = start.elapsed().as_secs_f64();
-        let tokens = (step + 1) * batch.train_batch_size * seq as u64;
+        let tokens = (step + 1 - first_step) * batch.train_batch_size * seq as u64;
         progress.update(step + 1, report.loss, tokens as f64 / elapsed);
         let every = engine.config().steps_per_print.max(1);
         if (step + 1) % every == 0 {
             tracing::info!(step = step + 1, loss = report.loss, lr = report.lr, "step");
         }
+    }
+    if let Some(dir) = &spec.save_dir {
+        engine.save_checkpoint(dir, None)?;
     }
     let elapsed = start.elapsed().as_secs_f64();
     progress.finish();
@@ -138,19 +164,57 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         zero_stage: engine.config().zero_optimization.stage.into(),
         params: engine.num_params(),
         steps: spec.steps,
+        first_step,
         losses,
-        tokens_per_s: (spec.steps * batch.train_batch_size * seq as u64) as f64 / elapsed,
+        tokens_per_s: ((spec.steps - first_step) * batch.train_batch_size * seq as u64) as f64
+            / elapsed,
         train_batch_size: batch.train_batch_size,
         gradient_accumulation_steps: gas,
         model_state_bytes_per_rank: figures.iter().map(|f| f.state).max().unwrap_or(0),
         peak_model_state_bytes_per_rank: figures.iter().map(|f| f.peak_state).max().unwrap_or(0),
         comm_bytes_per_rank: figures.iter().map(|f| f.sent).collect(),
+        comm_bytes_per_step: per_step_bytes,
+        compressed_steps: compressed,
+        pld_theta,
+        step_seconds_per_sample: per_sample,
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
         pipeline_stages: 1,
         data_parallel: world,
         bubble_fraction: None,
         peak_live_activations_per_stage: None,
     })
+}
+
+/// One data-parallel optimizer step on this rank: the rank's micro-batches of global step
+/// `step` (with θ(t) in each batch when progressive layer dropping is on), through the engine.
+pub fn train_step(
+    engine: &mut DeepSpeedEngine<Gpt>,
+    spec: &RunSpec,
+    step: u64,
+    device: &Device,
+) -> Result<StepReport> {
+    let (rank, world) = (
+        engine.comm().rank() as u64,
+        engine.comm().world_size() as u64,
+    );
+    let batch = engine.batch();
+    let micro = batch.train_micro_batch_size_per_gpu;
+    // Progressive layer dropping: θ(t) travels in the batch, as DeepSpeed passes it to the
+    // model's forward.
+    let theta = engine.pld_theta();
+    // Global sequence index of (micro-step k, rank r, row i) = (k·world + r)·micro + i: the
+    // ranks hold disjoint shards of each global batch.
+    let micro_batches = (0..batch.gradient_accumulation_steps).map(|k| {
+        let first = (k * world + rank) * micro;
+        let layer_drop = theta.map(|theta| LayerDrop {
+            theta,
+            seed: SplitMix64::new(spec.seed ^ (step << 32) ^ first).next_u64(),
+        });
+        spec.corpus
+            .batch(step, first, micro as usize, spec.shape.seq_len, device)
+            .with_layer_drop(layer_drop)
+    });
+    engine.train_batch(micro_batches)
 }
 
 fn check_corpus(spec: &RunSpec) -> Result<()> {
@@ -167,6 +231,14 @@ fn check_corpus(spec: &RunSpec) -> Result<()> {
 
 /// Trains one stage of the pipelined GPT on this rank.
 fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport> {
+    if spec.save_dir.is_some() || spec.resume_from.is_some() {
+        return Err(DeepSpeedError::Unsupported {
+            key: "pipeline.stages".into(),
+            reason: "checkpoints of pipelined runs are not implemented yet; train without \
+                     --save-dir/--resume"
+                .into(),
+        });
+    }
     let device = Device::flex().autodiff();
     let rank = comm.rank();
     let world = comm.world_size();
@@ -226,6 +298,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         zero_stage: engine.config().zero_optimization.stage.into(),
         params: engine.total_params(),
         steps: spec.steps,
+        first_step: 0,
         losses,
         tokens_per_s: (spec.steps * batch.train_batch_size * seq as u64) as f64 / elapsed,
         train_batch_size: batch.train_batch_size,
@@ -233,6 +306,10 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         model_state_bytes_per_rank: figures.iter().map(|f| f.state).max().unwrap_or(0),
         peak_model_state_bytes_per_rank: figures.iter().map(|f| f.peak_state).max().unwrap_or(0),
         comm_bytes_per_rank: figures.iter().map(|f| f.sent).collect(),
+        comm_bytes_per_step: Vec::new(),
+        compressed_steps: 0,
+        pld_theta: None,
+        step_seconds_per_sample: Vec::new(),
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
         pipeline_stages: topo.stages,
         data_parallel: topo.replicas,

@@ -23,6 +23,8 @@ pub fn spec(
         corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), data_seed),
         seed,
         progress: false,
+        save_dir: None,
+        resume_from: None,
     }
 }
 

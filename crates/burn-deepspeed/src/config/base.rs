@@ -256,6 +256,30 @@ impl DeepSpeedConfig {
                 message: format!("must be > 0, found {}", self.gradient_predivide_factor),
             });
         }
+        let pld = &self.progressive_layer_drop;
+        if !(0.0..=1.0).contains(&pld.theta) {
+            return Err(DeepSpeedError::InvalidValue {
+                path: "progressive_layer_drop.theta".into(),
+                message: format!("must be in [0, 1], found {}", pld.theta),
+            });
+        }
+        if !(pld.gamma >= 0.0 && pld.gamma.is_finite()) {
+            return Err(DeepSpeedError::InvalidValue {
+                path: "progressive_layer_drop.gamma".into(),
+                message: format!("must be a finite number ≥ 0, found {}", pld.gamma),
+            });
+        }
+        let kind = self.optimizer_kind();
+        if kind.is_one_bit() && self.zero_optimization.stage != ZeroStage::Disabled {
+            return Err(DeepSpeedError::Unsupported {
+                key: "zero_optimization.stage".into(),
+                reason: format!(
+                    "{kind:?} compresses the data-parallel momentum exchange and needs ZeRO \
+                     stage 0 (DeepSpeed refuses the combination too); set the stage to 0 or \
+                     use Adam/AdamW/Lamb"
+                ),
+            });
+        }
         if self.fp16.enabled && self.bf16.enabled {
             return Err(DeepSpeedError::InvalidValue {
                 path: "fp16.enabled".into(),
@@ -293,8 +317,15 @@ impl DeepSpeedConfig {
             );
         }
         if let Some(o) = &self.optimizer {
-            if o.kind.is_one_bit() {
+            if o.kind == OptimizerKind::ZeroOneAdam {
                 add("optimizer.type", refused);
+            }
+            if o.kind.is_one_bit() && o.params.bias_correction == Some(true) {
+                add(
+                    "optimizer.params.bias_correction",
+                    "the 1-bit optimizers apply no bias correction (as in DeepSpeed, which \
+                     accepts the flag and ignores it); ignored",
+                );
             }
             for (k, v) in [
                 ("torch_adam", o.params.torch_adam.is_some()),
@@ -316,9 +347,6 @@ impl DeepSpeedConfig {
                 "pipeline.activation_checkpoint_interval",
                 "activation checkpointing is not implemented yet; ignored",
             );
-        }
-        if self.progressive_layer_drop.enabled {
-            add("progressive_layer_drop.enabled", refused);
         }
         if self.flops_profiler.enabled {
             add("flops_profiler.enabled", "not implemented yet; ignored");

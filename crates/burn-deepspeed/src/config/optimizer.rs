@@ -13,9 +13,9 @@ pub enum OptimizerKind {
     AdamW,
     /// LAMB: layer-wise trust ratios (You et al., arXiv 1904.00962).
     Lamb,
-    /// 1-bit Adam (arXiv 2102.02888). Parsed; the engine does not run it yet.
+    /// 1-bit Adam (arXiv 2102.02888); data parallel at ZeRO stage 0.
     OneBitAdam,
-    /// 1-bit LAMB (arXiv 2104.06069). Parsed; the engine does not run it yet.
+    /// 1-bit LAMB (arXiv 2104.06069); data parallel at ZeRO stage 0.
     OneBitLamb,
     /// 0/1 Adam (arXiv 2202.06009). Parsed; the engine does not run it yet.
     ZeroOneAdam,
@@ -74,7 +74,8 @@ pub struct OptimizerParams {
     /// Weight decay (decoupled for AdamW and `Adam` in `adam_w_mode`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weight_decay: Option<f64>,
-    /// Divide the moments by 1 − β^t (Adam family, default true).
+    /// Divide the moments by 1 − β^t (Adam family and LAMB, default true). The 1-bit
+    /// optimizers never correct the bias, as in DeepSpeed: the key is accepted and ignored.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bias_correction: Option<bool>,
     /// `Adam` only: decoupled weight decay (true, DeepSpeed's default) or L2 (false).
@@ -174,7 +175,7 @@ impl OptimizerConfig {
         p.betas.get_or_insert((0.9, 0.999));
         p.eps.get_or_insert(1e-8);
         p.weight_decay.get_or_insert(0.0);
-        if adam_family || lamb_family {
+        if (adam_family || lamb_family) && !kind.is_one_bit() {
             p.bias_correction.get_or_insert(true);
         }
         if kind == Adam {

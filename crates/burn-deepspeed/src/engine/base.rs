@@ -1,20 +1,31 @@
 //! [`DeepSpeedEngine`]: data-parallel training of any Burn [`TrainStep`] module, in the spirit
 //! of DeepSpeed's `engine.train_batch()`.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use burn::module::Module;
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::ModuleOptimizer;
+use burn::tensor::{Bytes, Tensor};
 use burn::train::TrainStep;
+use burn_deepspeed_compress::pld::ProgressiveLayerDrop;
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 use serde::Serialize;
 
+use super::checkpoint::{
+    CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta, f32_bytes, f32_values,
+    one_bit_state_bytes, one_bit_state_from_bytes, read_checkpoint, write_checkpoint,
+};
+use super::flat::{ParamLayout, params_from_flat, params_to_flat};
 use super::memory::{MemoryLedger, ModelStateBytes};
+use super::onebit::build_one_bit;
 use super::optim::{build_optimizer, state_tensors_per_param};
+use super::reduce::clip_global_norm;
 use super::sync::GradientSync;
 use crate::config::{BatchSizes, DeepSpeedConfig, ZeroStage};
 use crate::{DeepSpeedError, Result};
+use burn_deepspeed_strategies::onebit::OneBitOptimizer;
 
 /// What the engine reads from a training step's output: the micro-batch's mean loss.
 pub trait StepLoss {
@@ -31,14 +42,29 @@ pub struct StepReport {
     pub loss: f64,
     /// Learning rate used.
     pub lr: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping. In a 1-bit optimizer's compression stage, where
+    /// gradients are not all-reduced and each rank clips its own, the root mean square of the
+    /// ranks' local norms.
     pub grad_norm: f64,
+    /// Bytes this rank sent during the step.
+    pub bytes_sent: u64,
+    /// Whether the step exchanged 1-bit compressed momenta instead of all-reducing gradients.
+    pub compressed: bool,
+    /// Progressive layer dropping: the θ this step's forward passes were given.
+    pub pld_theta: Option<f64>,
     /// Time in forward and backward passes on this rank.
     pub forward_backward: Duration,
     /// Time in gradient reduction (communication included).
     pub reduce: Duration,
     /// Time in the optimizer step.
     pub optimizer: Duration,
+}
+
+/// The optimizer the engine steps: one of Burn's on [`GradientsParams`](burn::optim::GradientsParams), or a
+/// 1-bit optimizer on the flat buffers.
+enum EngineOptimizer {
+    Burn(ModuleOptimizer),
+    OneBit(Box<dyn OneBitOptimizer>),
 }
 
 /// Data-parallel training engine (ZeRO stage 0): every rank holds the whole model, gradients
@@ -49,7 +75,8 @@ pub struct StepReport {
 /// parameters are broadcast at creation, so every replica starts identical.
 pub struct DeepSpeedEngine<M> {
     model: M,
-    optim: ModuleOptimizer,
+    optim: EngineOptimizer,
+    pld: Option<ProgressiveLayerDrop>,
     comm: Arc<dyn Communicator>,
     config: DeepSpeedConfig,
     batch: BatchSizes,
@@ -76,8 +103,18 @@ where
             .optimizer
             .clone()
             .expect("resolve fills the optimizer");
-        let optim = build_optimizer(&optim_cfg)?;
         let sync = GradientSync::new(&model, &config, comm.clone());
+        let optim = match build_one_bit(&optim_cfg, sync.layout(), comm.world_size())? {
+            Some(onebit) => EngineOptimizer::OneBit(onebit),
+            None => EngineOptimizer::Burn(build_optimizer(&optim_cfg)?),
+        };
+        let pld = config
+            .progressive_layer_drop
+            .enabled
+            .then_some(ProgressiveLayerDrop {
+                theta: config.progressive_layer_drop.theta,
+                gamma: config.progressive_layer_drop.gamma,
+            });
         let model = sync.broadcast_params(model)?;
         let n = sync.layout().numel;
         let mut ledger = MemoryLedger::default();
@@ -88,6 +125,7 @@ where
         Ok(Self {
             model,
             optim,
+            pld,
             comm,
             config,
             batch,
@@ -127,46 +165,93 @@ where
             ));
         }
         let world = self.comm.world_size();
+        let sent_before = self.comm.stats().total_sent();
         let reduce_start = Instant::now();
-        let (grads, grad_norm) = self.sync.reduce(&self.model)?;
-        let mut loss = [(self.loss_sum / micro_steps as f64) as f32];
+        let compressed = matches!(&self.optim, EngineOptimizer::OneBit(o) if o.compressing());
+        let (grads, norm) = match &self.optim {
+            EngineOptimizer::Burn(_) => {
+                let (grads, norm) = self.sync.reduce(&self.model)?;
+                (Some(grads), norm)
+            }
+            EngineOptimizer::OneBit(_) => {
+                // Compression stage: no gradient all-reduce; each rank clips its own gradient
+                // (DeepSpeed's `enable_backward_allreduce = False`).
+                if compressed {
+                    self.sync.average_local();
+                } else {
+                    self.sync.average()?;
+                }
+                let clip = self.sync.clip_threshold();
+                (None, clip_global_norm(self.sync.flat_mut(), clip))
+            }
+        };
+        let mut scalars = [
+            (self.loss_sum / micro_steps as f64) as f32,
+            if compressed {
+                (norm * norm) as f32
+            } else {
+                0.0
+            },
+        ];
         if world > 1 {
-            self.comm.all_reduce(&mut loss, ReduceOp::Mean)?;
+            self.comm.all_reduce(&mut scalars, ReduceOp::Mean)?;
         }
+        let grad_norm = if compressed {
+            (scalars[1] as f64).sqrt()
+        } else {
+            norm
+        };
         let reduce = reduce_start.elapsed();
 
         let opt_start = Instant::now();
         let lr = self.lr_at(self.global_step);
         let numel = self.sync.layout().numel;
         let model = self.model.clone();
-        self.model = {
+        let state = {
             let _span = tracing::debug_span!("optimizer_step", rank = self.comm.rank()).entered();
-            self.optim.step(lr, model, grads)
+            match (&mut self.optim, grads) {
+                (EngineOptimizer::Burn(optim), Some(grads)) => {
+                    self.model = optim.step(lr, model, grads);
+                    let with_state: usize = self
+                        .sync
+                        .layout()
+                        .slots
+                        .iter()
+                        .zip(self.sync.present())
+                        .filter(|(_, p)| **p != 0)
+                        .map(|(s, _)| s.numel)
+                        .sum();
+                    self.params_with_state = self.params_with_state.max(with_state);
+                    let kind = self.config.optimizer_kind();
+                    (4 * state_tensors_per_param(kind) * self.params_with_state) as u64
+                }
+                (EngineOptimizer::OneBit(optim), _) => {
+                    let layout = self.sync.layout().clone();
+                    let mut params = params_to_flat(&model, &layout);
+                    optim.apply(self.comm.as_ref(), &mut params, self.sync.flat_mut(), lr)?;
+                    self.model = params_from_flat(model, &layout, &params);
+                    self.sync.reset();
+                    optim.state_bytes()
+                }
+                (EngineOptimizer::Burn(_), None) => unreachable!("Burn optimizers get gradients"),
+            }
         };
-        let with_state: usize = self
-            .sync
-            .layout()
-            .slots
-            .iter()
-            .zip(self.sync.present())
-            .filter(|(_, p)| **p != 0)
-            .map(|(s, _)| s.numel)
-            .sum();
-        self.params_with_state = self.params_with_state.max(with_state);
-        let kind = self.config.optimizer_kind();
-        let state = (4 * state_tensors_per_param(kind) * self.params_with_state) as u64;
         self.ledger.update(|m| m.optimizer = state);
         // The peak of the step: the optimizer state is written while the rebuilt gradients
         // are still alive.
         self.ledger.transient_grads(4 * numel as u64);
         let optimizer = opt_start.elapsed();
         self.sync.clear_marks();
+        let pld_theta = self.pld_theta();
         self.global_step += 1;
         let report = StepReport {
             step: self.global_step,
-            loss: loss[0] as f64,
+            loss: scalars[0] as f64,
             lr,
             grad_norm,
+            bytes_sent: self.comm.stats().total_sent() - sent_before,
+            compressed,
+            pld_theta,
             forward_backward: std::mem::take(&mut self.fb_time),
             reduce,
             optimizer,
@@ -214,6 +299,148 @@ where
         self.config.lr_at(step)
     }
 
+    /// Progressive layer dropping (arXiv 2010.13369): θ(t) for the next step's forward passes,
+    /// `(1 − θ̄)·e^(−γt) + θ̄` with t the optimizer steps taken, or `None` when
+    /// `progressive_layer_drop` is off. As in DeepSpeed, the model does the dropping: pass θ to
+    /// its forward (e.g. in the batch) and keep layer l of L with probability
+    /// [`keep_probabilities`](crate::pld::ProgressiveLayerDrop::keep_probabilities)`(θ, L)[l]`.
+    pub fn pld_theta(&self) -> Option<f64> {
+        self.pld.map(|p| p.theta_at(self.global_step))
+    }
+
+    /// Saves the model, the optimizer state and the step as checkpoint `tag` (default
+    /// `global_step{N}`, as in DeepSpeed) under `dir`, atomically, and points `dir/latest` at
+    /// it. Collective: every rank calls it; at ZeRO stage 0 rank 0 writes, since every rank
+    /// holds the same state. Returns the checkpoint's directory.
+    ///
+    /// 1-bit optimizers save m, v, their frozen coefficients and the step (which fixes the
+    /// phase), not the compression error buffers: after a load those start from zero, as in
+    /// DeepSpeed.
+    pub fn save_checkpoint(&self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
+        let dir = dir.as_ref();
+        let tag = tag.map_or_else(|| format!("global_step{}", self.global_step), String::from);
+        let mut written = Ok(dir.join(&tag));
+        if self.comm.rank() == 0 {
+            written = self.write_checkpoint(dir, &tag);
+        }
+        // Every rank learns whether rank 0's write succeeded.
+        let mut ok = [u8::from(written.is_ok())];
+        self.comm.broadcast(&mut ok, 0)?;
+        if ok[0] == 0 && written.is_ok() {
+            return Err(DeepSpeedError::Checkpoint(format!(
+                "rank 0 could not write {}",
+                dir.join(&tag).display()
+            )));
+        }
+        written
+    }
+
+    fn write_checkpoint(&self, dir: &Path, tag: &str) -> Result<PathBuf> {
+        let layout = self.sync.layout();
+        let optim = match &self.optim {
+            EngineOptimizer::Burn(o) => o
+                .into_bytes()
+                .map_err(|e| DeepSpeedError::Checkpoint(format!("optimizer state: {e:?}")))?
+                .to_vec(),
+            EngineOptimizer::OneBit(o) => one_bit_state_bytes(&o.export()),
+        };
+        let meta = CheckpointMeta {
+            format: CHECKPOINT_FORMAT.into(),
+            version: CHECKPOINT_VERSION,
+            global_step: self.global_step,
+            world_size: self.comm.world_size(),
+            zero_stage: self.config.zero_optimization.stage.into(),
+            optimizer: format!("{:?}", self.config.optimizer_kind()),
+            compressing: self.one_bit_optimizer().map(|o| o.compressing()),
+            param_ids: layout.slots.iter().map(|s| s.id.val()).collect(),
+            shapes: layout.slots.iter().map(|s| s.shape.clone()).collect(),
+            files: Vec::new(),
+        };
+        let params = f32_bytes(&params_to_flat(&self.model, layout));
+        write_checkpoint(
+            dir,
+            tag,
+            meta,
+            &[("model.bin", params), ("optim.bin", optim)],
+        )
+    }
+
+    /// Loads checkpoint `tag` (default: the one `dir/latest` names) into this engine: model,
+    /// optimizer state and step. Refuses, with the reason, a checkpoint whose files are
+    /// corrupt or whose parameters, optimizer or ZeRO stage differ from this engine's. At
+    /// ZeRO stage 0 the world size may differ from the one that saved it. Every rank calls
+    /// it (each reads the files, so they must be visible to every rank). Returns the step.
+    pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<u64> {
+        let (meta, files) = read_checkpoint(dir.as_ref(), tag)?;
+        let refuse = |what: String| Err(DeepSpeedError::Checkpoint(what));
+        let stage: u8 = self.config.zero_optimization.stage.into();
+        if meta.zero_stage != stage {
+            return refuse(format!(
+                "written at ZeRO stage {}; this engine runs stage {stage}",
+                meta.zero_stage
+            ));
+        }
+        let kind = format!("{:?}", self.config.optimizer_kind());
+        if meta.optimizer != kind {
+            return refuse(format!(
+                "written by optimizer {}; the config names {kind}",
+                meta.optimizer
+            ));
+        }
+        let layout = self.sync.layout();
+        let shapes: Vec<Vec<usize>> = layout.slots.iter().map(|s| s.shape.clone()).collect();
+        if meta.shapes != shapes || meta.param_ids.len() != shapes.len() {
+            let count =
+                |s: &[Vec<usize>]| s.iter().map(|s| s.iter().product::<usize>()).sum::<usize>();
+            return refuse(format!(
+                "it holds {} parameters in {} tensors; this model has {} in {} (or the \
+                 shapes differ)",
+                count(&meta.shapes),
+                meta.shapes.len(),
+                count(&shapes),
+                shapes.len()
+            ));
+        }
+        let [model_bytes, optim_bytes] = <[Vec<u8>; 2]>::try_from(files).map_err(|f| {
+            DeepSpeedError::Checkpoint(format!("expected 2 state files, found {}", f.len()))
+        })?;
+        let params = f32_values(&model_bytes, "model.bin")?;
+        if params.len() != layout.numel {
+            return refuse(format!(
+                "model.bin holds {} values; the model has {}",
+                params.len(),
+                layout.numel
+            ));
+        }
+        // The saved ids go back into the model, so that the optimizer state (keyed by id)
+        // finds its parameters.
+        let model = restore_params(self.model.clone(), layout, &meta.param_ids, &params);
+        let sync = GradientSync::new(&model, &self.config, self.comm.clone());
+        let optim_cfg = self
+            .config
+            .optimizer
+            .clone()
+            .expect("resolve fills the optimizer");
+        let optim = match build_one_bit(&optim_cfg, sync.layout(), self.comm.world_size())? {
+            Some(mut onebit) => {
+                onebit.restore(one_bit_state_from_bytes(&optim_bytes)?)?;
+                EngineOptimizer::OneBit(onebit)
+            }
+            None => EngineOptimizer::Burn(
+                build_optimizer(&optim_cfg)?
+                    .from_bytes(Bytes::from_bytes_vec(optim_bytes))
+                    .map_err(|e| DeepSpeedError::Checkpoint(format!("optimizer state: {e:?}")))?,
+            ),
+        };
+        self.model = model;
+        self.sync = sync;
+        self.optim = optim;
+        self.global_step = meta.global_step;
+        self.params_with_state = self.sync.layout().numel;
+        self.loss_sum = 0.0;
+        Ok(meta.global_step)
+    }
+
     /// The model (identical on every rank after each step).
     pub fn model(&self) -> &M {
         &self.model
@@ -250,9 +477,20 @@ where
     pub fn peak_model_state_bytes(&self) -> u64 {
         self.ledger.peak()
     }
-    /// The module optimizer (for checkpoints and inspection).
-    pub fn optimizer(&self) -> &ModuleOptimizer {
-        &self.optim
+    /// Burn's module optimizer, unless a 1-bit optimizer runs.
+    pub fn optimizer(&self) -> Option<&ModuleOptimizer> {
+        match &self.optim {
+            EngineOptimizer::Burn(o) => Some(o),
+            EngineOptimizer::OneBit(_) => None,
+        }
+    }
+
+    /// The 1-bit optimizer, when the config names one.
+    pub fn one_bit_optimizer(&self) -> Option<&dyn OneBitOptimizer> {
+        match &self.optim {
+            EngineOptimizer::OneBit(o) => Some(o.as_ref()),
+            EngineOptimizer::Burn(_) => None,
+        }
     }
 }
 
@@ -277,11 +515,11 @@ pub(crate) fn refuse_unsupported(config: &DeepSpeedConfig) -> Result<()> {
              `burn_deepspeed::pipe::PipelineEngine`",
         ));
     }
-    refuse_unsupported_precision_and_pld(config)
+    refuse_unsupported_precision(config)
 }
 
-/// The refusals every engine shares: mixed precision and progressive layer dropping.
-pub(crate) fn refuse_unsupported_precision_and_pld(config: &DeepSpeedConfig) -> Result<()> {
+/// The refusals every engine shares: mixed precision.
+pub(crate) fn refuse_unsupported_precision(config: &DeepSpeedConfig) -> Result<()> {
     if config.fp16.enabled {
         return Err(unsupported(
             "fp16.enabled",
@@ -294,12 +532,6 @@ pub(crate) fn refuse_unsupported_precision_and_pld(config: &DeepSpeedConfig) -> 
             "mixed precision is not implemented yet; train in fp32",
         ));
     }
-    if config.progressive_layer_drop.enabled {
-        return Err(unsupported(
-            "progressive_layer_drop.enabled",
-            "progressive layer dropping is not implemented yet",
-        ));
-    }
     Ok(())
 }
 
@@ -308,6 +540,24 @@ pub(crate) fn unsupported(key: &str, reason: &str) -> DeepSpeedError {
         key: key.into(),
         reason: reason.into(),
     }
+}
+
+/// `module` with the parameter ids `ids` and the values `flat`, both in `layout` order.
+fn restore_params<M: Module>(module: M, layout: &ParamLayout, ids: &[u64], flat: &[f32]) -> M {
+    struct Mapper<'a> {
+        ids: &'a [u64],
+        next: usize,
+    }
+    impl ModuleMapper for Mapper<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (_, tensor, mapper) = param.consume();
+            let id = ParamId::from(self.ids[self.next]);
+            self.next += 1;
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    let module = params_from_flat(module, layout, flat);
+    module.map(&mut Mapper { ids, next: 0 })
 }
 
 impl StepLoss for burn::train::ClassificationOutput {

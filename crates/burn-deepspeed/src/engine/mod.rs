@@ -1,13 +1,16 @@
 //! The training engine: data parallelism over a [`Communicator`](burn_deepspeed_strategies::comm::Communicator).
 
 mod base;
+pub mod checkpoint;
 pub mod flat;
 mod memory;
+mod onebit;
 mod optim;
 pub mod reduce;
 mod sync;
 
 pub use base::*;
 pub use memory::*;
+pub use onebit::*;
 pub use optim::*;
 pub use sync::*;

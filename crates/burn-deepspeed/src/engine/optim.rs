@@ -25,7 +25,8 @@ pub fn state_tensors_per_param(kind: OptimizerKind) -> usize {
 /// * Burn's Adam/AdamW/LAMB always apply bias correction: `bias_correction: false` is refused.
 /// * Burn's LAMB does not clip the trust ratio: `max_coeff`/`min_coeff` have no effect (the
 ///   fused LAMB kernel of `burn-deepspeed-cubecl-kernels` will honour them).
-/// * The 1-bit optimizers are refused until they are implemented.
+/// * The 1-bit optimizers are not Burn optimizers: `DeepSpeedEngine` runs them on its flat
+///   buffers ([`OneBitOptimizer`](super::OneBitOptimizer)); elsewhere they are refused.
 pub fn build_optimizer(cfg: &OptimizerConfig) -> Result<ModuleOptimizer> {
     let p = &cfg.params;
     let (b1, b2) = p.betas.unwrap_or((0.9, 0.999));
@@ -61,12 +62,19 @@ pub fn build_optimizer(cfg: &OptimizerConfig) -> Result<ModuleOptimizer> {
             .with_epsilon(eps)
             .with_weight_decay(wd)
             .init(),
+        OptimizerKind::ZeroOneAdam => {
+            return Err(DeepSpeedError::Unsupported {
+                key: "optimizer.type".into(),
+                reason: "ZeroOneAdam is not implemented yet; use OneBitAdam, Adam, AdamW or Lamb"
+                    .into(),
+            });
+        }
         kind => {
             return Err(DeepSpeedError::Unsupported {
                 key: "optimizer.type".into(),
                 reason: format!(
-                    "{kind:?} (communication-compressed) is not implemented yet; use Adam, \
-                     AdamW or Lamb"
+                    "{kind:?} compresses the data-parallel exchange and runs in \
+                     `DeepSpeedEngine` (ZeRO stage 0, no pipeline); use Adam, AdamW or Lamb here"
                 ),
             });
         }

@@ -118,6 +118,21 @@ impl GradientSync {
         )
     }
 
+    /// Averages the accumulated gradient over this rank's micro-batches only, with no
+    /// communication (the 1-bit optimizers' compression stage). Follow with
+    /// [`reset`](Self::reset).
+    pub fn average_local(&mut self) {
+        let scale = 1.0 / self.micro_steps.max(1) as f32;
+        self.flat.iter_mut().for_each(|g| *g *= scale);
+    }
+
+    /// Zeroes the buffer and the micro-batch count, for callers that consumed
+    /// [`flat_mut`](Self::flat_mut) themselves.
+    pub fn reset(&mut self) {
+        self.flat.iter_mut().for_each(|g| *g = 0.0);
+        self.micro_steps = 0;
+    }
+
     /// The flat gradient buffer (in [`layout`](Self::layout) order).
     pub fn flat_mut(&mut self) -> &mut [f32] {
         &mut self.flat
@@ -132,8 +147,7 @@ impl GradientSync {
     pub fn take<M: Module>(&mut self, module: &M) -> GradientsParams {
         let device = self.device.clone().unwrap_or_default();
         let grads = grads_from_flat(module, &self.layout, &self.flat, &self.present, &device);
-        self.flat.iter_mut().for_each(|g| *g = 0.0);
-        self.micro_steps = 0;
+        self.reset();
         grads
     }
 

@@ -22,7 +22,7 @@ use crate::config::{BatchSizes, DeepSpeedConfig, PipelineStages, ZeroStage};
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat};
 use crate::engine::reduce::scale_to_norm;
 use crate::engine::{
-    GradientSync, build_optimizer, refuse_unsupported_precision_and_pld, state_tensors_per_param,
+    GradientSync, build_optimizer, refuse_unsupported_precision, state_tensors_per_param,
     unsupported,
 };
 use crate::{DeepSpeedError, Result};
@@ -153,7 +153,14 @@ where
                 ));
             }
         }
-        refuse_unsupported_precision_and_pld(&config)?;
+        refuse_unsupported_precision(&config)?;
+        if config.progressive_layer_drop.enabled {
+            return Err(unsupported(
+                "progressive_layer_drop.enabled",
+                "the pipeline engine does not hand θ to its layers yet; progressive layer \
+                 dropping runs in `DeepSpeedEngine`",
+            ));
+        }
         // The batch arithmetic counts data-parallel replicas, not ranks.
         let batch = config.resolve(topo.replicas)?;
         if layers.len() < stages {

@@ -12,6 +12,8 @@
 //! skips the parameter update on its first compressed step while it allocates buffers; we do
 //! not.
 
+use super::state::OneBitState;
+use super::{OneBitOptimizer, check_lengths, coefficients};
 use crate::Result;
 use crate::comm::{Communicator, CommunicatorExt, ReduceOp};
 use crate::compressed::{CompressionErrors, compressed_all_reduce};
@@ -64,16 +66,6 @@ impl OneBitAdam {
         }
     }
 
-    /// Optimizer steps taken.
-    pub fn steps(&self) -> u64 {
-        self.step
-    }
-
-    /// Whether the next step compresses (its step number is at least `freeze_step`).
-    pub fn compressing(&self) -> bool {
-        self.step >= self.config.freeze_step
-    }
-
     /// The momentum (identical on every rank after each step).
     pub fn momentum(&self) -> &[f32] {
         &self.m
@@ -82,20 +74,6 @@ impl OneBitAdam {
     /// The variance (frozen from `freeze_step` on).
     pub fn variance(&self) -> &[f32] {
         &self.v
-    }
-
-    /// Restores m, v and the step after a checkpoint load. The error buffers start again from
-    /// zero, as in DeepSpeed; the phase follows from `step`.
-    pub fn restore(&mut self, m: Vec<f32>, v: Vec<f32>, step: u64) {
-        assert_eq!(
-            (m.len(), v.len()),
-            (self.m.len(), self.v.len()),
-            "state lengths"
-        );
-        self.errors = CompressionErrors::new(m.len(), self.world);
-        self.m = m;
-        self.v = v;
-        self.step = step;
     }
 
     /// One step. `grad` is this rank's local gradient (not reduced; it is overwritten), `lr`
@@ -107,26 +85,66 @@ impl OneBitAdam {
         grad: &mut [f32],
         lr: f64,
     ) -> Result<()> {
-        let (b1, b2) = (self.config.betas.0 as f32, self.config.betas.1 as f32);
+        if !self.compressing() && comm.world_size() > 1 {
+            comm.all_reduce(grad, ReduceOp::Mean)?;
+        }
+        self.apply(comm, params, grad, lr)
+    }
+}
+
+impl OneBitOptimizer for OneBitAdam {
+    fn steps(&self) -> u64 {
+        self.step
+    }
+
+    fn freeze_step(&self) -> u64 {
+        self.config.freeze_step
+    }
+
+    fn export(&self) -> OneBitState {
+        OneBitState {
+            step: self.step,
+            buffers: vec![("m".into(), self.m.clone()), ("v".into(), self.v.clone())],
+        }
+    }
+
+    fn restore(&mut self, state: OneBitState) -> Result<()> {
+        let n = self.m.len();
+        let mut state = state;
+        self.v = state.take("v", n)?;
+        self.m = state.take("m", n)?;
+        self.errors = CompressionErrors::new(n, self.world);
+        self.step = state.step;
+        Ok(())
+    }
+
+    fn state_bytes(&self) -> u64 {
+        4 * (self.m.len() + self.v.len() + self.errors.worker.len() + self.errors.server.len())
+            as u64
+    }
+
+    fn apply(
+        &mut self,
+        comm: &dyn Communicator,
+        params: &mut [f32],
+        grad: &[f32],
+        lr: f64,
+    ) -> Result<()> {
+        check_lengths("1-bit Adam", self.m.len(), params, grad)?;
+        let c = &self.config;
+        let (b1, b2, eps, wd) = coefficients(c.betas, c.eps, c.weight_decay);
         if self.compressing() {
-            for (m, g) in self.m.iter_mut().zip(grad.iter()) {
+            for (m, g) in self.m.iter_mut().zip(grad) {
                 *m = b1 * *m + (1.0 - b1) * g;
             }
             compressed_all_reduce(comm, &mut self.m, &mut self.errors)?;
         } else {
-            if comm.world_size() > 1 {
-                comm.all_reduce(grad, ReduceOp::Mean)?;
-            }
-            for ((m, v), g) in self.m.iter_mut().zip(self.v.iter_mut()).zip(grad.iter()) {
+            for ((m, v), g) in self.m.iter_mut().zip(self.v.iter_mut()).zip(grad) {
                 *m = b1 * *m + (1.0 - b1) * g;
                 *v = b2 * *v + (1.0 - b2) * g * g;
             }
         }
-        let (lr, eps, wd) = (
-            lr as f32,
-            self.config.eps as f32,
-            self.config.weight_decay as f32,
-        );
+        let lr = lr as f32;
         for ((p, m), v) in params.iter_mut().zip(&self.m).zip(&self.v) {
             *p -= lr * (m / (v.sqrt() + eps) + wd * *p);
         }
@@ -226,7 +244,12 @@ mod tests {
         };
         let mut opt = OneBitAdam::new(N, 2, cfg);
         opt.errors.worker[0] = 1.0;
-        opt.restore(vec![0.1; N], vec![0.2; N], 5);
+        let state = OneBitState {
+            step: 5,
+            buffers: vec![("m".into(), vec![0.1; N]), ("v".into(), vec![0.2; N])],
+        };
+        opt.restore(state.clone()).expect("restore");
+        assert_eq!(opt.export(), state);
         assert!(opt.compressing());
         assert_eq!(opt.steps(), 5);
         assert_eq!(opt.momentum(), &[0.1; N][..]);

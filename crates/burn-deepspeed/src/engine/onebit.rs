@@ -1,0 +1,65 @@
+//! The communication-compressed optimizers (`OneBitAdam`, `OneBitLamb`) as the engine runs
+//! them: on the flat parameter and gradient buffers of a [`ParamLayout`].
+
+use burn_deepspeed_strategies::onebit::{
+    OneBitAdam, OneBitAdamConfig, OneBitLamb, OneBitLambConfig, OneBitOptimizer,
+};
+
+use super::flat::ParamLayout;
+use crate::config::{OptimizerConfig, OptimizerKind};
+use crate::{DeepSpeedError, Result};
+
+/// The 1-bit optimizer a resolved `optimizer` section names, over the flat buffers of
+/// `layout`, or `None` for the other optimizers.
+///
+/// During warm-up the engine averages the gradients with its usual bucketed all-reduce (and
+/// clips them) before [`OneBitOptimizer::apply`]; once
+/// [`compressing`](OneBitOptimizer::compressing), it skips that all-reduce (DeepSpeed's
+/// `enable_backward_allreduce = False`) and hands over this rank's own gradient, and the
+/// optimizer exchanges momenta through the 1-bit all-reduce. 1-bit LAMB's trust ratios are per
+/// parameter tensor of the layout.
+pub fn build_one_bit(
+    cfg: &OptimizerConfig,
+    layout: &ParamLayout,
+    world: usize,
+) -> Result<Option<Box<dyn OneBitOptimizer>>> {
+    if !matches!(
+        cfg.kind,
+        OptimizerKind::OneBitAdam | OptimizerKind::OneBitLamb
+    ) {
+        return Ok(None);
+    }
+    let p = &cfg.params;
+    let missing = |key: &str| DeepSpeedError::InvalidValue {
+        path: format!("optimizer.params.{key}"),
+        message: "missing after resolve".into(),
+    };
+    let get = |v: Option<f64>, key: &str| v.ok_or_else(|| missing(key));
+    let betas = p.betas.ok_or_else(|| missing("betas"))?;
+    let eps = get(p.eps, "eps")?;
+    let weight_decay = get(p.weight_decay, "weight_decay")?;
+    let freeze_step = p.freeze_step.ok_or_else(|| missing("freeze_step"))?;
+    if cfg.kind == OptimizerKind::OneBitAdam {
+        let config = OneBitAdamConfig {
+            betas,
+            eps,
+            weight_decay,
+            freeze_step,
+        };
+        return Ok(Some(Box::new(OneBitAdam::new(layout.numel, world, config))));
+    }
+    let lengths: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+    let config = OneBitLambConfig {
+        betas,
+        eps,
+        weight_decay,
+        freeze_step,
+        max_coeff: get(p.max_coeff, "max_coeff")?,
+        min_coeff: get(p.min_coeff, "min_coeff")?,
+        coeff_beta: get(p.coeff_beta, "coeff_beta")?,
+        factor_max: get(p.factor_max, "factor_max")?,
+        factor_min: get(p.factor_min, "factor_min")?,
+        factor_threshold: get(p.factor_threshold, "factor_threshold")?,
+    };
+    Ok(Some(Box::new(OneBitLamb::new(&lengths, world, config))))
+}

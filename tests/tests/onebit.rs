@@ -1,0 +1,185 @@
+//! The 1-bit optimizers in the engine, checkpoints, and progressive layer dropping, on a small
+//! GPT.
+
+use std::time::Duration;
+
+mod common;
+
+use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed::launch::launch;
+use burn_deepspeed::pld::ProgressiveLayerDrop;
+use burn_deepspeed_example_gpt::model::GptShape;
+use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
+use common::max_rel_diff;
+
+const SHAPE: GptShape = GptShape {
+    d_model: 64,
+    layers: 2,
+    heads: 4,
+    seq_len: 32,
+};
+
+fn config(optimizer: &str, params: &str, extra: &str) -> DeepSpeedConfig {
+    let text = format!(
+        r#"{{"train_batch_size": 8, "gradient_clipping": 1.0,
+            "optimizer": {{"type": "{optimizer}", "params": {{"lr": 3e-3, "weight_decay": 0.01 {params}}}}}
+            {extra}}}"#
+    );
+    DeepSpeedConfig::from_json_str(&text)
+        .expect("valid config")
+        .0
+}
+
+fn spec(config: DeepSpeedConfig, steps: u64) -> RunSpec {
+    common::spec(config, SHAPE, steps, 11, 3)
+}
+
+fn train(ranks: usize, spec: &RunSpec) -> RunReport {
+    common::train(ranks, spec)
+}
+
+#[test]
+fn warm_up_reproduces_one_rank_at_two_and_four_ranks() {
+    // Before freeze_step the 1-bit optimizers all-reduce gradients: data parallelism must not
+    // change the trajectory.
+    for optimizer in ["OneBitAdam", "OneBitLamb"] {
+        let cfg = config(optimizer, r#", "freeze_step": 100"#, "");
+        let one = train(1, &spec(cfg.clone(), 6));
+        for ranks in [2, 4] {
+            let many = train(ranks, &spec(cfg.clone(), 6));
+            let diff = max_rel_diff(&one.losses, &many.losses);
+            assert!(diff <= 1e-4, "{optimizer} world {ranks}: {diff}");
+            assert_eq!(many.compressed_steps, 0);
+        }
+    }
+}
+
+#[test]
+fn compression_sends_at_least_16x_less_per_step_and_still_learns() {
+    for optimizer in ["OneBitAdam", "OneBitLamb"] {
+        let cfg = config(optimizer, r#", "freeze_step": 4"#, "");
+        let run = train(2, &spec(cfg, 12));
+        assert_eq!(run.compressed_steps, 8, "{optimizer}");
+        let warm = run.comm_bytes_per_step[1] as f64;
+        for (step, &bytes) in run.comm_bytes_per_step.iter().enumerate().skip(4) {
+            let ratio = warm / bytes as f64;
+            assert!(ratio >= 16.0, "{optimizer} step {step}: {ratio:.1}x");
+        }
+        let (first, last) = (run.losses[0], *run.losses.last().expect("steps"));
+        assert!(
+            last.is_finite() && last < first,
+            "{optimizer}: {first} -> {last}"
+        );
+    }
+}
+
+#[test]
+fn one_bit_optimizers_with_zero_are_refused() {
+    let cfg = r#"{"train_batch_size": 8, "zero_optimization": {"stage": 1},
+                  "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 10}}}"#;
+    let (mut cfg, _) = DeepSpeedConfig::from_json_str(cfg).expect("parses");
+    let err = cfg.resolve(2).expect_err("refused").to_string();
+    assert!(
+        err.contains("zero_optimization.stage") && err.contains("stage 0"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_resumed_run_continues_the_trajectory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = config("AdamW", "", "");
+    let whole = train(2, &spec(cfg.clone(), 6));
+
+    let mut first = spec(cfg.clone(), 3);
+    first.save_dir = Some(dir.path().to_path_buf());
+    train(2, &first);
+    assert!(dir.path().join("global_step3/meta.json").exists());
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("latest")).expect("latest"),
+        "global_step3"
+    );
+
+    // Same world size: the resumed steps are the uninterrupted ones, bit for bit.
+    let mut rest = spec(cfg.clone(), 6);
+    rest.resume_from = Some(dir.path().to_path_buf());
+    let resumed = train(2, &rest);
+    assert_eq!(resumed.first_step, 3);
+    assert_eq!(resumed.losses, whole.losses[3..]);
+
+    // Another world size (stage 0 state is replicated): the same global batches.
+    let other = train(1, &rest);
+    let diff = max_rel_diff(&other.losses, &whole.losses[3..]);
+    assert!(diff <= 1e-4, "resumed at world 1: {diff}");
+
+    // A checkpoint of another optimizer is refused with the reason.
+    let mut wrong = spec(config("OneBitAdam", r#", "freeze_step": 2"#, ""), 6);
+    wrong.resume_from = Some(dir.path().to_path_buf());
+    let err = launch(1, Duration::from_secs(60), |c| run_rank(&wrong, c))
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        err.contains("written by optimizer AdamW; the config names OneBitAdam"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_one_bit_checkpoint_keeps_the_freeze_state() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = config("OneBitAdam", r#", "freeze_step": 2"#, "");
+    let whole = train(2, &spec(cfg.clone(), 8));
+    let mut first = spec(cfg.clone(), 4);
+    first.save_dir = Some(dir.path().to_path_buf());
+    train(2, &first);
+    let meta = std::fs::read_to_string(dir.path().join("global_step4/meta.json")).expect("meta");
+    assert!(meta.contains(r#""compressing": true"#), "{meta}");
+
+    let mut rest = spec(cfg, 8);
+    rest.resume_from = Some(dir.path().to_path_buf());
+    let resumed = train(2, &rest);
+    // Every resumed step compresses. The parameters are restored exactly, so the first
+    // resumed step's loss is the uninterrupted one; the error buffers restart from zero (as in
+    // DeepSpeed), so later steps depart from it.
+    assert_eq!(resumed.compressed_steps, 4);
+    assert_eq!(resumed.losses[0], whole.losses[4]);
+    assert!(resumed.losses.iter().all(|l| l.is_finite()));
+}
+
+#[test]
+fn layer_drop_follows_theta_and_is_neutral_at_theta_one() {
+    let base = config("AdamW", "", "");
+    let plain = train(2, &spec(base, 5));
+    // θ̄ = 1 keeps every block with probability 1 and scale 1: the plain trajectory.
+    let keep_all = config(
+        "AdamW",
+        "",
+        r#", "progressive_layer_drop": {"enabled": true, "theta": 1.0, "gamma": 0.5}"#,
+    );
+    let run = train(2, &spec(keep_all, 5));
+    assert_eq!(run.losses, plain.losses);
+    assert_eq!(run.pld_theta, Some(1.0));
+
+    // A fast schedule: θ at the last step (t = 4) is the formula's, and blocks are dropped.
+    let dropping = config(
+        "AdamW",
+        "",
+        r#", "progressive_layer_drop": {"enabled": true, "theta": 0.2, "gamma": 0.5}"#,
+    );
+    let run = train(2, &spec(dropping, 5));
+    let want = ProgressiveLayerDrop {
+        theta: 0.2,
+        gamma: 0.5,
+    }
+    .theta_at(4);
+    let theta = run.pld_theta.expect("θ reported");
+    assert!((theta - want).abs() <= 1e-12, "{theta} vs {want}");
+    assert!((want - (0.8 * (-2.0f64).exp() + 0.2)).abs() <= 1e-12);
+    assert_eq!(run.losses[0], plain.losses[0], "θ(0) = 1 drops nothing");
+    assert_ne!(
+        run.losses[1..],
+        plain.losses[1..],
+        "later steps drop blocks"
+    );
+    assert!(run.losses.iter().all(|l| l.is_finite()));
+}

@@ -59,3 +59,26 @@ ok = len(a["losses"]) == len(b["losses"]) == 3 and worst <= 1e-4
 print("mpi pipeline parity: 1 passed, 0 failed" if ok else "mpi pipeline parity: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+
+# 1-bit Adam (freeze_step 2) under mpirun -n 2 prints the same losses as in threads: the
+# compressed all-reduce (all-to-all of packed signs, all-gathers) over MPI.
+python3 - examples/gpt/configs/onebit_adam.json > "$out/onebit.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["optimizer"]["params"]["freeze_step"] = 2
+print(json.dumps(c))
+PY
+args=(--config "$out/onebit.json" --steps 5 --seed 7 --json)
+"$gpt" --ranks 2 "${args[@]}" | tail -n 1 > "$out/onebit-threads.json"
+mpirun -n 2 "$gpt" "${args[@]}" | tail -n 1 > "$out/onebit-mpi.json"
+python3 - "$out/onebit-threads.json" "$out/onebit-mpi.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+assert a["backend"] == "threads" and b["backend"] == "mpi", (a["backend"], b["backend"])
+worst = max(abs(x - y) / abs(x) for x, y in zip(a["losses"], b["losses"]))
+print(f"1-bit Adam threads vs mpirun -n 2: losses {a['losses']} vs {b['losses']}, max rel diff {worst:.2e}")
+ok = (len(a["losses"]) == len(b["losses"]) == 5 and worst <= 1e-4
+      and a["compressed_steps"] == b["compressed_steps"] == 3)
+print("mpi 1-bit parity: 1 passed, 0 failed" if ok else "mpi 1-bit parity: 0 passed, 1 failed")
+sys.exit(0 if ok else 1)
+PY

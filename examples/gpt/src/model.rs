@@ -235,6 +235,7 @@ impl Gpt {
     ) -> Tensor<3> {
         let mut x = self.embed.forward(inputs);
         let causal = causal_mask(x.dims()[1], &x.device());
+        // ANCHOR: pld_forward
         let keep = layer_drop.map(|d| {
             (
                 ProgressiveLayerDrop::keep_probabilities(d.theta, self.blocks.len()),
@@ -255,6 +256,7 @@ impl Gpt {
                 }
             }
         }
+        // ANCHOR_END: pld_forward
         self.head.forward(x)
     }
 

@@ -185,6 +185,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     })
 }
 
+// ANCHOR: train_step
 /// One data-parallel optimizer step on this rank: the rank's micro-batches of global step
 /// `step` (with θ(t) in each batch when progressive layer dropping is on), through the engine.
 pub fn train_step(
@@ -216,6 +217,7 @@ pub fn train_step(
     });
     engine.train_batch(micro_batches)
 }
+// ANCHOR_END: train_step
 
 fn check_corpus(spec: &RunSpec) -> Result<()> {
     let seq = spec.shape.seq_len;

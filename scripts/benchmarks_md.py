@@ -102,7 +102,9 @@ def onebit(directory, freeze, cores):
         "",
         "Configs: `examples/gpt/configs/{default,onebit_adam,lamb,onebit_lamb}.json`; the "
         "script sets `freeze_step` to 20% of the steps. The baseline of 1-bit Adam is Adam in "
-        "AdamW mode (decoupled weight decay, as 1-bit Adam applies it).",
+        "AdamW mode (decoupled weight decay, as 1-bit Adam applies it). The Adam pair uses "
+        "betas (0.9, 0.95), the LAMB pair DeepSpeed's default (0.9, 0.999) and lr 1e-2 (see "
+        "the book's chapter on why β2 matters to 1-bit LAMB).",
         "Bytes are those rank 0 sent: per step during warm-up, per step once compressing, "
         "and over the whole run.",
         "",

@@ -137,7 +137,7 @@ def onebit(directory, freeze, cores):
         "The per-step reduction compares a compressed step with the baseline's fp32 "
         "all-reduce of the same number of elements (theory: 32x less for 2 ranks, as both "
         "phases move 1 bit per element against the ring's 2 x 32 bits). With 20% of "
-        "the steps in warm-up, the whole run can save at most 1/(0.2 + 0.8/32) = 4.4x.",
+        "the steps in warm-up, the whole run can save at most 1/(0.2 + 0.8/32) = 4.44x.",
         "",
         f"### Progressive layer dropping: GPT `{pld['model']}` ({pld['params']:,} parameters), "
         f"1 rank, batch {pld['batch']}, θ̄ = {pld['theta_bar']}, γ = {pld['gamma']}",

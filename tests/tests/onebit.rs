@@ -9,8 +9,8 @@ use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::pld::ProgressiveLayerDrop;
 use burn_deepspeed_example_gpt::model::GptShape;
-use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
-use common::max_rel_diff;
+use burn_deepspeed_example_gpt::run::{RunSpec, run_rank};
+use common::{max_rel_diff, train};
 
 const SHAPE: GptShape = GptShape {
     d_model: 64,
@@ -32,10 +32,6 @@ fn config(optimizer: &str, params: &str, extra: &str) -> DeepSpeedConfig {
 
 fn spec(config: DeepSpeedConfig, steps: u64) -> RunSpec {
     common::spec(config, SHAPE, steps, 11, 3)
-}
-
-fn train(ranks: usize, spec: &RunSpec) -> RunReport {
-    common::train(ranks, spec)
 }
 
 #[test]

@@ -67,6 +67,20 @@ enum EngineOptimizer {
     OneBit(Box<dyn OneBitOptimizer>),
 }
 
+impl EngineOptimizer {
+    /// The fresh optimizer a resolved config names, over `sync`'s layout.
+    fn build(config: &DeepSpeedConfig, sync: &GradientSync, world: usize) -> Result<Self> {
+        let cfg = config
+            .optimizer
+            .as_ref()
+            .expect("resolve fills the optimizer");
+        Ok(match build_one_bit(cfg, sync.layout(), world)? {
+            Some(onebit) => Self::OneBit(onebit),
+            None => Self::Burn(build_optimizer(cfg)?),
+        })
+    }
+}
+
 /// Data-parallel training engine (ZeRO stage 0): every rank holds the whole model, gradients
 /// are averaged by bucketed all-reduce (`reduce_bucket_size` elements per collective), clipped
 /// by global norm, and every rank takes the same optimizer step.
@@ -99,15 +113,8 @@ where
     pub fn new(model: M, mut config: DeepSpeedConfig, comm: Arc<dyn Communicator>) -> Result<Self> {
         let batch = config.resolve(comm.world_size())?;
         refuse_unsupported(&config)?;
-        let optim_cfg = config
-            .optimizer
-            .clone()
-            .expect("resolve fills the optimizer");
         let sync = GradientSync::new(&model, &config, comm.clone());
-        let optim = match build_one_bit(&optim_cfg, sync.layout(), comm.world_size())? {
-            Some(onebit) => EngineOptimizer::OneBit(onebit),
-            None => EngineOptimizer::Burn(build_optimizer(&optim_cfg)?),
-        };
+        let optim = EngineOptimizer::build(&config, &sync, comm.world_size())?;
         let pld = config
             .progressive_layer_drop
             .enabled
@@ -226,10 +233,9 @@ where
                     (4 * state_tensors_per_param(kind) * self.params_with_state) as u64
                 }
                 (EngineOptimizer::OneBit(optim), _) => {
-                    let layout = self.sync.layout().clone();
-                    let mut params = params_to_flat(&model, &layout);
+                    let mut params = params_to_flat(&model, self.sync.layout());
                     optim.apply(self.comm.as_ref(), &mut params, self.sync.flat_mut(), lr)?;
-                    self.model = params_from_flat(model, &layout, &params);
+                    self.model = params_from_flat(model, self.sync.layout(), &params);
                     self.sync.reset();
                     optim.state_bytes()
                 }
@@ -416,19 +422,13 @@ where
         // finds its parameters.
         let model = restore_params(self.model.clone(), layout, &meta.param_ids, &params);
         let sync = GradientSync::new(&model, &self.config, self.comm.clone());
-        let optim_cfg = self
-            .config
-            .optimizer
-            .clone()
-            .expect("resolve fills the optimizer");
-        let optim = match build_one_bit(&optim_cfg, sync.layout(), self.comm.world_size())? {
-            Some(mut onebit) => {
+        let optim = match EngineOptimizer::build(&self.config, &sync, self.comm.world_size())? {
+            EngineOptimizer::OneBit(mut onebit) => {
                 onebit.restore(one_bit_state_from_bytes(&optim_bytes)?)?;
                 EngineOptimizer::OneBit(onebit)
             }
-            None => EngineOptimizer::Burn(
-                build_optimizer(&optim_cfg)?
-                    .from_bytes(Bytes::from_bytes_vec(optim_bytes))
+            EngineOptimizer::Burn(burn) => EngineOptimizer::Burn(
+                burn.from_bytes(Bytes::from_bytes_vec(optim_bytes))
                     .map_err(|e| DeepSpeedError::Checkpoint(format!("optimizer state: {e:?}")))?,
             ),
         };

@@ -294,6 +294,13 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
 /// What the engine runs but the Learner strategy cannot: the strategy steps the `Learner`'s
 /// own optimizer and calls the `Learner`'s model as it is.
 fn refuse_in_strategy(config: &DeepSpeedConfig) -> crate::Result<()> {
+    if config.zero_optimization.stage != crate::config::ZeroStage::Disabled {
+        return Err(unsupported(
+            "zero_optimization.stage",
+            "the Learner strategy runs ZeRO stage 0 in this version; stages 1 and 2 run in \
+             `DeepSpeedEngine`",
+        ));
+    }
     let kind = config.optimizer_kind();
     if kind.is_one_bit() {
         return Err(unsupported(

@@ -1,9 +1,11 @@
 //! Fused kernels for burn-deepspeed, each with a CPU path.
 //!
-//! Today this crate holds the CPU path of 1-bit sign packing ([`sign`]); the CubeCL kernels
-//! (fused Adam/AdamW/LAMB, group-wise quantization, and the GPU sign packing) join it with the
-//! same signatures.
+//! Today this crate holds the CPU paths: fused Adam/AdamW ([`adam`]) and LAMB ([`lamb`]) steps,
+//! which the ZeRO stages use on their partitions, and 1-bit sign packing ([`sign`]). The CubeCL
+//! kernels (and group-wise quantization) join them with the same signatures.
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod adam;
+pub mod lamb;
 pub mod sign;

@@ -15,5 +15,6 @@ pub mod compressed;
 mod error;
 pub mod onebit;
 pub mod pipe;
+pub mod zero;
 
 pub use error::*;

@@ -90,6 +90,27 @@ pub struct RunReport {
     /// Pipelined runs: the most activations each stage held at once, stage 0 first.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_live_activations_per_stage: Option<Vec<usize>>,
+    /// Data-parallel runs: the parameters after the last step, flat in layout order (for
+    /// comparisons in tests; not serialized).
+    #[serde(skip)]
+    pub final_params: FlatParams,
+}
+
+/// Flat parameter values; `Debug` prints only their count.
+#[derive(Clone, Default, PartialEq)]
+pub struct FlatParams(pub Vec<f32>);
+
+impl std::fmt::Debug for FlatParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "[{} values]", self.0.len())
+    }
+}
+
+impl std::ops::Deref for FlatParams {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
 }
 
 /// Trains on this rank: data parallel, or through the pipeline engine when the config has
@@ -182,6 +203,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         data_parallel: world,
         bubble_fraction: None,
         peak_live_activations_per_stage: None,
+        final_params: FlatParams(engine.flat_params()),
     })
 }
 
@@ -321,6 +343,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
                 .map(|s| figures[topo.rank_of(s, 0)].live_activations as usize)
                 .collect(),
         ),
+        final_params: FlatParams::default(),
     })
 }
 

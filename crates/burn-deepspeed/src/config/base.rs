@@ -310,10 +310,10 @@ impl DeepSpeedConfig {
         if self.bf16.enabled {
             add("bf16.enabled", refused);
         }
-        if self.zero_optimization.stage != ZeroStage::Disabled {
+        if self.zero_optimization.stage == ZeroStage::Parameters {
             add(
                 "zero_optimization.stage",
-                "stages 1-3 are parsed, but the engine runs stage 0 only and refuses others",
+                "stage 3 is parsed, but the engine runs stages 0-2 and refuses it",
             );
         }
         if let Some(o) = &self.optimizer {

@@ -14,8 +14,10 @@ use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 use serde::Serialize;
 
 use super::checkpoint::{
-    CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta, f32_bytes, f32_values,
-    one_bit_state_bytes, one_bit_state_from_bytes, read_checkpoint, write_checkpoint,
+    CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointFile, CheckpointMeta, check_tag,
+    commit_checkpoint, create_staging, f32_bytes, f32_values, one_bit_state_bytes,
+    one_bit_state_from_bytes, partition_state_bytes, partition_state_from_bytes, read_checkpoint,
+    staging_dir, write_checkpoint, write_state_file,
 };
 use super::flat::{ParamLayout, params_from_flat, params_to_flat};
 use super::memory::{MemoryLedger, ModelStateBytes};
@@ -23,9 +25,11 @@ use super::onebit::build_one_bit;
 use super::optim::{build_optimizer, state_tensors_per_param};
 use super::reduce::clip_global_norm;
 use super::sync::GradientSync;
+use super::zero::{ZeroSync, refuse_zero_keys};
 use crate::config::{BatchSizes, DeepSpeedConfig, ZeroStage};
 use crate::{DeepSpeedError, Result};
 use burn_deepspeed_strategies::onebit::OneBitOptimizer;
+use burn_deepspeed_strategies::zero::{FlatPartition, PartitionState};
 
 /// What the engine reads from a training step's output: the micro-batch's mean loss.
 pub trait StepLoss {
@@ -60,46 +64,83 @@ pub struct StepReport {
     pub optimizer: Duration,
 }
 
-/// The optimizer the engine steps: one of Burn's on [`GradientsParams`](burn::optim::GradientsParams), or a
-/// 1-bit optimizer on the flat buffers.
+/// The optimizer of a replicated (stage 0) engine: one of Burn's on
+/// [`GradientsParams`](burn::optim::GradientsParams), or a 1-bit optimizer on the flat buffers.
 enum EngineOptimizer {
     Burn(ModuleOptimizer),
     OneBit(Box<dyn OneBitOptimizer>),
 }
 
 impl EngineOptimizer {
-    /// The fresh optimizer a resolved config names, over `sync`'s layout.
-    fn build(config: &DeepSpeedConfig, sync: &GradientSync, world: usize) -> Result<Self> {
+    /// The fresh optimizer a resolved config names, over `layout`.
+    fn build(config: &DeepSpeedConfig, layout: &ParamLayout, world: usize) -> Result<Self> {
         let cfg = config
             .optimizer
             .as_ref()
             .expect("resolve fills the optimizer");
-        Ok(match build_one_bit(cfg, sync.layout(), world)? {
+        Ok(match build_one_bit(cfg, layout, world)? {
             Some(onebit) => Self::OneBit(onebit),
             None => Self::Burn(build_optimizer(cfg)?),
         })
     }
 }
 
-/// Data-parallel training engine (ZeRO stage 0): every rank holds the whole model, gradients
-/// are averaged by bucketed all-reduce (`reduce_bucket_size` elements per collective), clipped
-/// by global norm, and every rank takes the same optimizer step.
+/// How gradients become an update. One per engine, built once: the variants' sizes do not
+/// matter.
+#[allow(clippy::large_enum_variant)]
+enum Reduction {
+    /// ZeRO stage 0: whole gradients all-reduced, every rank steps everything.
+    Replicated {
+        sync: GradientSync,
+        optim: EngineOptimizer,
+    },
+    /// ZeRO stages 1 and 2: gradients reduce-scattered, each rank steps its slice.
+    Partitioned(ZeroSync),
+}
+
+impl Reduction {
+    fn build(
+        model: &impl Module,
+        layout: &ParamLayout,
+        config: &DeepSpeedConfig,
+        comm: &Arc<dyn Communicator>,
+    ) -> Result<Self> {
+        Ok(match config.zero_optimization.stage {
+            ZeroStage::Disabled => Self::Replicated {
+                sync: GradientSync::new(model, config, comm.clone()),
+                optim: EngineOptimizer::build(config, layout, comm.world_size())?,
+            },
+            _ => Self::Partitioned(ZeroSync::new(layout.clone(), config, comm.clone())?),
+        })
+    }
+}
+
+/// Data-parallel training engine with ZeRO (arXiv 1910.02054) stages 0, 1 and 2.
+///
+/// - Stage 0: every rank holds the whole model, gradients are averaged by bucketed all-reduce
+///   (`reduce_bucket_size` elements per collective), clipped by global norm, and every rank
+///   takes the same optimizer step (Burn's optimizer, or a 1-bit one).
+/// - Stages 1 and 2 ([`ZeroSync`]): gradients are reduce-scattered, each rank keeps the
+///   optimizer state of (and steps) its slice of the flat parameters, and the updated slices
+///   are all-gathered; stage 2 also keeps only its slice of the gradients.
 ///
 /// SPMD: create one engine per rank, each with that rank's [`Communicator`]. Rank 0's
 /// parameters are broadcast at creation, so every replica starts identical.
 pub struct DeepSpeedEngine<M> {
     model: M,
-    optim: EngineOptimizer,
+    layout: ParamLayout,
+    reduction: Reduction,
     pld: Option<ProgressiveLayerDrop>,
     comm: Arc<dyn Communicator>,
     config: DeepSpeedConfig,
     batch: BatchSizes,
-    sync: GradientSync,
     loss_sum: f64,
     global_step: u64,
     ledger: MemoryLedger,
     params_with_state: usize,
     fb_time: Duration,
+    /// Bytes sent before this step's first micro-batch (stage 2 communicates in backward).
+    sent_at_step_start: Option<u64>,
 }
 
 impl<M> DeepSpeedEngine<M>
@@ -113,8 +154,8 @@ where
     pub fn new(model: M, mut config: DeepSpeedConfig, comm: Arc<dyn Communicator>) -> Result<Self> {
         let batch = config.resolve(comm.world_size())?;
         refuse_unsupported(&config)?;
-        let sync = GradientSync::new(&model, &config, comm.clone());
-        let optim = EngineOptimizer::build(&config, &sync, comm.world_size())?;
+        let layout = ParamLayout::of(&model);
+        let reduction = Reduction::build(&model, &layout, &config, &comm)?;
         let pld = config
             .progressive_layer_drop
             .enabled
@@ -122,26 +163,29 @@ where
                 theta: config.progressive_layer_drop.theta,
                 gamma: config.progressive_layer_drop.gamma,
             });
-        let model = sync.broadcast_params(model)?;
-        let n = sync.layout().numel;
+        let model = broadcast_params(comm.as_ref(), &layout, model)?;
         let mut ledger = MemoryLedger::default();
-        ledger.update(|m| {
-            m.params = 4 * n as u64;
-            m.grads = 4 * n as u64;
+        ledger.update(|m| match &reduction {
+            Reduction::Replicated { .. } => {
+                m.params = 4 * layout.numel as u64;
+                m.grads = 4 * layout.numel as u64;
+            }
+            Reduction::Partitioned(z) => *m = z.state_bytes(),
         });
         Ok(Self {
             model,
-            optim,
+            layout,
+            reduction,
             pld,
             comm,
             config,
             batch,
-            sync,
             loss_sum: 0.0,
             global_step: 0,
             ledger,
             params_with_state: 0,
             fb_time: Duration::ZERO,
+            sent_at_step_start: None,
         })
     }
 
@@ -149,15 +193,27 @@ where
     /// (DeepSpeed's `engine.forward` + `engine.backward`). Returns the step's output.
     pub fn forward_backward(&mut self, input: M::Input) -> M::Output {
         let start = Instant::now();
+        self.sent_at_step_start
+            .get_or_insert_with(|| self.comm.stats().total_sent());
         let out = {
             let _span = tracing::debug_span!("forward_backward", rank = self.comm.rank()).entered();
             TrainStep::step(&self.model, input)
         };
         self.loss_sum += out.item.loss();
-        // The gradient tensors from backward are alive while they are copied into the buffer.
-        self.ledger
-            .transient_grads(4 * self.sync.layout().numel as u64);
-        self.sync.accumulate(&self.model, &out.grads);
+        // The gradient tensors from backward are alive while they are copied into the buffer
+        // (and, at stage 2, while one bucket is staged for its reduce-scatter).
+        let numel = self.layout.numel as u64;
+        match &mut self.reduction {
+            Reduction::Replicated { sync, .. } => {
+                self.ledger.transient_grads(4 * numel);
+                sync.accumulate(&self.model, &out.grads);
+            }
+            Reduction::Partitioned(z) => {
+                self.ledger
+                    .transient_grads(4 * (numel + z.bucket_elems() as u64));
+                z.accumulate(&self.model, &out.grads);
+            }
+        }
         self.fb_time += start.elapsed();
         out.item
     }
@@ -165,89 +221,35 @@ where
     /// Averages the accumulated gradient over ranks and micro-batches, clips it, and takes
     /// one optimizer step (DeepSpeed's `engine.step` at an accumulation boundary).
     pub fn step(&mut self) -> Result<StepReport> {
-        let micro_steps = self.sync.micro_steps();
+        let micro_steps = match &self.reduction {
+            Reduction::Replicated { sync, .. } => sync.micro_steps(),
+            Reduction::Partitioned(z) => z.micro_steps(),
+        };
         if micro_steps == 0 {
             return Err(DeepSpeedError::Data(
                 "step() called before any forward_backward()".into(),
             ));
         }
-        let world = self.comm.world_size();
-        let sent_before = self.comm.stats().total_sent();
-        let reduce_start = Instant::now();
-        let compressed = matches!(&self.optim, EngineOptimizer::OneBit(o) if o.compressing());
-        let (grads, norm) = match &self.optim {
-            EngineOptimizer::Burn(_) => {
-                let (grads, norm) = self.sync.reduce(&self.model)?;
-                (Some(grads), norm)
-            }
-            EngineOptimizer::OneBit(_) => {
-                // Compression stage: no gradient all-reduce; each rank clips its own gradient
-                // (DeepSpeed's `enable_backward_allreduce = False`).
-                if compressed {
-                    self.sync.average_local();
-                } else {
-                    self.sync.average()?;
-                }
-                let clip = self.sync.clip_threshold();
-                (None, clip_global_norm(self.sync.flat_mut(), clip))
-            }
+        let sent_before = self
+            .sent_at_step_start
+            .take()
+            .unwrap_or_else(|| self.comm.stats().total_sent());
+        let lr = self.lr_at(self.global_step);
+        let inner = match self.reduction {
+            Reduction::Replicated { .. } => self.step_replicated(lr)?,
+            Reduction::Partitioned(_) => self.step_partitioned(lr)?,
         };
         let mut scalars = [
             (self.loss_sum / micro_steps as f64) as f32,
-            if compressed {
-                (norm * norm) as f32
-            } else {
-                0.0
-            },
+            inner.local_norm_sq.unwrap_or(0.0) as f32,
         ];
-        if world > 1 {
+        if self.comm.world_size() > 1 {
             self.comm.all_reduce(&mut scalars, ReduceOp::Mean)?;
         }
-        let grad_norm = if compressed {
-            (scalars[1] as f64).sqrt()
-        } else {
-            norm
+        let grad_norm = match inner.local_norm_sq {
+            Some(_) => (scalars[1] as f64).sqrt(),
+            None => inner.norm,
         };
-        let reduce = reduce_start.elapsed();
-
-        let opt_start = Instant::now();
-        let lr = self.lr_at(self.global_step);
-        let numel = self.sync.layout().numel;
-        let model = self.model.clone();
-        let state = {
-            let _span = tracing::debug_span!("optimizer_step", rank = self.comm.rank()).entered();
-            match (&mut self.optim, grads) {
-                (EngineOptimizer::Burn(optim), Some(grads)) => {
-                    self.model = optim.step(lr, model, grads);
-                    let with_state: usize = self
-                        .sync
-                        .layout()
-                        .slots
-                        .iter()
-                        .zip(self.sync.present())
-                        .filter(|(_, p)| **p != 0)
-                        .map(|(s, _)| s.numel)
-                        .sum();
-                    self.params_with_state = self.params_with_state.max(with_state);
-                    let kind = self.config.optimizer_kind();
-                    (4 * state_tensors_per_param(kind) * self.params_with_state) as u64
-                }
-                (EngineOptimizer::OneBit(optim), _) => {
-                    let mut params = params_to_flat(&model, self.sync.layout());
-                    optim.apply(self.comm.as_ref(), &mut params, self.sync.flat_mut(), lr)?;
-                    self.model = params_from_flat(model, self.sync.layout(), &params);
-                    self.sync.reset();
-                    optim.state_bytes()
-                }
-                (EngineOptimizer::Burn(_), None) => unreachable!("Burn optimizers get gradients"),
-            }
-        };
-        self.ledger.update(|m| m.optimizer = state);
-        // The peak of the step: the optimizer state is written while the rebuilt gradients
-        // are still alive.
-        self.ledger.transient_grads(4 * numel as u64);
-        let optimizer = opt_start.elapsed();
-        self.sync.clear_marks();
         let pld_theta = self.pld_theta();
         self.global_step += 1;
         let report = StepReport {
@@ -256,11 +258,11 @@ where
             lr,
             grad_norm,
             bytes_sent: self.comm.stats().total_sent() - sent_before,
-            compressed,
+            compressed: inner.compressed,
             pld_theta,
             forward_backward: std::mem::take(&mut self.fb_time),
-            reduce,
-            optimizer,
+            reduce: inner.reduce,
+            optimizer: inner.optimizer,
         };
         self.loss_sum = 0.0;
         if self.config.wall_clock_breakdown
@@ -278,6 +280,97 @@ where
             );
         }
         Ok(report)
+    }
+
+    /// Stage 0: all-reduce, clip, and the same step on every rank.
+    fn step_replicated(&mut self, lr: f64) -> Result<InnerStep> {
+        let Reduction::Replicated { sync, optim } = &mut self.reduction else {
+            unreachable!("called on the replicated path")
+        };
+        let reduce_start = Instant::now();
+        let compressed = matches!(optim, EngineOptimizer::OneBit(o) if o.compressing());
+        let (grads, norm) = match optim {
+            EngineOptimizer::Burn(_) => {
+                let (grads, norm) = sync.reduce(&self.model)?;
+                (Some(grads), norm)
+            }
+            EngineOptimizer::OneBit(_) => {
+                // Compression stage: no gradient all-reduce; each rank clips its own gradient
+                // (DeepSpeed's `enable_backward_allreduce = False`).
+                if compressed {
+                    sync.average_local();
+                } else {
+                    sync.average()?;
+                }
+                let clip = sync.clip_threshold();
+                (None, clip_global_norm(sync.flat_mut(), clip))
+            }
+        };
+        let reduce = reduce_start.elapsed();
+
+        let opt_start = Instant::now();
+        let model = self.model.clone();
+        let state = {
+            let _span = tracing::debug_span!("optimizer_step", rank = self.comm.rank()).entered();
+            match (optim, grads) {
+                (EngineOptimizer::Burn(optim), Some(grads)) => {
+                    self.model = optim.step(lr, model, grads);
+                    let with_state: usize = self
+                        .layout
+                        .slots
+                        .iter()
+                        .zip(sync.present())
+                        .filter(|(_, p)| **p != 0)
+                        .map(|(s, _)| s.numel)
+                        .sum();
+                    self.params_with_state = self.params_with_state.max(with_state);
+                    let kind = self.config.optimizer_kind();
+                    (4 * state_tensors_per_param(kind) * self.params_with_state) as u64
+                }
+                (EngineOptimizer::OneBit(optim), _) => {
+                    let mut params = params_to_flat(&model, &self.layout);
+                    optim.apply(self.comm.as_ref(), &mut params, sync.flat_mut(), lr)?;
+                    self.model = params_from_flat(model, &self.layout, &params);
+                    sync.reset();
+                    optim.state_bytes()
+                }
+                (EngineOptimizer::Burn(_), None) => unreachable!("Burn optimizers get gradients"),
+            }
+        };
+        self.ledger.update(|m| m.optimizer = state);
+        // The peak of the step: the optimizer state is written while the rebuilt gradients
+        // are still alive.
+        self.ledger.transient_grads(4 * self.layout.numel as u64);
+        sync.clear_marks();
+        Ok(InnerStep {
+            norm,
+            local_norm_sq: compressed.then_some(norm * norm),
+            compressed,
+            reduce,
+            optimizer: opt_start.elapsed(),
+        })
+    }
+
+    /// Stages 1 and 2: reduce-scatter, clip, step this rank's slice, all-gather.
+    fn step_partitioned(&mut self, lr: f64) -> Result<InnerStep> {
+        let Reduction::Partitioned(zero) = &mut self.reduction else {
+            unreachable!("called on the partitioned path")
+        };
+        let start = Instant::now();
+        let (model, norm) = zero.step(self.model.clone(), lr)?;
+        self.model = model;
+        let held = zero.state_bytes();
+        // During the step the all-gathered parameters are assembled while the old ones are
+        // alive.
+        self.ledger.update(|m| *m = held);
+        self.ledger.transient_grads(4 * self.layout.numel as u64);
+        Ok(InnerStep {
+            norm,
+            local_norm_sq: None,
+            compressed: false,
+            reduce: Duration::ZERO,
+            optimizer: start.elapsed(),
+        })
     }
 
     /// One optimizer step over `gradient_accumulation_steps` micro-batches of this rank
@@ -316,8 +409,10 @@ where
 
     /// Saves the model, the optimizer state and the step as checkpoint `tag` (default
     /// `global_step{N}`, as in DeepSpeed) under `dir`, atomically, and points `dir/latest` at
-    /// it. Collective: every rank calls it; at ZeRO stage 0 rank 0 writes, since every rank
-    /// holds the same state. Returns the checkpoint's directory.
+    /// it. Collective: every rank calls it. At ZeRO stage 0 rank 0 writes, since every rank
+    /// holds the same state; at stages 1 and 2 every rank writes its slice of the optimizer
+    /// state into the same staging directory (which must be visible to every rank) and rank 0
+    /// commits the checkpoint once all succeeded. Returns the checkpoint's directory.
     ///
     /// 1-bit optimizers save m, v, their frozen coefficients and the step (which fixes the
     /// phase), not the compression error buffers: after a load those start from zero, as in
@@ -325,11 +420,18 @@ where
     pub fn save_checkpoint(&self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
         let dir = dir.as_ref();
         let tag = tag.map_or_else(|| format!("global_step{}", self.global_step), String::from);
-        let mut written = Ok(dir.join(&tag));
-        if self.comm.rank() == 0 {
-            written = self.write_checkpoint(dir, &tag);
-        }
-        // Every rank learns whether rank 0's write succeeded.
+        check_tag(&tag)?;
+        let written = match &self.reduction {
+            Reduction::Replicated { optim, .. } => {
+                if self.comm.rank() == 0 {
+                    self.write_replicated(dir, &tag, optim)
+                } else {
+                    Ok(dir.join(&tag))
+                }
+            }
+            Reduction::Partitioned(zero) => self.write_partitioned(dir, &tag, zero),
+        };
+        // Every rank learns whether rank 0's commit succeeded.
         let mut ok = [u8::from(written.is_ok())];
         self.comm.broadcast(&mut ok, 0)?;
         if ok[0] == 0 && written.is_ok() {
@@ -341,16 +443,8 @@ where
         written
     }
 
-    fn write_checkpoint(&self, dir: &Path, tag: &str) -> Result<PathBuf> {
-        let layout = self.sync.layout();
-        let optim = match &self.optim {
-            EngineOptimizer::Burn(o) => o
-                .into_bytes()
-                .map_err(|e| DeepSpeedError::Checkpoint(format!("optimizer state: {e:?}")))?
-                .to_vec(),
-            EngineOptimizer::OneBit(o) => one_bit_state_bytes(&o.export()),
-        };
-        let meta = CheckpointMeta {
+    fn meta(&self) -> CheckpointMeta {
+        CheckpointMeta {
             format: CHECKPOINT_FORMAT.into(),
             version: CHECKPOINT_VERSION,
             global_step: self.global_step,
@@ -358,29 +452,96 @@ where
             zero_stage: self.config.zero_optimization.stage.into(),
             optimizer: format!("{:?}", self.config.optimizer_kind()),
             compressing: self.one_bit_optimizer().map(|o| o.compressing()),
-            param_ids: layout.slots.iter().map(|s| s.id.val()).collect(),
-            shapes: layout.slots.iter().map(|s| s.shape.clone()).collect(),
+            param_ids: self.layout.slots.iter().map(|s| s.id.val()).collect(),
+            shapes: self.layout.slots.iter().map(|s| s.shape.clone()).collect(),
             files: Vec::new(),
+        }
+    }
+
+    fn write_replicated(&self, dir: &Path, tag: &str, optim: &EngineOptimizer) -> Result<PathBuf> {
+        let optim = match optim {
+            EngineOptimizer::Burn(o) => o
+                .into_bytes()
+                .map_err(|e| DeepSpeedError::Checkpoint(format!("optimizer state: {e:?}")))?
+                .to_vec(),
+            EngineOptimizer::OneBit(o) => one_bit_state_bytes(&o.export()),
         };
-        let params = f32_bytes(&params_to_flat(&self.model, layout));
+        let params = f32_bytes(&params_to_flat(&self.model, &self.layout));
         write_checkpoint(
             dir,
             tag,
-            meta,
+            self.meta(),
             &[("model.bin", params), ("optim.bin", optim)],
         )
     }
 
+    /// Stages 1-2: every rank stages its optimizer slice; rank 0 adds the model and commits.
+    fn write_partitioned(&self, dir: &Path, tag: &str, zero: &ZeroSync) -> Result<PathBuf> {
+        let comm = self.comm.as_ref();
+        let staging = staging_dir(dir, tag, "ranks");
+        let mut ok = [u8::from(
+            comm.rank() != 0 || create_staging(&staging).is_ok(),
+        )];
+        comm.broadcast(&mut ok, 0)?;
+        if ok[0] == 0 {
+            return Err(DeepSpeedError::Checkpoint(format!(
+                "rank 0 could not create {}",
+                staging.display()
+            )));
+        }
+        let name = partition_file(comm.rank());
+        let mine = write_state_file(&staging, &name, &partition_state_bytes(zero.export()));
+        // Each rank reports [ok, length, checksum] so that rank 0 can list every file.
+        let mut record = [0u8; 17];
+        if let Ok(f) = &mine {
+            record[0] = 1;
+            record[1..9].copy_from_slice(&f.bytes.to_le_bytes());
+            let sum = u64::from_str_radix(&f.fnv64, 16).unwrap_or_default();
+            record[9..].copy_from_slice(&sum.to_le_bytes());
+        }
+        let world = comm.world_size();
+        let mut all = vec![0u8; 17 * world];
+        comm.all_gather_equal(&record, &mut all)?;
+        mine?;
+        if let Some(r) = all.chunks(17).position(|c| c[0] == 0) {
+            return Err(DeepSpeedError::Checkpoint(format!(
+                "rank {r} could not write its optimizer slice into {}",
+                staging.display()
+            )));
+        }
+        if comm.rank() != 0 {
+            return Ok(dir.join(tag));
+        }
+        let mut meta = self.meta();
+        let params = f32_bytes(&params_to_flat(&self.model, &self.layout));
+        meta.files
+            .push(write_state_file(&staging, "model.bin", &params)?);
+        for (r, c) in all.chunks(17).enumerate() {
+            meta.files.push(CheckpointFile {
+                name: partition_file(r),
+                bytes: u64::from_le_bytes(c[1..9].try_into().expect("8 bytes")),
+                fnv64: format!(
+                    "{:016x}",
+                    u64::from_le_bytes(c[9..].try_into().expect("8 bytes"))
+                ),
+            });
+        }
+        commit_checkpoint(dir, tag, &staging, &meta)
+    }
+
     /// Loads checkpoint `tag` (default: the one `dir/latest` names) into this engine: model,
     /// optimizer state and step. Refuses, with the reason, a checkpoint whose files are
-    /// corrupt or whose parameters, optimizer or ZeRO stage differ from this engine's. At
-    /// ZeRO stage 0 the world size may differ from the one that saved it. Every rank calls
-    /// it (each reads the files, so they must be visible to every rank). Returns the step.
+    /// corrupt or whose parameters, optimizer or ZeRO stage differ from this engine's (stages
+    /// 1 and 2 share one format and load each other's checkpoints). The world size may differ
+    /// from the one that saved it: at stages 1 and 2 the saved slices are joined and cut again
+    /// for this world. Every rank calls it (each reads the files, so they must be visible to
+    /// every rank). Returns the step.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<u64> {
         let (meta, files) = read_checkpoint(dir.as_ref(), tag)?;
         let refuse = |what: String| Err(DeepSpeedError::Checkpoint(what));
         let stage: u8 = self.config.zero_optimization.stage.into();
-        if meta.zero_stage != stage {
+        let partitioned = |s: u8| s == 1 || s == 2;
+        if meta.zero_stage != stage && !(partitioned(meta.zero_stage) && partitioned(stage)) {
             return refuse(format!(
                 "written at ZeRO stage {}; this engine runs stage {stage}",
                 meta.zero_stage
@@ -393,7 +554,7 @@ where
                 meta.optimizer
             ));
         }
-        let layout = self.sync.layout();
+        let layout = &self.layout;
         let shapes: Vec<Vec<usize>> = layout.slots.iter().map(|s| s.shape.clone()).collect();
         if meta.shapes != shapes || meta.param_ids.len() != shapes.len() {
             let count =
@@ -407,10 +568,8 @@ where
                 shapes.len()
             ));
         }
-        let [model_bytes, optim_bytes] = <[Vec<u8>; 2]>::try_from(files).map_err(|f| {
-            DeepSpeedError::Checkpoint(format!("expected 2 state files, found {}", f.len()))
-        })?;
-        let params = f32_values(&model_bytes, "model.bin")?;
+        let mut files = files.into_iter();
+        let params = f32_values(&files.next().unwrap_or_default(), "model.bin")?;
         if params.len() != layout.numel {
             return refuse(format!(
                 "model.bin holds {} values; the model has {}",
@@ -421,22 +580,45 @@ where
         // The saved ids go back into the model, so that the optimizer state (keyed by id)
         // finds its parameters.
         let model = restore_params(self.model.clone(), layout, &meta.param_ids, &params);
-        let sync = GradientSync::new(&model, &self.config, self.comm.clone());
-        let optim = match EngineOptimizer::build(&self.config, &sync, self.comm.world_size())? {
-            EngineOptimizer::OneBit(mut onebit) => {
-                onebit.restore(one_bit_state_from_bytes(&optim_bytes)?)?;
-                EngineOptimizer::OneBit(onebit)
+        let layout = ParamLayout::of(&model);
+        let mut reduction = Reduction::build(&model, &layout, &self.config, &self.comm)?;
+        match &mut reduction {
+            Reduction::Replicated { optim, .. } => {
+                let optim_bytes = files.next().ok_or_else(|| {
+                    DeepSpeedError::Checkpoint("the optimizer state file is missing".into())
+                })?;
+                match optim {
+                    EngineOptimizer::OneBit(onebit) => {
+                        onebit.restore(one_bit_state_from_bytes(&optim_bytes)?)?
+                    }
+                    EngineOptimizer::Burn(burn) => {
+                        *burn = burn
+                            .clone()
+                            .from_bytes(Bytes::from_bytes_vec(optim_bytes))
+                            .map_err(|e| {
+                                DeepSpeedError::Checkpoint(format!("optimizer state: {e:?}"))
+                            })?
+                    }
+                }
             }
-            EngineOptimizer::Burn(burn) => EngineOptimizer::Burn(
-                burn.from_bytes(Bytes::from_bytes_vec(optim_bytes))
-                    .map_err(|e| DeepSpeedError::Checkpoint(format!("optimizer state: {e:?}")))?,
-            ),
-        };
+            Reduction::Partitioned(zero) => {
+                let slices: Vec<PartitionState> = files
+                    .enumerate()
+                    .map(|(r, b)| partition_state_from_bytes(&b, &partition_file(r)))
+                    .collect::<Result<_>>()?;
+                zero.restore(recut_partition(
+                    slices,
+                    &layout,
+                    zero.partition(),
+                    self.comm.rank(),
+                )?)?;
+            }
+        }
         self.model = model;
-        self.sync = sync;
-        self.optim = optim;
+        self.layout = layout;
+        self.reduction = reduction;
         self.global_step = meta.global_step;
-        self.params_with_state = self.sync.layout().numel;
+        self.params_with_state = self.layout.numel;
         self.loss_sum = 0.0;
         Ok(meta.global_step)
     }
@@ -444,6 +626,10 @@ where
     /// The model (identical on every rank after each step).
     pub fn model(&self) -> &M {
         &self.model
+    }
+    /// The parameters, flat in layout order (the order the module visits them).
+    pub fn flat_params(&self) -> Vec<f32> {
+        params_to_flat(&self.model, &self.layout)
     }
     /// Consumes the engine and returns the model.
     pub fn into_model(self) -> M {
@@ -467,7 +653,7 @@ where
     }
     /// Number of float parameters.
     pub fn num_params(&self) -> usize {
-        self.sync.layout().numel
+        self.layout.numel
     }
     /// The model state this rank holds now.
     pub fn model_state_bytes(&self) -> ModelStateBytes {
@@ -479,29 +665,42 @@ where
     }
     /// Burn's module optimizer, unless a 1-bit optimizer runs.
     pub fn optimizer(&self) -> Option<&ModuleOptimizer> {
-        match &self.optim {
-            EngineOptimizer::Burn(o) => Some(o),
-            EngineOptimizer::OneBit(_) => None,
+        match &self.reduction {
+            Reduction::Replicated {
+                optim: EngineOptimizer::Burn(o),
+                ..
+            } => Some(o),
+            _ => None,
         }
     }
 
     /// The 1-bit optimizer, when the config names one.
     pub fn one_bit_optimizer(&self) -> Option<&dyn OneBitOptimizer> {
-        match &self.optim {
-            EngineOptimizer::OneBit(o) => Some(o.as_ref()),
-            EngineOptimizer::Burn(_) => None,
+        match &self.reduction {
+            Reduction::Replicated {
+                optim: EngineOptimizer::OneBit(o),
+                ..
+            } => Some(o.as_ref()),
+            _ => None,
         }
     }
 }
 
+/// What one path's step reports to [`DeepSpeedEngine::step`].
+struct InnerStep {
+    /// Global gradient norm before clipping.
+    norm: f64,
+    /// When each rank clipped its own gradient: this rank's squared norm, averaged over ranks
+    /// for the report.
+    local_norm_sq: Option<f64>,
+    compressed: bool,
+    reduce: Duration,
+    optimizer: Duration,
+}
+
 /// Refuses settings that would change the math and that this version does not run yet.
 pub(crate) fn refuse_unsupported(config: &DeepSpeedConfig) -> Result<()> {
-    if config.zero_optimization.stage != ZeroStage::Disabled {
-        return Err(unsupported(
-            "zero_optimization.stage",
-            "this version runs ZeRO stage 0 (data parallelism); set the stage to 0",
-        ));
-    }
+    refuse_zero_keys(config)?;
     if config
         .pipeline
         .as_ref()
@@ -540,6 +739,63 @@ pub(crate) fn unsupported(key: &str, reason: &str) -> DeepSpeedError {
         key: key.into(),
         reason: reason.into(),
     }
+}
+
+/// The name of rank `rank`'s optimizer slice in a stage 1/2 checkpoint.
+fn partition_file(rank: usize) -> String {
+    format!("zero_pp_rank_{rank}_optim_states.bin")
+}
+
+/// Joins the saved slices (in the saving ranks' order) into the whole flat state and cuts
+/// out `rank`'s slice of `partition`.
+fn recut_partition(
+    slices: Vec<PartitionState>,
+    layout: &ParamLayout,
+    partition: &FlatPartition,
+    rank: usize,
+) -> Result<PartitionState> {
+    let steps = slices.first().map(|s| s.steps.clone()).unwrap_or_default();
+    if steps.len() != layout.slots.len() || slices.iter().any(|s| s.steps != steps) {
+        return Err(DeepSpeedError::Checkpoint(format!(
+            "the optimizer slices disagree on the step counts of {} tensors",
+            layout.slots.len()
+        )));
+    }
+    let total: usize = slices.iter().map(|s| s.m.len()).sum();
+    if total != layout.numel {
+        return Err(DeepSpeedError::Checkpoint(format!(
+            "the optimizer slices hold {total} elements; the model has {}",
+            layout.numel
+        )));
+    }
+    let own = partition.range(rank);
+    let (mut m, mut v) = (Vec::with_capacity(own.len()), Vec::with_capacity(own.len()));
+    let mut at = 0;
+    for s in &slices {
+        let piece = at..at + s.m.len();
+        let a = piece.start.max(own.start);
+        let b = piece.end.min(own.end);
+        if a < b {
+            m.extend_from_slice(&s.m[a - at..b - at]);
+            v.extend_from_slice(&s.v[a - at..b - at]);
+        }
+        at = piece.end;
+    }
+    Ok(PartitionState { steps, m, v })
+}
+
+/// Makes every rank's `module` equal to rank 0's.
+fn broadcast_params<M: Module>(
+    comm: &dyn Communicator,
+    layout: &ParamLayout,
+    module: M,
+) -> Result<M> {
+    if comm.world_size() == 1 {
+        return Ok(module);
+    }
+    let mut flat = params_to_flat(&module, layout);
+    comm.broadcast(&mut flat, 0)?;
+    Ok(params_from_flat(module, layout, &flat))
 }
 
 /// `module` with the parameter ids `ids` and the values `flat`, both in `layout` order.

@@ -9,7 +9,9 @@
 //! - `DIR/latest`: the tag of the newest complete checkpoint (DeepSpeed's `latest` file).
 //!
 //! At ZeRO stage 0 every rank holds the same state, so rank 0 writes it and any world size can
-//! load it. A checkpoint is first written to a hidden directory and renamed into place, and
+//! load it. At stages 1 and 2 each rank also writes its slice of the optimizer state,
+//! `DIR/TAG/zero_pp_rank_R_optim_states.bin` (DeepSpeed's name); the slices are contiguous
+//! pieces of one flat state, so a load at another world size re-cuts them. A checkpoint is first written to a hidden directory and renamed into place, and
 //! `latest` is replaced by a rename too: a crash leaves the previous checkpoint intact.
 
 use std::fs::{self, File};
@@ -17,6 +19,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use burn_deepspeed_strategies::onebit::OneBitState;
+use burn_deepspeed_strategies::zero::PartitionState;
 use serde::{Deserialize, Serialize};
 
 use crate::{DeepSpeedError, Result};
@@ -80,43 +83,62 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().map_err(|e| io_err(path, e))
 }
 
-/// Writes `files` and `meta` as checkpoint `tag` under `dir` and points `latest` at it.
-pub fn write_checkpoint(
-    dir: &Path,
-    tag: &str,
-    mut meta: CheckpointMeta,
-    files: &[(&str, Vec<u8>)],
-) -> Result<PathBuf> {
+/// Refuses a tag that is not a plain directory name.
+pub fn check_tag(tag: &str) -> Result<()> {
     if tag.is_empty() || tag.starts_with('.') || tag.contains(['/', '\\']) {
         return Err(DeepSpeedError::Checkpoint(format!(
             "tag `{tag}` must be a plain, non-hidden directory name"
         )));
     }
-    fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
-    let tmp = dir.join(format!(".{tag}.partial-{}", std::process::id()));
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| io_err(&tmp, e))?;
+    Ok(())
+}
+
+/// The hidden directory checkpoint `tag` is staged in before it is renamed into place.
+/// `writer` tells concurrent writers apart (one process: its id; ranks that write together
+/// must agree on it).
+pub fn staging_dir(dir: &Path, tag: &str, writer: &str) -> PathBuf {
+    dir.join(format!(".{tag}.partial-{writer}"))
+}
+
+/// Creates an empty staging directory (removing a stale one).
+pub fn create_staging(staging: &Path) -> Result<()> {
+    if let Some(parent) = staging.parent() {
+        fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
     }
-    fs::create_dir(&tmp).map_err(|e| io_err(&tmp, e))?;
-    meta.files.clear();
-    for (name, bytes) in files {
-        write_synced(&tmp.join(name), bytes)?;
-        meta.files.push(CheckpointFile {
-            name: name.to_string(),
-            bytes: bytes.len() as u64,
-            fnv64: format!("{:016x}", fnv64(bytes)),
-        });
+    if staging.exists() {
+        fs::remove_dir_all(staging).map_err(|e| io_err(staging, e))?;
     }
-    let json = serde_json::to_vec_pretty(&meta).expect("metadata serializes");
-    write_synced(&tmp.join("meta.json"), &json)?;
+    fs::create_dir(staging).map_err(|e| io_err(staging, e))
+}
+
+/// Writes one state file into the staging directory, synced, and describes it.
+pub fn write_state_file(staging: &Path, name: &str, bytes: &[u8]) -> Result<CheckpointFile> {
+    write_synced(&staging.join(name), bytes)?;
+    Ok(CheckpointFile {
+        name: name.to_string(),
+        bytes: bytes.len() as u64,
+        fnv64: format!("{:016x}", fnv64(bytes)),
+    })
+}
+
+/// Writes `meta.json` into the staging directory, renames it to `dir/tag` (replacing an older
+/// checkpoint of that tag) and points `latest` at it.
+pub fn commit_checkpoint(
+    dir: &Path,
+    tag: &str,
+    staging: &Path,
+    meta: &CheckpointMeta,
+) -> Result<PathBuf> {
+    let json = serde_json::to_vec_pretty(meta).expect("metadata serializes");
+    write_synced(&staging.join("meta.json"), &json)?;
     let target = dir.join(tag);
     if target.exists() {
         let old = dir.join(format!(".{tag}.old-{}", std::process::id()));
         fs::rename(&target, &old).map_err(|e| io_err(&target, e))?;
-        fs::rename(&tmp, &target).map_err(|e| io_err(&tmp, e))?;
+        fs::rename(staging, &target).map_err(|e| io_err(staging, e))?;
         fs::remove_dir_all(&old).map_err(|e| io_err(&old, e))?;
     } else {
-        fs::rename(&tmp, &target).map_err(|e| io_err(&tmp, e))?;
+        fs::rename(staging, &target).map_err(|e| io_err(staging, e))?;
     }
     let latest_tmp = dir.join(format!(".latest.partial-{}", std::process::id()));
     write_synced(&latest_tmp, tag.as_bytes())?;
@@ -127,6 +149,24 @@ pub fn write_checkpoint(
         let _ = d.sync_all();
     }
     Ok(target)
+}
+
+/// Writes `files` and `meta` as checkpoint `tag` under `dir` and points `latest` at it (one
+/// writer).
+pub fn write_checkpoint(
+    dir: &Path,
+    tag: &str,
+    mut meta: CheckpointMeta,
+    files: &[(&str, Vec<u8>)],
+) -> Result<PathBuf> {
+    check_tag(tag)?;
+    let staging = staging_dir(dir, tag, &std::process::id().to_string());
+    create_staging(&staging)?;
+    meta.files.clear();
+    for (name, bytes) in files {
+        meta.files.push(write_state_file(&staging, name, bytes)?);
+    }
+    commit_checkpoint(dir, tag, &staging, &meta)
 }
 
 /// Reads checkpoint `tag` (or the one `latest` names) under `dir`: its metadata and its files
@@ -237,6 +277,56 @@ pub fn one_bit_state_from_bytes(bytes: &[u8]) -> Result<OneBitState> {
         buffers.push((name, values));
     }
     Ok(OneBitState { step, buffers })
+}
+
+/// A ZeRO stage 1/2 slice's state as bytes: tensor count (u32), per-tensor steps (u32), slice
+/// length (u64), then m and v (f32); all little-endian.
+pub fn partition_state_bytes(state: &PartitionState) -> Vec<u8> {
+    let mut out = Vec::with_capacity(12 + 4 * state.steps.len() + 8 * state.m.len());
+    out.extend((state.steps.len() as u32).to_le_bytes());
+    state.steps.iter().for_each(|s| out.extend(s.to_le_bytes()));
+    out.extend((state.m.len() as u64).to_le_bytes());
+    out.extend(f32_bytes(&state.m));
+    out.extend(f32_bytes(&state.v));
+    out
+}
+
+/// Parses [`partition_state_bytes`].
+pub fn partition_state_from_bytes(bytes: &[u8], what: &str) -> Result<PartitionState> {
+    let bad = |detail: &str| DeepSpeedError::Checkpoint(format!("{what}: {detail}"));
+    let count = u32::from_le_bytes(
+        bytes
+            .get(..4)
+            .ok_or_else(|| bad("truncated"))?
+            .try_into()
+            .expect("4 bytes"),
+    ) as usize;
+    let steps_end = 4 + 4 * count;
+    let steps: Vec<u32> = bytes
+        .get(4..steps_end)
+        .ok_or_else(|| bad("truncated step counts"))?
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    let len = u64::from_le_bytes(
+        bytes
+            .get(steps_end..steps_end + 8)
+            .ok_or_else(|| bad("truncated"))?
+            .try_into()
+            .expect("8 bytes"),
+    ) as usize;
+    let body = &bytes[steps_end + 8..];
+    if body.len() != 8 * len {
+        return Err(bad(&format!(
+            "{} bytes of moments for a slice of {len} elements",
+            body.len()
+        )));
+    }
+    Ok(PartitionState {
+        steps,
+        m: f32_values(&body[..4 * len], what)?,
+        v: f32_values(&body[4 * len..], what)?,
+    })
 }
 
 #[cfg(test)]

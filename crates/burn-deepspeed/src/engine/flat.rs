@@ -5,6 +5,7 @@
 //! between Burn's per-parameter tensors and the communicator's flat buffers.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -205,4 +206,75 @@ pub fn params_from_flat<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]
         flat,
         next: 0,
     })
+}
+
+/// Calls `f(slot, values)` for every parameter of `layout` in layout order, with its gradient
+/// from `grads` as f32 values, or `None` when it has none; remembers the gradients' device.
+pub fn for_each_grad<M: Module>(
+    module: &M,
+    layout: &ParamLayout,
+    grads: &GradientsParams,
+    device: &mut Option<Device>,
+    mut f: impl FnMut(usize, Option<Vec<f32>>),
+) {
+    struct V<'a, F> {
+        layout: &'a ParamLayout,
+        grads: &'a GradientsParams,
+        device: &'a mut Option<Device>,
+        f: &'a mut F,
+    }
+    impl<F: FnMut(usize, Option<Vec<f32>>)> ModuleVisitor for V<'_, F> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(i) = self.layout.slot_of(param.id) else {
+                return;
+            };
+            let values = self.grads.get::<D>(param.id).map(|g| {
+                if self.device.is_none() {
+                    *self.device = Some(g.device());
+                }
+                to_f32_vec(g)
+            });
+            (self.f)(i, values);
+        }
+    }
+    module.visit(&mut V {
+        layout,
+        grads,
+        device,
+        f: &mut f,
+    });
+}
+
+/// The elements `range` of the module's flat parameters, reading only the tensors that
+/// overlap it.
+pub fn params_range<M: Module>(module: &M, layout: &ParamLayout, range: Range<usize>) -> Vec<f32> {
+    struct V<'a> {
+        layout: &'a ParamLayout,
+        range: Range<usize>,
+        out: Vec<f32>,
+    }
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(i) = self.layout.slot_of(param.id) else {
+                return;
+            };
+            let slot = &self.layout.slots[i];
+            let (a, b) = (
+                slot.offset.max(self.range.start),
+                (slot.offset + slot.numel).min(self.range.end),
+            );
+            if a < b {
+                let values = to_f32_vec(param.val());
+                self.out
+                    .extend_from_slice(&values[a - slot.offset..b - slot.offset]);
+            }
+        }
+    }
+    let mut v = V {
+        layout,
+        out: Vec::with_capacity(range.len()),
+        range,
+    };
+    module.visit(&mut v);
+    v.out
 }

@@ -8,9 +8,11 @@ mod onebit;
 mod optim;
 pub mod reduce;
 mod sync;
+mod zero;
 
 pub use base::*;
 pub use memory::*;
 pub use onebit::*;
 pub use optim::*;
 pub use sync::*;
+pub use zero::*;

@@ -19,6 +19,38 @@ pub fn state_tensors_per_param(kind: OptimizerKind) -> usize {
     }
 }
 
+/// The hyper-parameters Adam, AdamW and LAMB share, with DeepSpeed's defaults, as every
+/// ZeRO stage reads them (stage 0 for Burn's optimizers, stages 1-2 for the partitioned one).
+pub(crate) struct AdamFamily {
+    pub b1: f64,
+    pub b2: f64,
+    pub eps: f32,
+    pub wd: f32,
+}
+
+impl AdamFamily {
+    /// Reads them; refuses `bias_correction: false`, which Burn's optimizers cannot honour
+    /// (so no stage may, or the stages would follow different trajectories).
+    pub(crate) fn of(cfg: &OptimizerConfig) -> Result<Self> {
+        let p = &cfg.params;
+        if p.bias_correction == Some(false) {
+            return Err(DeepSpeedError::Unsupported {
+                key: "optimizer.params.bias_correction".into(),
+                reason: "Burn's Adam, AdamW and LAMB always correct the bias; remove the key or \
+                         set it to true"
+                    .into(),
+            });
+        }
+        let (b1, b2) = p.betas.unwrap_or((0.9, 0.999));
+        Ok(Self {
+            b1,
+            b2,
+            eps: p.eps.unwrap_or(1e-8) as f32,
+            wd: p.weight_decay.unwrap_or(0.0) as f32,
+        })
+    }
+}
+
 /// Burn's optimizer for a resolved `optimizer` section.
 ///
 /// Differences from DeepSpeed, refused or documented:
@@ -28,18 +60,7 @@ pub fn state_tensors_per_param(kind: OptimizerKind) -> usize {
 /// * The 1-bit optimizers are not Burn optimizers: `DeepSpeedEngine` runs them on its flat
 ///   buffers ([`OneBitOptimizer`](super::OneBitOptimizer)); elsewhere they are refused.
 pub fn build_optimizer(cfg: &OptimizerConfig) -> Result<ModuleOptimizer> {
-    let p = &cfg.params;
-    let (b1, b2) = p.betas.unwrap_or((0.9, 0.999));
-    let eps = p.eps.unwrap_or(1e-8) as f32;
-    let wd = p.weight_decay.unwrap_or(0.0) as f32;
-    if p.bias_correction == Some(false) {
-        return Err(DeepSpeedError::Unsupported {
-            key: "optimizer.params.bias_correction".into(),
-            reason: "Burn's Adam, AdamW and LAMB always correct the bias; remove the key or set \
-                     it to true"
-                .into(),
-        });
-    }
+    let AdamFamily { b1, b2, eps, wd } = AdamFamily::of(cfg)?;
     Ok(match cfg.kind {
         OptimizerKind::Adam if !cfg.decoupled_weight_decay() => {
             let decay = (wd != 0.0).then(|| WeightDecayConfig::new(wd));

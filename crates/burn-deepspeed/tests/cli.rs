@@ -89,3 +89,44 @@ fn schedule_json_has_one_list_per_stage_and_step() {
         serde_json::json!(["ReduceTiedGrads", null])
     );
 }
+
+#[test]
+fn estimate_memory_prints_the_zero_formulas() {
+    // The ZeRO paper's example: Ψ = 7.5B, N = 64, mixed precision: 120 / 31.4 / 16.6 / 1.9 GB.
+    let (code, stdout, _) = cli(&[
+        "estimate-memory",
+        "--params",
+        "7.5e9",
+        "--world",
+        "64",
+        "--precision",
+        "mixed",
+        "--json",
+    ]);
+    assert_eq!(code, 0);
+    let totals: Vec<f64> = stdout
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("one JSON object per line");
+            v["total"].as_f64().expect("total") / 1e9
+        })
+        .collect();
+    assert_eq!(totals.len(), 4);
+    for (got, want) in totals.iter().zip([120.0, 31.40625, 16.640625, 1.875]) {
+        assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+    }
+    let (code, stdout, _) = cli(&[
+        "estimate-memory",
+        "--params",
+        "1e6",
+        "--world",
+        "4",
+        "--stage",
+        "2",
+    ]);
+    assert_eq!(code, 0);
+    assert!(stdout.contains("    2 |"), "{stdout}");
+    let (code, _, stderr) = cli(&["estimate-memory", "--params", "1e6", "--stage", "5"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("--stage 0-3"), "{stderr}");
+}

@@ -2,10 +2,14 @@
 //!
 //! `burn-deepspeed config check FILE [--world N]` prints the resolved config (every default
 //! filled in) as JSON and exits 0, or prints why it cannot be used and exits 1.
+//!
+//! `burn-deepspeed estimate-memory --params N --world W --stage S` prints the per-rank model
+//! state ZeRO's formulas predict, like DeepSpeed's `estimate_zero*_model_states_mem_needs`.
 
 use std::process::ExitCode;
 
 use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed::engine::{StatePrecision, estimate_model_states};
 use burn_deepspeed_strategies::pipe::{PipeInstruction, TrainSchedule};
 use clap::{Parser, Subcommand};
 
@@ -37,6 +41,32 @@ enum Command {
         micro_batches: usize,
         /// Print one JSON object: `{"stages", "micro_batches", "schedule"}`, where
         /// `schedule[stage][step]` lists `[name, buffer_id]` pairs.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Per-rank model-state memory at a ZeRO stage (ZeRO paper §5), plus this
+    /// implementation's in-step overheads.
+    EstimateMemory {
+        /// Parameters (Ψ); accepts `7.5e9`.
+        #[arg(long)]
+        params: f64,
+        /// Data-parallel ranks (N).
+        #[arg(long, default_value_t = 1)]
+        world: u64,
+        /// ZeRO stage; every stage when left out.
+        #[arg(long)]
+        stage: Option<u8>,
+        /// `fp32` (what the engine trains) or `mixed` (16-bit params and grads, fp32 master).
+        #[arg(long, default_value = "fp32")]
+        precision: String,
+        /// `reduce_bucket_size` in elements.
+        #[arg(long, default_value_t = 5e8)]
+        bucket: f64,
+        /// Stage 3: gathered elements alive at once (the largest layer, or
+        /// `stage3_max_live_parameters`).
+        #[arg(long, default_value_t = 0.0)]
+        live_params: f64,
+        /// Print one JSON object per stage.
         #[arg(long)]
         json: bool,
     },
@@ -100,9 +130,89 @@ fn print_schedule(stages: usize, micro_batches: usize, json: bool) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+struct EstimateArgs {
+    params: f64,
+    world: u64,
+    stage: Option<u8>,
+    precision: String,
+    bucket: f64,
+    live_params: f64,
+    json: bool,
+}
+
+fn estimate_memory(a: EstimateArgs) -> ExitCode {
+    let precision = match a.precision.as_str() {
+        "fp32" => StatePrecision::Fp32,
+        "mixed" => StatePrecision::Mixed,
+        other => {
+            eprintln!("error: --precision must be fp32 or mixed, found `{other}`");
+            return ExitCode::FAILURE;
+        }
+    };
+    if a.params.is_nan() || a.params < 1.0 || a.world == 0 || a.stage.is_some_and(|s| s > 3) {
+        eprintln!("error: --params must be at least 1, --world at least 1 and --stage 0-3");
+        return ExitCode::FAILURE;
+    }
+    let gb = |b: u64| b as f64 / 1e9;
+    if !a.json {
+        println!(
+            "Ψ = {} parameters, N = {} ranks, {} states; per rank:",
+            a.params as u64, a.world, a.precision
+        );
+        println!(
+            "{:>5} | {:>12} | {:>12} | {:>12} | {:>12} | {:>14}",
+            "stage", "params GB", "grads GB", "optim GB", "total GB", "+in-step GB"
+        );
+    }
+    for stage in a.stage.map_or(0..=3, |s| s..=s) {
+        let e = estimate_model_states(
+            a.params as u64,
+            a.world,
+            stage,
+            precision,
+            a.bucket as u64,
+            a.live_params as u64,
+        );
+        if a.json {
+            let mut v = serde_json::to_value(e).expect("serializes");
+            v["stage"] = stage.into();
+            v["world"] = a.world.into();
+            v["params_count"] = (a.params as u64).into();
+            println!("{v}");
+        } else {
+            println!(
+                "{stage:>5} | {:>12.3} | {:>12.3} | {:>12.3} | {:>12.3} | {:>14.3}",
+                gb(e.params),
+                gb(e.grads),
+                gb(e.optimizer),
+                gb(e.total),
+                gb(e.step_overhead)
+            );
+        }
+    }
+    ExitCode::SUCCESS
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::EstimateMemory {
+            params,
+            world,
+            stage,
+            precision,
+            bucket,
+            live_params,
+            json,
+        } => estimate_memory(EstimateArgs {
+            params,
+            world,
+            stage,
+            precision,
+            bucket,
+            live_params,
+            json,
+        }),
         Command::Schedule {
             stages,
             micro_batches,

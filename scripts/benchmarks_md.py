@@ -3,6 +3,7 @@
 Sections are delimited by `<!-- section: NAME -->` ... `<!-- end: NAME -->`.
 Usage: benchmarks_md.py pipeline BENCH_JSON GRID_MPI_JSON GRID_THREADS_JSON CORES
        benchmarks_md.py onebit DIR FREEZE_STEP CORES
+       benchmarks_md.py zero DIR CORES
 """
 import json
 import re
@@ -161,6 +162,52 @@ def onebit(directory, freeze, cores):
     return "\n".join(lines) + "\n"
 
 
+def zero(directory, cores):
+    d = Path(directory)
+    b = json.load(open(d / "bench.json"))
+    lines = [
+        "## ZeRO stages",
+        "",
+        f"`bash scripts/bench-zero.sh` (STEPS={b['steps']}, ROUNDS={b['rounds']}) on a machine "
+        f"with {cores} CPU cores, Flex backend, fp32, GPT `{b['model']}` "
+        f"({b['rows'][0]['params']:,} parameters), global batch {b['batch']} sequences, AdamW, "
+        "thread ranks. The stages run interleaved, round by round, in one process; tokens/s "
+        "counts every step but the first (warm-up), averaged over the rounds. Ranks beyond the "
+        "core count share cores: the ratios measure the engine's overheads, not a speed-up.",
+        "",
+        "| world | stage | tokens/s | over stage 0 | bytes sent per rank per step | theory "
+        "| over stage 0 | model state per rank (B) | over the ZeRO formula | in-step peak (B) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in b["rows"]:
+        psi, n, s = r["params"], r["world"], r["stage"]
+        formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n,
+                   3: 16 * psi / n}[s]
+        lines.append(
+            f"| {n} | {s} | {r['tokens_per_s']:.0f} | {r['ratio_to_stage0']:.3f} "
+            f"| {r['bytes_per_step']:,} | {r['theory_bytes_per_step']:,.0f} "
+            f"| {r['bytes_over_stage0']:.3f} | {r['model_state_bytes_per_rank']:,} "
+            f"| {r['model_state_bytes_per_rank'] / formula:.3f} "
+            f"| {r['peak_model_state_bytes_per_rank']:,} |"
+        )
+    lines += [
+        "",
+        "Theory: 2(N−1)/N Ψ fp32 values per rank per step for stages 0-2 (all-reduce, or "
+        "reduce-scatter + all-gather), 3(N−1)/N Ψ for stage 3. The formula column divides the "
+        "held state by 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N or 16Ψ/N (fp32 parameters, gradients, m, v).",
+        "",
+        "### Peak RSS under `mpirun -n 2` (GPT `small`, 3 steps)",
+        "",
+        "| stage | peak RSS per process (B) | model state per rank (B) |",
+        "|---|---|---|",
+    ]
+    for f in sorted(d.glob("mpi-stage*.json")):
+        r = json.load(open(f))
+        lines.append(f"| {r['zero_stage']} | {r['peak_rss_bytes']:,} | "
+                     f"{r['model_state_bytes_per_rank']:,} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_section(name, body):
     text = PATH.read_text() if PATH.exists() else HEADER
     block = f"<!-- section: {name} -->\n{body}<!-- end: {name} -->\n"
@@ -181,5 +228,7 @@ if __name__ == "__main__":
         write_section("pipeline", pipeline(*sys.argv[2:6]))
     elif kind == "onebit":
         write_section("onebit", onebit(*sys.argv[2:5]))
+    elif kind == "zero":
+        write_section("zero", zero(*sys.argv[2:4]))
     else:
         sys.exit(f"unknown section {kind}")

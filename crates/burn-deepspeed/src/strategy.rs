@@ -13,6 +13,14 @@
 //! gradients are averaged by the same bucketed all-reduce and global-norm clipping as the
 //! engine; then every rank applies the `Learner`'s own optimizer and schedule. Rank 0 reports
 //! events, validates and checkpoints. Under `mpirun` (feature `mpi`) each process is one rank.
+//!
+//! At ZeRO stages 1 and 2 (arXiv 1910.02054) the model's tensors are cut into one contiguous,
+//! balanced group per rank, at tensor boundaries. Gradients are reduce-scattered (stage 2:
+//! after every micro-batch), and each rank gives the `Learner`'s optimizer the gradients of its
+//! own tensors only. Burn's optimizers keep state for the parameters they step, so each rank
+//! holds the optimizer state of its group. The updated groups are then all-gathered. Whole
+//! tensors are what any Burn optimizer (LAMB's trust ratio included) needs; the balance is
+//! limited by the largest tensor.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +35,9 @@ use burn_deepspeed_strategies::comm::{
 };
 
 use crate::DeepSpeedConfig;
-use crate::engine::GradientSync;
+use crate::config::ZeroStage;
+use crate::engine::flat::{ParamLayout, params_range};
+use crate::engine::{GradientSync, ZeroSync, broadcast_params};
 use crate::engine::{refuse_unsupported, unsupported};
 use crate::launch::{launched_by_mpirun, mpi_world};
 
@@ -59,6 +69,14 @@ impl DeepSpeedStrategy {
     }
 }
 
+/// How the strategy reduces gradients: all-reduce (stage 0), or ZeRO stages 1-2 at tensor
+/// boundaries so that the Learner's own optimizer steps each rank's tensors.
+#[allow(clippy::large_enum_variant)]
+enum StrategySync {
+    Replicated(GradientSync),
+    Zero(ZeroSync),
+}
+
 struct RankRun<'a, M: LearnerModel> {
     comm: Arc<dyn Communicator>,
     learner: Learner<M>,
@@ -84,9 +102,20 @@ impl<M: LearnerModel> RankRun<'_, M> {
         mut on_epoch: impl FnMut(EpochEvent<'_, M>) -> bool,
     ) -> crate::Result<Learner<M>> {
         let shard = self.shard();
-        let mut sync = GradientSync::new(&self.learner.model(), self.config, self.comm.clone());
+        let start = self.learner.model();
+        let layout = ParamLayout::of(&start);
+        let mut sync = match self.config.zero_optimization.stage {
+            ZeroStage::Disabled => {
+                StrategySync::Replicated(GradientSync::new(&start, self.config, self.comm.clone()))
+            }
+            _ => StrategySync::Zero(ZeroSync::for_whole_tensors(
+                layout.clone(),
+                self.config,
+                self.comm.clone(),
+            )),
+        };
         // Every replica starts from rank 0's parameters; the optimizer and schedule are kept.
-        let model = sync.broadcast_params(self.learner.model())?;
+        let model = broadcast_params(self.comm.as_ref(), &layout, start)?;
         self.learner.load_model(model.into_record());
         for epoch in epochs {
             if !on_epoch(EpochEvent::Start(epoch, shard.num_items())) {
@@ -114,13 +143,32 @@ impl<M: LearnerModel> RankRun<'_, M> {
                 let mut outputs = Vec::with_capacity(micro.len());
                 for item in micro {
                     let out = self.learner.train_step(item);
-                    sync.accumulate(&model, &out.grads);
+                    match &mut sync {
+                        StrategySync::Replicated(s) => s.accumulate(&model, &out.grads),
+                        StrategySync::Zero(z) => z.accumulate(&model, &out.grads),
+                    }
                     outputs.push(out.item);
                 }
-                let (grads, _norm) = sync.reduce(&model)?;
-                sync.clear_marks();
-                self.learner.lr_step();
-                self.learner.optimizer_step(grads);
+                match &mut sync {
+                    StrategySync::Replicated(s) => {
+                        let (grads, _norm) = s.reduce(&model)?;
+                        s.clear_marks();
+                        self.learner.lr_step();
+                        self.learner.optimizer_step(grads);
+                    }
+                    StrategySync::Zero(z) => {
+                        // Each rank steps its own tensors with the Learner's optimizer (which
+                        // keeps state for those only), then the ranks exchange the results.
+                        z.reduce()?;
+                        let grads = z.own_gradients(&model);
+                        self.learner.lr_step();
+                        self.learner.optimizer_step(grads);
+                        let updated = self.learner.model();
+                        let own = params_range(&updated, &layout, z.own());
+                        let gathered = z.gather(updated, &own)?;
+                        self.learner.load_model(gathered.into_record());
+                    }
+                }
                 for item in outputs {
                     iteration += 1;
                     let progress = iter.progress();
@@ -294,13 +342,6 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
 /// What the engine runs but the Learner strategy cannot: the strategy steps the `Learner`'s
 /// own optimizer and calls the `Learner`'s model as it is.
 fn refuse_in_strategy(config: &DeepSpeedConfig) -> crate::Result<()> {
-    if config.zero_optimization.stage != crate::config::ZeroStage::Disabled {
-        return Err(unsupported(
-            "zero_optimization.stage",
-            "the Learner strategy runs ZeRO stage 0 in this version; stages 1 and 2 run in \
-             `DeepSpeedEngine`",
-        ));
-    }
     let kind = config.optimizer_kind();
     if kind.is_one_bit() {
         return Err(unsupported(

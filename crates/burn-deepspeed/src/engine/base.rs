@@ -24,7 +24,7 @@ use super::memory::{MemoryLedger, ModelStateBytes};
 use super::onebit::build_one_bit;
 use super::optim::{build_optimizer, state_tensors_per_param};
 use super::reduce::clip_global_norm;
-use super::sync::GradientSync;
+use super::sync::{GradientSync, broadcast_params};
 use super::zero::{ZeroSync, refuse_zero_keys};
 use crate::config::{BatchSizes, DeepSpeedConfig, ZeroStage};
 use crate::{DeepSpeedError, Result};
@@ -490,7 +490,10 @@ where
             )));
         }
         let name = partition_file(comm.rank());
-        let mine = write_state_file(&staging, &name, &partition_state_bytes(zero.export()));
+        let state = zero
+            .export()
+            .expect("the engine's ZeroSync has an optimizer");
+        let mine = write_state_file(&staging, &name, &partition_state_bytes(state));
         // Each rank reports [ok, length, checksum] so that rank 0 can list every file.
         let mut record = [0u8; 17];
         if let Ok(f) = &mine {
@@ -782,20 +785,6 @@ fn recut_partition(
         at = piece.end;
     }
     Ok(PartitionState { steps, m, v })
-}
-
-/// Makes every rank's `module` equal to rank 0's.
-fn broadcast_params<M: Module>(
-    comm: &dyn Communicator,
-    layout: &ParamLayout,
-    module: M,
-) -> Result<M> {
-    if comm.world_size() == 1 {
-        return Ok(module);
-    }
-    let mut flat = params_to_flat(&module, layout);
-    comm.broadcast(&mut flat, 0)?;
-    Ok(params_from_flat(module, layout, &flat))
 }
 
 /// `module` with the parameter ids `ids` and the values `flat`, both in `layout` order.

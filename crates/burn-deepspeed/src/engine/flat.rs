@@ -120,17 +120,21 @@ pub fn accumulate_grads<M: Module>(
     module.visit(&mut v);
 }
 
-/// Rebuilds [`GradientsParams`] from `flat` for the parameters marked in `present`.
+/// Rebuilds [`GradientsParams`] for the parameters marked in `present` that lie wholly in
+/// `flat`, which holds the flat elements from `start` on (the whole buffer when `start` is 0
+/// and `flat` has every element).
 pub fn grads_from_flat<M: Module>(
     module: &M,
     layout: &ParamLayout,
     flat: &[f32],
+    start: usize,
     present: &[u8],
     device: &Device,
 ) -> GradientsParams {
     struct V<'a> {
         layout: &'a ParamLayout,
         flat: &'a [f32],
+        start: usize,
         present: &'a [u8],
         device: &'a Device,
         out: GradientsParams,
@@ -140,14 +144,13 @@ pub fn grads_from_flat<M: Module>(
             let Some(i) = self.layout.slot_of(param.id) else {
                 return;
             };
-            if self.present[i] == 0 {
+            let slot = &self.layout.slots[i];
+            let end = self.start + self.flat.len();
+            if self.present[i] == 0 || slot.offset < self.start || slot.offset + slot.numel > end {
                 return;
             }
-            let slot = &self.layout.slots[i];
-            let data = TensorData::new(
-                self.flat[slot.offset..slot.offset + slot.numel].to_vec(),
-                slot.shape.clone(),
-            );
+            let at = slot.offset - self.start;
+            let data = TensorData::new(self.flat[at..at + slot.numel].to_vec(), slot.shape.clone());
             self.out
                 .register::<D>(param.id, Tensor::from_data(data, self.device));
         }
@@ -155,6 +158,7 @@ pub fn grads_from_flat<M: Module>(
     let mut v = V {
         layout,
         flat,
+        start,
         present,
         device,
         out: GradientsParams::new(),

@@ -16,6 +16,20 @@ use super::reduce::{ReduceOptions, all_reduce_mean, clip_global_norm};
 use crate::Result;
 use crate::config::DeepSpeedConfig;
 
+/// Makes every rank's `module` (laid out as `layout`) equal to rank 0's.
+pub fn broadcast_params<M: Module>(
+    comm: &dyn Communicator,
+    layout: &ParamLayout,
+    module: M,
+) -> Result<M> {
+    if comm.world_size() == 1 {
+        return Ok(module);
+    }
+    let mut flat = params_to_flat(&module, layout);
+    comm.broadcast(&mut flat, 0)?;
+    Ok(params_from_flat(module, layout, &flat))
+}
+
 /// A rank's gradient accumulation buffer and its reduction over the world.
 pub struct GradientSync {
     comm: Arc<dyn Communicator>,
@@ -70,12 +84,7 @@ impl GradientSync {
 
     /// Makes every rank's `module` equal to rank 0's.
     pub fn broadcast_params<M: Module>(&self, module: M) -> Result<M> {
-        if self.comm.world_size() == 1 {
-            return Ok(module);
-        }
-        let mut flat = params_to_flat(&module, &self.layout);
-        self.comm.broadcast(&mut flat, 0)?;
-        Ok(params_from_flat(module, &self.layout, &flat))
+        broadcast_params(self.comm.as_ref(), &self.layout, module)
     }
 
     /// Adds one micro-batch's gradients.
@@ -146,7 +155,7 @@ impl GradientSync {
     /// The buffer as [`GradientsParams`] of `module`; clears the buffer.
     pub fn take<M: Module>(&mut self, module: &M) -> GradientsParams {
         let device = self.device.clone().unwrap_or_default();
-        let grads = grads_from_flat(module, &self.layout, &self.flat, &self.present, &device);
+        let grads = grads_from_flat(module, &self.layout, &self.flat, 0, &self.present, &device);
         self.reset();
         grads
     }

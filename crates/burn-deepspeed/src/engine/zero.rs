@@ -27,7 +27,7 @@ use burn_deepspeed_strategies::zero::{
     FlatPartition, PartitionState, PartitionedKind, PartitionedOptimizer,
 };
 
-use super::flat::{ParamLayout, for_each_grad, params_from_flat, params_range};
+use super::flat::{ParamLayout, for_each_grad, grads_from_flat, params_from_flat, params_range};
 use super::memory::ModelStateBytes;
 use super::optim::AdamFamily;
 use super::reduce::scale_to_norm;
@@ -152,30 +152,62 @@ pub struct ZeroSync {
     /// all-reduce path); the result is the same.
     reduce_scatter: bool,
     ignore_unused: bool,
-    optim: PartitionedOptimizer,
+    /// The slice's optimizer; `None` when the caller steps whole tensors itself
+    /// ([`for_whole_tensors`](Self::for_whole_tensors)).
+    optim: Option<PartitionedOptimizer>,
     /// A collective that failed during a micro-batch (stage 2), reported by the next step.
     deferred: Option<DeepSpeedError>,
 }
 
 impl ZeroSync {
-    /// The stage-1/2 state for `layout` under `config` (stage 1 or 2) on `comm`.
+    /// The stage-1/2 state for `layout` under `config` (stage 1 or 2) on `comm`: a balanced
+    /// flat partition stepped by the [`PartitionedOptimizer`] the config names.
     pub fn new(
         layout: ParamLayout,
         config: &DeepSpeedConfig,
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
+        let partition = FlatPartition::new(layout.numel, comm.world_size());
+        let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+        let optim =
+            PartitionedOptimizer::new(partitioned_kind(config)?, &partition, comm.rank(), &sizes);
+        Ok(Self::with_partition(
+            layout,
+            config,
+            comm,
+            partition,
+            Some(optim),
+        ))
+    }
+
+    /// The stage-1/2 state with a partition at tensor boundaries and no optimizer of its own:
+    /// the caller steps this rank's whole tensors ([`own_gradients`](Self::own_gradients))
+    /// with any optimizer, e.g. the Learner's, then [`gather`](Self::gather)s.
+    pub fn for_whole_tensors(
+        layout: ParamLayout,
+        config: &DeepSpeedConfig,
+        comm: Arc<dyn Communicator>,
+    ) -> Self {
+        let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+        let partition = FlatPartition::tensor_aligned(&sizes, comm.world_size());
+        Self::with_partition(layout, config, comm, partition, None)
+    }
+
+    fn with_partition(
+        layout: ParamLayout,
+        config: &DeepSpeedConfig,
+        comm: Arc<dyn Communicator>,
+        partition: FlatPartition,
+        optim: Option<PartitionedOptimizer>,
+    ) -> Self {
         let stage = config.zero_optimization.stage;
         assert!(
             matches!(stage, ZeroStage::OptimizerStates | ZeroStage::Gradients),
             "ZeroSync runs stages 1 and 2"
         );
-        let partition = FlatPartition::new(layout.numel, comm.world_size());
-        let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
-        let optim =
-            PartitionedOptimizer::new(partitioned_kind(config)?, &partition, comm.rank(), &sizes);
         let own = partition.range(comm.rank());
         let zero = &config.zero_optimization;
-        Ok(Self {
+        Self {
             full: if stage == ZeroStage::OptimizerStates {
                 vec![0.0; layout.numel]
             } else {
@@ -204,7 +236,12 @@ impl ZeroSync {
             ignore_unused: zero.ignore_unused_parameters,
             optim,
             deferred: None,
-        })
+        }
+    }
+
+    /// This rank's slice of the flat parameters.
+    pub fn own(&self) -> Range<usize> {
+        self.own.clone()
     }
 
     /// The partition of the flat parameters.
@@ -223,7 +260,7 @@ impl ZeroSync {
         ModelStateBytes {
             params: 4 * self.layout.numel as u64,
             grads: 4 * (self.full.len() + self.slice.len()) as u64,
-            optimizer: self.optim.state_bytes(),
+            optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()),
         }
     }
 
@@ -304,6 +341,29 @@ impl ZeroSync {
     /// Reduces (stage 1), clips by the global norm, steps this rank's slice and all-gathers
     /// the updated slices into `model`. Returns the model and the norm before clipping.
     pub fn step<M: Module>(&mut self, model: M, lr: f64) -> Result<(M, f64)> {
+        let norm = self.reduce()?;
+        let comm = self.comm.clone();
+        let mut params = params_range(&model, &self.layout, self.own.clone());
+        {
+            let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
+            let grads: &[f32] = match self.stage {
+                ZeroStage::OptimizerStates => &self.full[self.own.clone()],
+                _ => &self.slice,
+            };
+            let optim = self.optim.as_mut().ok_or_else(|| {
+                DeepSpeedError::Data(
+                    "this ZeroSync has no optimizer; step its tensors and call gather".into(),
+                )
+            })?;
+            optim.step(comm.as_ref(), &mut params, grads, &self.present, lr)?;
+        }
+        Ok((self.gather(model, &params)?, norm))
+    }
+
+    /// Ends the accumulation: reduce-scatters (stage 1; stage 2 did it per micro-batch),
+    /// leaves this rank's slice of the mean gradient, clips it by the global norm (one
+    /// all-reduce of the slices' squared sums), and returns the norm before clipping.
+    pub fn reduce(&mut self) -> Result<f64> {
         if let Some(e) = self.deferred.take() {
             self.reset();
             return Err(e);
@@ -345,7 +405,7 @@ impl ZeroSync {
             }
         }
         let grads: &mut [f32] = match self.stage {
-            ZeroStage::OptimizerStates => &mut self.full[own.clone()],
+            ZeroStage::OptimizerStates => &mut self.full[own],
             _ => &mut self.slice,
         };
         if post != 1.0 {
@@ -357,25 +417,45 @@ impl ZeroSync {
         }
         let norm = (sq[0] as f64).sqrt();
         scale_to_norm(grads, norm, self.clip);
+        Ok(norm)
+    }
 
-        let mut params = params_range(&model, &self.layout, own.clone());
-        {
-            let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
-            self.optim
-                .step(comm.as_ref(), &mut params, grads, &self.present, lr)?;
-        }
+    /// After [`reduce`](Self::reduce), with a [tensor-aligned](Self::for_whole_tensors)
+    /// partition: the gradients of this rank's tensors (those that had one on any rank).
+    pub fn own_gradients<M: Module>(&self, module: &M) -> GradientsParams {
+        let grads: &[f32] = match self.stage {
+            ZeroStage::OptimizerStates => &self.full[self.own.clone()],
+            _ => &self.slice,
+        };
+        let device = self.device.clone().unwrap_or_default();
+        grads_from_flat(
+            module,
+            &self.layout,
+            grads,
+            self.own.start,
+            &self.present,
+            &device,
+        )
+    }
+
+    /// All-gathers every rank's updated slice (`own_params`, this rank's part) in buckets
+    /// of `allgather_bucket_size` elements into `model`, and clears the gradient buffers
+    /// for the next accumulation.
+    pub fn gather<M: Module>(&mut self, model: M, own_params: &[f32]) -> Result<M> {
+        let comm = self.comm.clone();
+        let own = self.own.clone();
         let mut flat = vec![0.0f32; self.layout.numel];
         for range in bucket_ranges(self.layout.numel, self.gather_bucket_size) {
             let mine = self.partition.own_in(comm.rank(), &range);
             let counts = self.partition.counts_in(&range);
-            let input = &params[mine.start - own.start..mine.end - own.start];
+            let input = &own_params[mine.start - own.start..mine.end - own.start];
             let _span = tracing::debug_span!("all_gather_bucket", elems = range.len()).entered();
             comm.all_gather(input, &mut flat[range], &counts)?;
         }
         let model = params_from_flat(model, &self.layout, &flat);
         self.reset();
         self.present.iter_mut().for_each(|p| *p = 0);
-        Ok((model, norm))
+        Ok(model)
     }
 
     fn reset(&mut self) {
@@ -384,14 +464,19 @@ impl ZeroSync {
         self.micro_steps = 0;
     }
 
-    /// This rank's optimizer state, to save.
-    pub fn export(&self) -> &PartitionState {
-        self.optim.export()
+    /// This rank's optimizer state, to save (`None` without an optimizer of its own).
+    pub fn export(&self) -> Option<&PartitionState> {
+        self.optim.as_ref().map(|o| o.export())
     }
 
     /// Restores this rank's optimizer state.
     pub fn restore(&mut self, state: PartitionState) -> Result<()> {
-        Ok(self.optim.restore(state)?)
+        match &mut self.optim {
+            Some(o) => Ok(o.restore(state)?),
+            None => Err(DeepSpeedError::Checkpoint(
+                "this ZeroSync has no optimizer state to restore".into(),
+            )),
+        }
     }
 }
 

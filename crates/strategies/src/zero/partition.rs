@@ -53,6 +53,23 @@ impl FlatPartition {
         Self { bounds }
     }
 
+    /// A cut at tensor boundaries: the tensors (of `sizes` elements, back to back) go to
+    /// `world` contiguous groups whose largest is as small as possible (DeepSpeed's
+    /// `partition_balanced`). Every tensor then lives whole on one rank, so an optimizer
+    /// that steps whole tensors (any of Burn's) can step a rank's slice.
+    pub fn tensor_aligned(sizes: &[usize], world: usize) -> Self {
+        assert!(world > 0, "a partition needs at least one rank");
+        let weights: Vec<f64> = sizes.iter().map(|&n| n as f64).collect();
+        let cuts = crate::pipe::partition_balanced(&weights, world);
+        let mut offsets = vec![0];
+        for &n in sizes {
+            offsets.push(offsets.last().copied().unwrap_or(0) + n);
+        }
+        Self {
+            bounds: cuts.iter().map(|&t| offsets[t]).collect(),
+        }
+    }
+
     /// Ranks.
     pub fn world(&self) -> usize {
         self.bounds.len() - 1
@@ -138,6 +155,21 @@ mod tests {
         assert_eq!(p.own_in(2, &(3..8)), 7..8);
         assert_eq!(p.own_in(0, &(4..7)), 0..0);
         assert_eq!(p.own_in(2, &(0..3)), 7..7);
+    }
+
+    #[test]
+    fn a_tensor_aligned_cut_keeps_tensors_whole_and_balanced() {
+        let sizes = [4, 4, 4, 4, 10, 2];
+        let p = FlatPartition::tensor_aligned(&sizes, 3);
+        // Tensor boundaries are at 0, 4, 8, 12, 16, 26, 28.
+        assert_eq!(p.sizes().iter().sum::<usize>(), 28);
+        for r in 0..3 {
+            let range = p.range(r);
+            assert!([0, 4, 8, 12, 16, 26, 28].contains(&range.start));
+            assert!([0, 4, 8, 12, 16, 26, 28].contains(&range.end));
+        }
+        // The 10-element tensor bounds the best cut from below: 12 is optimal here.
+        assert_eq!(*p.sizes().iter().max().unwrap(), 12);
     }
 
     #[test]

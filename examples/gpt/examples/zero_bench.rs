@@ -1,0 +1,178 @@
+//! ZeRO benchmark: each stage's tokens/s over stage 0's from the same process (stages
+//! interleaved round by round), bytes sent per rank per step against the ZeRO paper's
+//! volumes, and the model state each rank holds, at several world sizes.
+//!
+//! cargo run --release --example zero_bench -- [--model small] [--worlds 2,4]
+//! [--stages 0,1,2] [--steps 6] [--rounds 2] [--json]; `scripts/bench-zero.sh` runs it and
+//! writes the ZeRO section of BENCHMARKS.md.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed::launch::launch;
+use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
+use burn_deepspeed_example_gpt::model::GptShape;
+use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
+use clap::Parser;
+use serde_json::json;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Model (`tiny` or `small`).
+    #[arg(long, default_value = "small")]
+    model: String,
+    /// World sizes (thread ranks).
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
+    worlds: Vec<usize>,
+    /// ZeRO stages; stage 0 is the baseline and always runs.
+    #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
+    stages: Vec<u8>,
+    /// Optimizer steps per run; the first is a warm-up and is not timed.
+    #[arg(long, default_value_t = 6)]
+    steps: u64,
+    /// Interleaved rounds (each runs every stage once).
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Global batch in sequences.
+    #[arg(long, default_value_t = 16)]
+    batch: u64,
+    /// Print one JSON object as the last line.
+    #[arg(long)]
+    json: bool,
+}
+
+fn config(stage: u8, batch: u64) -> DeepSpeedConfig {
+    let text = format!(
+        r#"{{"train_batch_size": {batch}, "gradient_clipping": 1.0,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "weight_decay": 0.01}}}},
+            "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 5e5,
+                                   "allgather_bucket_size": 5e5}}}}"#
+    );
+    DeepSpeedConfig::from_json_str(&text)
+        .expect("valid config")
+        .0
+}
+
+fn run(world: usize, shape: GptShape, stage: u8, args: &Args) -> Result<RunReport, String> {
+    let spec = RunSpec {
+        config: config(stage, args.batch),
+        shape,
+        steps: args.steps,
+        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 3),
+        seed: 1,
+        progress: false,
+        save_dir: None,
+        resume_from: None,
+    };
+    let (_, reports) = launch(world, Duration::from_secs(1800), |comm| {
+        run_rank(&spec, comm)
+    })
+    .map_err(|e| e.to_string())?;
+    Ok(reports.into_iter().next().expect("rank 0 reports"))
+}
+
+/// Tokens per second over the timed steps (all but the first).
+fn timed_tokens_per_s(r: &RunReport, seq: usize) -> f64 {
+    let secs: f64 = r
+        .step_seconds_per_sample
+        .iter()
+        .skip(1)
+        .map(|s| s * r.train_batch_size as f64)
+        .sum();
+    let tokens = (r.step_seconds_per_sample.len().saturating_sub(1) as u64
+        * r.train_batch_size
+        * seq as u64) as f64;
+    tokens / secs
+}
+
+fn median(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or(0)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let Some(shape) = GptShape::preset(&args.model) else {
+        eprintln!("error: unknown model `{}`", args.model);
+        return ExitCode::FAILURE;
+    };
+    if args.steps < 2 || args.rounds == 0 {
+        eprintln!("error: --steps must be at least 2 and --rounds at least 1");
+        return ExitCode::FAILURE;
+    }
+    let mut stages = args.stages.clone();
+    if !stages.contains(&0) {
+        stages.insert(0, 0);
+    }
+    let mut rows = Vec::new();
+    for &world in &args.worlds {
+        let mut speeds = vec![Vec::new(); stages.len()];
+        let mut last = vec![None; stages.len()];
+        for round in 0..args.rounds {
+            for (i, &stage) in stages.iter().enumerate() {
+                let report = match run(world, shape, stage, &args) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        eprintln!("error: world {world} stage {stage}: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                };
+                let tps = timed_tokens_per_s(&report, shape.seq_len);
+                eprintln!("world {world} round {round} stage {stage}: {tps:.0} tokens/s");
+                speeds[i].push(tps);
+                last[i] = Some(report);
+            }
+        }
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        let base = mean(&speeds[0]);
+        let base_bytes = median(last[0].as_ref().expect("ran").comm_bytes_per_step.clone());
+        for (i, &stage) in stages.iter().enumerate() {
+            let r = last[i].as_ref().expect("ran");
+            let psi = r.params as f64;
+            let n = world as f64;
+            // Per rank per step: an all-reduce (or reduce-scatter + all-gather) sends
+            // 2 (N-1)/N Ψ values; stage 3 adds another all-gather, 3 (N-1)/N Ψ.
+            let theory_values = if stage == 3 { 3.0 } else { 2.0 } * (n - 1.0) / n * psi;
+            let bytes = median(r.comm_bytes_per_step.clone());
+            rows.push(json!({
+                "world": world,
+                "stage": stage,
+                "params": r.params,
+                "tokens_per_s": mean(&speeds[i]),
+                "tokens_per_s_rounds": speeds[i],
+                "ratio_to_stage0": mean(&speeds[i]) / base,
+                "bytes_per_step": bytes,
+                "theory_bytes_per_step": 4.0 * theory_values,
+                "bytes_over_stage0": bytes as f64 / base_bytes as f64,
+                "model_state_bytes_per_rank": r.model_state_bytes_per_rank,
+                "peak_model_state_bytes_per_rank": r.peak_model_state_bytes_per_rank,
+            }));
+        }
+    }
+    let out = json!({
+        "model": args.model,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "batch": args.batch,
+        "rows": rows,
+    });
+    if !args.json {
+        for r in &rows {
+            println!(
+                "world {} stage {}: {:.0} tokens/s ({:.3} of stage 0), {} B/step (theory {:.0}), \
+                 state {} B, peak {} B",
+                r["world"],
+                r["stage"],
+                r["tokens_per_s"].as_f64().unwrap_or(0.0),
+                r["ratio_to_stage0"].as_f64().unwrap_or(0.0),
+                r["bytes_per_step"],
+                r["theory_bytes_per_step"].as_f64().unwrap_or(0.0),
+                r["model_state_bytes_per_rank"],
+                r["peak_model_state_bytes_per_rank"]
+            );
+        }
+    }
+    println!("{out}");
+    ExitCode::SUCCESS
+}

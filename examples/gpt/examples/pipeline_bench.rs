@@ -10,10 +10,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedConfig;
-use burn_deepspeed::launch::launch;
-use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::GptShape;
-use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
+use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_in_threads};
 use clap::Parser;
 use serde_json::json;
 
@@ -48,21 +46,8 @@ fn config(micro: u64, accumulation: u64, stages: Option<usize>) -> DeepSpeedConf
 }
 
 fn run(ranks: usize, shape: GptShape, config: DeepSpeedConfig, steps: u64) -> RunReport {
-    let spec = RunSpec {
-        config,
-        shape,
-        steps,
-        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 3),
-        seed: 1,
-        progress: false,
-        save_dir: None,
-        resume_from: None,
-    };
-    let (_, reports) = launch(ranks, Duration::from_secs(600), |comm| {
-        run_rank(&spec, comm)
-    })
-    .expect("benchmark run");
-    reports.into_iter().next().expect("rank 0")
+    let spec = RunSpec::on_embedded_corpus(config, shape, steps, 3, 1);
+    run_in_threads(ranks, &spec, Duration::from_secs(600)).expect("benchmark run")
 }
 
 fn main() -> ExitCode {

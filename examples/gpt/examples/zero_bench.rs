@@ -10,10 +10,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedConfig;
-use burn_deepspeed::launch::launch;
-use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::GptShape;
-use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
+use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_in_threads};
 use clap::Parser;
 use serde_json::json;
 
@@ -55,21 +53,8 @@ fn config(stage: u8, batch: u64) -> DeepSpeedConfig {
 }
 
 fn run(world: usize, shape: GptShape, stage: u8, args: &Args) -> Result<RunReport, String> {
-    let spec = RunSpec {
-        config: config(stage, args.batch),
-        shape,
-        steps: args.steps,
-        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 3),
-        seed: 1,
-        progress: false,
-        save_dir: None,
-        resume_from: None,
-    };
-    let (_, reports) = launch(world, Duration::from_secs(1800), |comm| {
-        run_rank(&spec, comm)
-    })
-    .map_err(|e| e.to_string())?;
-    Ok(reports.into_iter().next().expect("rank 0 reports"))
+    let spec = RunSpec::on_embedded_corpus(config(stage, args.batch), shape, args.steps, 3, 1);
+    run_in_threads(world, &spec, Duration::from_secs(1800)).map_err(|e| e.to_string())
 }
 
 /// Tokens per second over the timed steps (all but the first).

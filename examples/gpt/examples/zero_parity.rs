@@ -10,10 +10,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedConfig;
-use burn_deepspeed::launch::launch;
-use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::GptShape;
-use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
+use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_in_threads};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -46,21 +44,8 @@ fn config(stage: u8, optimizer: &str, gas: u64) -> DeepSpeedConfig {
 }
 
 fn run(world: usize, config: DeepSpeedConfig, steps: u64) -> Result<RunReport, String> {
-    let spec = RunSpec {
-        config,
-        shape: GptShape::TINY,
-        steps,
-        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 7),
-        seed: 3,
-        progress: false,
-        save_dir: None,
-        resume_from: None,
-    };
-    let (_, reports) = launch(world, Duration::from_secs(1800), |comm| {
-        run_rank(&spec, comm)
-    })
-    .map_err(|e| e.to_string())?;
-    Ok(reports.into_iter().next().expect("rank 0 reports"))
+    let spec = RunSpec::on_embedded_corpus(config, GptShape::TINY, steps, 7, 3);
+    run_in_threads(world, &spec, Duration::from_secs(1800)).map_err(|e| e.to_string())
 }
 
 fn main() -> ExitCode {

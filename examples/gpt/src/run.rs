@@ -2,10 +2,11 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
 use burn_deepspeed::comm::{Communicator, CommunicatorExt};
+use burn_deepspeed::launch::launch;
 use burn_deepspeed::pipe::PipelineEngine;
 use burn_deepspeed::progress::TrainProgress;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine, DeepSpeedError, Result, StepReport};
@@ -34,6 +35,38 @@ pub struct RunSpec {
     /// Resume from the latest checkpoint here (data-parallel runs); training continues at the
     /// saved step, on the batches an uninterrupted run would see.
     pub resume_from: Option<PathBuf>,
+}
+
+impl RunSpec {
+    /// `steps` steps of `shape` with `config` on the embedded corpus (windows drawn from
+    /// `data_seed`, initialization from `seed`), without progress bar or checkpoints.
+    pub fn on_embedded_corpus(
+        config: DeepSpeedConfig,
+        shape: GptShape,
+        steps: u64,
+        data_seed: u64,
+        seed: u64,
+    ) -> Self {
+        Self {
+            config,
+            shape,
+            steps,
+            corpus: ByteCorpus::new(crate::data::EMBEDDED_CORPUS.to_vec(), data_seed),
+            seed,
+            progress: false,
+            save_dir: None,
+            resume_from: None,
+        }
+    }
+}
+
+/// Runs `spec` on `world` thread ranks and returns rank 0's report.
+pub fn run_in_threads(world: usize, spec: &RunSpec, timeout: Duration) -> Result<RunReport> {
+    let (_, reports) = launch(world, timeout, |comm| run_rank(spec, comm))?;
+    reports
+        .into_iter()
+        .next()
+        .ok_or_else(|| DeepSpeedError::Data("no rank reported".into()))
 }
 
 /// The JSON summary of a run.

@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::launch::launch;
-use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
 
@@ -16,16 +15,7 @@ pub fn spec(
     data_seed: u64,
     seed: u64,
 ) -> RunSpec {
-    RunSpec {
-        config,
-        shape,
-        steps,
-        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), data_seed),
-        seed,
-        progress: false,
-        save_dir: None,
-        resume_from: None,
-    }
+    RunSpec::on_embedded_corpus(config, shape, steps, data_seed, seed)
 }
 
 /// Trains `spec` on `ranks` thread ranks; checks that every rank reports the same losses and

@@ -46,30 +46,7 @@ enum Command {
     },
     /// Per-rank model-state memory at a ZeRO stage (ZeRO paper §5), plus this
     /// implementation's in-step overheads.
-    EstimateMemory {
-        /// Parameters (Ψ); accepts `7.5e9`.
-        #[arg(long)]
-        params: f64,
-        /// Data-parallel ranks (N).
-        #[arg(long, default_value_t = 1)]
-        world: u64,
-        /// ZeRO stage; every stage when left out.
-        #[arg(long)]
-        stage: Option<u8>,
-        /// `fp32` (what the engine trains) or `mixed` (16-bit params and grads, fp32 master).
-        #[arg(long, default_value = "fp32")]
-        precision: String,
-        /// `reduce_bucket_size` in elements.
-        #[arg(long, default_value_t = 5e8)]
-        bucket: f64,
-        /// Stage 3: gathered elements alive at once (the largest layer, or
-        /// `stage3_max_live_parameters`).
-        #[arg(long, default_value_t = 0.0)]
-        live_params: f64,
-        /// Print one JSON object per stage.
-        #[arg(long)]
-        json: bool,
-    },
+    EstimateMemory(EstimateArgs),
 }
 
 #[derive(Subcommand)]
@@ -130,13 +107,29 @@ fn print_schedule(stages: usize, micro_batches: usize, json: bool) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+#[derive(clap::Args)]
 struct EstimateArgs {
+    /// Parameters (Ψ); accepts `7.5e9`.
+    #[arg(long)]
     params: f64,
+    /// Data-parallel ranks (N).
+    #[arg(long, default_value_t = 1)]
     world: u64,
+    /// ZeRO stage; every stage when left out.
+    #[arg(long)]
     stage: Option<u8>,
+    /// `fp32` (what the engine trains) or `mixed` (16-bit params and grads, fp32 master).
+    #[arg(long, default_value = "fp32")]
     precision: String,
+    /// `reduce_bucket_size` in elements.
+    #[arg(long, default_value_t = 5e8)]
     bucket: f64,
+    /// Stage 3: gathered elements alive at once (the largest layer, or
+    /// `stage3_max_live_parameters`).
+    #[arg(long, default_value_t = 0.0)]
     live_params: f64,
+    /// Print one JSON object per stage.
+    #[arg(long)]
     json: bool,
 }
 
@@ -196,23 +189,7 @@ fn estimate_memory(a: EstimateArgs) -> ExitCode {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::EstimateMemory {
-            params,
-            world,
-            stage,
-            precision,
-            bucket,
-            live_params,
-            json,
-        } => estimate_memory(EstimateArgs {
-            params,
-            world,
-            stage,
-            precision,
-            bucket,
-            live_params,
-            json,
-        }),
+        Command::EstimateMemory(args) => estimate_memory(args),
         Command::Schedule {
             stages,
             micro_batches,

@@ -1,7 +1,8 @@
 //! The `zero_optimization` section (ZeRO, arXiv 1910.02054), with DeepSpeed's defaults.
 //!
-//! Every key DeepSpeed documents for stages 1-3 and offload is typed here. Stage 0 (plain data
-//! parallelism with bucketed all-reduce) is what the engine runs today; it refuses higher stages.
+//! Every key DeepSpeed documents for stages 1-3 and offload is typed here. The engine and the
+//! Learner strategy run stages 0-2 and refuse stage 3 and offload
+//! (`engine::refuse_zero_keys`).
 
 use serde::{Deserialize, Serialize};
 

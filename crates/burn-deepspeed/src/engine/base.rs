@@ -357,8 +357,10 @@ where
             unreachable!("called on the partitioned path")
         };
         let start = Instant::now();
-        let (model, norm) = zero.step(self.model.clone(), lr)?;
-        self.model = model;
+        let norm = zero.reduce()?;
+        let reduce = start.elapsed();
+        let opt_start = Instant::now();
+        self.model = zero.step_reduced(self.model.clone(), lr)?;
         let held = zero.state_bytes();
         // During the step the all-gathered parameters are assembled while the old ones are
         // alive.
@@ -368,8 +370,8 @@ where
             norm,
             local_norm_sq: None,
             compressed: false,
-            reduce: Duration::ZERO,
-            optimizer: start.elapsed(),
+            reduce,
+            optimizer: opt_start.elapsed(),
         })
     }
 

@@ -55,8 +55,9 @@ impl AdamFamily {
 ///
 /// Differences from DeepSpeed, refused or documented:
 /// * Burn's Adam/AdamW/LAMB always apply bias correction: `bias_correction: false` is refused.
-/// * Burn's LAMB does not clip the trust ratio: `max_coeff`/`min_coeff` have no effect (the
-///   fused LAMB kernel of `burn-deepspeed-cubecl-kernels` will honour them).
+/// * Burn's LAMB does not clip the trust ratio: `max_coeff`/`min_coeff` have no effect, and
+///   the partitioned LAMB of stages 1-2 leaves it unclipped too so that every stage follows
+///   the same trajectory (the fused LAMB of `burn-deepspeed-cubecl-kernels` can clip).
 /// * The 1-bit optimizers are not Burn optimizers: `DeepSpeedEngine` runs them on its flat
 ///   buffers ([`OneBitOptimizer`](super::OneBitOptimizer)); elsewhere they are refused.
 pub fn build_optimizer(cfg: &OptimizerConfig) -> Result<ModuleOptimizer> {

@@ -342,6 +342,12 @@ impl ZeroSync {
     /// the updated slices into `model`. Returns the model and the norm before clipping.
     pub fn step<M: Module>(&mut self, model: M, lr: f64) -> Result<(M, f64)> {
         let norm = self.reduce()?;
+        Ok((self.step_reduced(model, lr)?, norm))
+    }
+
+    /// After [`reduce`](Self::reduce): steps this rank's slice with its optimizer and
+    /// all-gathers the updated slices into `model`.
+    pub fn step_reduced<M: Module>(&mut self, model: M, lr: f64) -> Result<M> {
         let comm = self.comm.clone();
         let mut params = params_range(&model, &self.layout, self.own.clone());
         {
@@ -357,7 +363,7 @@ impl ZeroSync {
             })?;
             optim.step(comm.as_ref(), &mut params, grads, &self.present, lr)?;
         }
-        Ok((self.gather(model, &params)?, norm))
+        self.gather(model, &params)
     }
 
     /// Ends the accumulation: reduce-scatters (stage 1; stage 2 did it per micro-batch),

@@ -89,7 +89,7 @@ fn accumulation_and_buckets_do_not_change_the_trajectory() {
 #[test]
 fn unsupported_settings_are_refused_with_the_key() {
     let spec = RunSpec {
-        config: config(r#", "zero_optimization": {"stage": 3}"#),
+        config: config(r#", "zero_optimization": {"stage": 2, "mics_shard_size": 2}"#),
         shape: SHAPE,
         steps: 1,
         corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 1),
@@ -99,9 +99,9 @@ fn unsupported_settings_are_refused_with_the_key() {
         resume_from: None,
     };
     let err = launch(1, Duration::from_secs(30), |comm| run_rank(&spec, comm))
-        .expect_err("stage 3 is refused")
+        .expect_err("MiCS is refused")
         .to_string();
-    assert!(err.contains("zero_optimization.stage"), "{err}");
+    assert!(err.contains("zero_optimization.mics_shard_size"), "{err}");
 
     let mut spec = spec;
     spec.config = config("");

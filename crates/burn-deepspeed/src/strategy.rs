@@ -352,6 +352,14 @@ fn refuse_in_strategy(config: &DeepSpeedConfig) -> crate::Result<()> {
             ),
         ));
     }
+    if config.zero_optimization.stage == ZeroStage::Parameters {
+        return Err(unsupported(
+            "zero_optimization.stage",
+            "stage 3 shards the model's parameters, and Burn's Learner takes a new model only \
+             as a record, which cannot carry the gathering reparameterization; train stage 3 \
+             with `DeepSpeedEngine`, or use stage 1 or 2 here",
+        ));
+    }
     if config.progressive_layer_drop.enabled {
         return Err(unsupported(
             "progressive_layer_drop.enabled",

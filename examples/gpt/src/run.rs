@@ -123,6 +123,9 @@ pub struct RunReport {
     /// Pipelined runs: the most activations each stage held at once, stage 0 first.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_live_activations_per_stage: Option<Vec<usize>>,
+    /// ZeRO stage 3: rank 0's gather counters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gather_stats: Option<burn_deepspeed::zero3::GatherStats>,
     /// Data-parallel runs: the parameters after the last step, flat in layout order (for
     /// comparisons in tests; not serialized).
     #[serde(skip)]
@@ -236,7 +239,8 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         data_parallel: world,
         bubble_fraction: None,
         peak_live_activations_per_stage: None,
-        final_params: FlatParams(engine.flat_params()),
+        gather_stats: engine.gather_stats(),
+        final_params: FlatParams(engine.try_flat_params()?),
     })
 }
 
@@ -376,6 +380,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
                 .map(|s| figures[topo.rank_of(s, 0)].live_activations as usize)
                 .collect(),
         ),
+        gather_stats: None,
         final_params: FlatParams::default(),
     })
 }

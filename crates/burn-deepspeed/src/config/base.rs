@@ -310,12 +310,6 @@ impl DeepSpeedConfig {
         if self.bf16.enabled {
             add("bf16.enabled", refused);
         }
-        if self.zero_optimization.stage == ZeroStage::Parameters {
-            add(
-                "zero_optimization.stage",
-                "stage 3 is parsed, but the engine runs stages 0-2 and refuses it",
-            );
-        }
         if let Some(o) = &self.optimizer {
             if o.kind == OptimizerKind::ZeroOneAdam {
                 add("optimizer.type", refused);

@@ -26,10 +26,11 @@ use super::optim::{build_optimizer, state_tensors_per_param};
 use super::reduce::clip_global_norm;
 use super::sync::{GradientSync, broadcast_params};
 use super::zero::{ZeroSync, refuse_zero_keys};
+use super::zero3::Zero3Sync;
 use crate::config::{BatchSizes, DeepSpeedConfig, ZeroStage};
 use crate::{DeepSpeedError, Result};
 use burn_deepspeed_strategies::onebit::OneBitOptimizer;
-use burn_deepspeed_strategies::zero::{FlatPartition, PartitionState};
+use burn_deepspeed_strategies::zero::{PartitionState, Segment, ShardPlan};
 
 /// What the engine reads from a training step's output: the micro-batch's mean loss.
 pub trait StepLoss {
@@ -96,6 +97,8 @@ enum Reduction {
     },
     /// ZeRO stages 1 and 2: gradients reduce-scattered, each rank steps its slice.
     Partitioned(ZeroSync),
+    /// ZeRO stage 3: parameters stored as chunks too, gathered for use.
+    Sharded(Zero3Sync),
 }
 
 impl Reduction {
@@ -110,6 +113,9 @@ impl Reduction {
                 sync: GradientSync::new(model, config, comm.clone()),
                 optim: EngineOptimizer::build(config, layout, comm.world_size())?,
             },
+            ZeroStage::Parameters => {
+                Self::Sharded(Zero3Sync::new(layout.clone(), config, comm.clone())?)
+            }
             _ => Self::Partitioned(ZeroSync::new(layout.clone(), config, comm.clone())?),
         })
     }
@@ -164,6 +170,10 @@ where
                 gamma: config.progressive_layer_drop.gamma,
             });
         let model = broadcast_params(comm.as_ref(), &layout, model)?;
+        let model = match &reduction {
+            Reduction::Sharded(z) => z.shard(model),
+            _ => model,
+        };
         let mut ledger = MemoryLedger::default();
         ledger.update(|m| match &reduction {
             Reduction::Replicated { .. } => {
@@ -171,6 +181,7 @@ where
                 m.grads = 4 * layout.numel as u64;
             }
             Reduction::Partitioned(z) => *m = z.state_bytes(),
+            Reduction::Sharded(z) => *m = z.state_bytes(),
         });
         Ok(Self {
             model,
@@ -213,6 +224,10 @@ where
                     .transient_grads(4 * (numel + z.bucket_elems() as u64));
                 z.accumulate(&self.model, &out.grads);
             }
+            Reduction::Sharded(z) => {
+                z.accumulate(&self.model, &out.grads);
+                self.ledger.transient_grads(4 * z.transient_elems() as u64);
+            }
         }
         self.fb_time += start.elapsed();
         out.item
@@ -224,6 +239,7 @@ where
         let micro_steps = match &self.reduction {
             Reduction::Replicated { sync, .. } => sync.micro_steps(),
             Reduction::Partitioned(z) => z.micro_steps(),
+            Reduction::Sharded(z) => z.micro_steps(),
         };
         if micro_steps == 0 {
             return Err(DeepSpeedError::Data(
@@ -237,7 +253,7 @@ where
         let lr = self.lr_at(self.global_step);
         let inner = match self.reduction {
             Reduction::Replicated { .. } => self.step_replicated(lr)?,
-            Reduction::Partitioned(_) => self.step_partitioned(lr)?,
+            Reduction::Partitioned(_) | Reduction::Sharded(_) => self.step_partitioned(lr)?,
         };
         let mut scalars = [
             (self.loss_sum / micro_steps as f64) as f32,
@@ -351,21 +367,35 @@ where
         })
     }
 
-    /// Stages 1 and 2: reduce-scatter, clip, step this rank's slice, all-gather.
+    /// Stages 1-3: reduce (stages 1 and 2: reduce-scatter; stage 3: the persistent
+    /// tensors), clip, step this rank's part, and all-gather (stage 3: write the chunks back).
     fn step_partitioned(&mut self, lr: f64) -> Result<InnerStep> {
-        let Reduction::Partitioned(zero) = &mut self.reduction else {
-            unreachable!("called on the partitioned path")
-        };
         let start = Instant::now();
-        let norm = zero.reduce()?;
+        let norm = match &mut self.reduction {
+            Reduction::Partitioned(zero) => zero.reduce()?,
+            Reduction::Sharded(zero) => zero.reduce()?,
+            Reduction::Replicated { .. } => unreachable!("called on a partitioned path"),
+        };
         let reduce = start.elapsed();
         let opt_start = Instant::now();
-        self.model = zero.step_reduced(self.model.clone(), lr)?;
-        let held = zero.state_bytes();
-        // During the step the all-gathered parameters are assembled while the old ones are
-        // alive.
+        let model = self.model.clone();
+        // During the step the new parameters (stage 3: chunks) are assembled while the old
+        // ones are alive.
+        let (model, held, transient) = match &mut self.reduction {
+            Reduction::Partitioned(zero) => {
+                let model = zero.step_reduced(model, lr)?;
+                (model, zero.state_bytes(), 4 * self.layout.numel as u64)
+            }
+            Reduction::Sharded(zero) => {
+                let model = zero.step_reduced(model, lr)?;
+                let held = zero.state_bytes();
+                (model, held, held.params)
+            }
+            Reduction::Replicated { .. } => unreachable!("called on a partitioned path"),
+        };
+        self.model = model;
         self.ledger.update(|m| *m = held);
-        self.ledger.transient_grads(4 * self.layout.numel as u64);
+        self.ledger.transient_grads(transient);
         Ok(InnerStep {
             norm,
             local_norm_sq: None,
@@ -431,7 +461,17 @@ where
                     Ok(dir.join(&tag))
                 }
             }
-            Reduction::Partitioned(zero) => self.write_partitioned(dir, &tag, zero),
+            Reduction::Partitioned(zero) => {
+                let state = zero
+                    .export()
+                    .expect("the engine's ZeroSync has an optimizer");
+                self.write_partitioned(dir, &tag, state, None)
+            }
+            Reduction::Sharded(zero) => {
+                // Every rank takes part in gathering the whole parameters; rank 0 writes them.
+                let params = zero.full_params(&self.model)?;
+                self.write_partitioned(dir, &tag, zero.export(), Some(params))
+            }
         };
         // Every rank learns whether rank 0's commit succeeded.
         let mut ok = [u8::from(written.is_ok())];
@@ -477,8 +517,15 @@ where
         )
     }
 
-    /// Stages 1-2: every rank stages its optimizer slice; rank 0 adds the model and commits.
-    fn write_partitioned(&self, dir: &Path, tag: &str, zero: &ZeroSync) -> Result<PathBuf> {
+    /// Stages 1-3: every rank stages its optimizer slice; rank 0 adds the model (`params`,
+    /// or its own whole parameters) and commits.
+    fn write_partitioned(
+        &self,
+        dir: &Path,
+        tag: &str,
+        state: &PartitionState,
+        params: Option<Vec<f32>>,
+    ) -> Result<PathBuf> {
         let comm = self.comm.as_ref();
         let staging = staging_dir(dir, tag, "ranks");
         let mut ok = [u8::from(
@@ -492,9 +539,6 @@ where
             )));
         }
         let name = partition_file(comm.rank());
-        let state = zero
-            .export()
-            .expect("the engine's ZeroSync has an optimizer");
         let mine = write_state_file(&staging, &name, &partition_state_bytes(state));
         // Each rank reports [ok, length, checksum] so that rank 0 can list every file.
         let mut record = [0u8; 17];
@@ -518,7 +562,8 @@ where
             return Ok(dir.join(tag));
         }
         let mut meta = self.meta();
-        let params = f32_bytes(&params_to_flat(&self.model, &self.layout));
+        let params =
+            f32_bytes(&params.unwrap_or_else(|| params_to_flat(&self.model, &self.layout)));
         meta.files
             .push(write_state_file(&staging, "model.bin", &params)?);
         for (r, c) in all.chunks(17).enumerate() {
@@ -545,7 +590,7 @@ where
         let (meta, files) = read_checkpoint(dir.as_ref(), tag)?;
         let refuse = |what: String| Err(DeepSpeedError::Checkpoint(what));
         let stage: u8 = self.config.zero_optimization.stage.into();
-        let partitioned = |s: u8| s == 1 || s == 2;
+        let partitioned = |s: u8| (1..=3).contains(&s);
         if meta.zero_stage != stage && !(partitioned(meta.zero_stage) && partitioned(stage)) {
             return refuse(format!(
                 "written at ZeRO stage {}; this engine runs stage {stage}",
@@ -584,6 +629,22 @@ where
         }
         // The saved ids go back into the model, so that the optimizer state (keyed by id)
         // finds its parameters.
+        if let Reduction::Sharded(zero) = &mut self.reduction {
+            let model = zero.load_flat(self.model.clone(), &params);
+            let model = set_param_ids(model, &meta.param_ids);
+            let layout = self.layout.with_ids(&meta.param_ids);
+            zero.set_layout(layout.clone());
+            let slices = read_slices(files)?;
+            let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+            let whole = join_slices(slices, &sizes, meta.zero_stage, meta.world_size)?;
+            zero.restore(cut_state(&whole, zero.segments(), zero.own_len()))?;
+            self.model = model;
+            self.layout = layout;
+            self.global_step = meta.global_step;
+            self.params_with_state = self.layout.numel;
+            self.loss_sum = 0.0;
+            return Ok(meta.global_step);
+        }
         let model = restore_params(self.model.clone(), layout, &meta.param_ids, &params);
         let layout = ParamLayout::of(&model);
         let mut reduction = Reduction::build(&model, &layout, &self.config, &self.comm)?;
@@ -607,17 +668,22 @@ where
                 }
             }
             Reduction::Partitioned(zero) => {
-                let slices: Vec<PartitionState> = files
-                    .enumerate()
-                    .map(|(r, b)| partition_state_from_bytes(&b, &partition_file(r)))
-                    .collect::<Result<_>>()?;
-                zero.restore(recut_partition(
-                    slices,
-                    &layout,
-                    zero.partition(),
-                    self.comm.rank(),
-                )?)?;
+                let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+                let whole = join_slices(
+                    read_slices(files)?,
+                    &sizes,
+                    meta.zero_stage,
+                    meta.world_size,
+                )?;
+                let own = zero.own();
+                let segment = Segment {
+                    tensor: 0,
+                    global: own.clone(),
+                    local: 0..own.len(),
+                };
+                zero.restore(cut_state(&whole, &[segment], own.len()))?;
             }
+            Reduction::Sharded(_) => unreachable!("loaded above"),
         }
         self.model = model;
         self.layout = layout;
@@ -628,17 +694,54 @@ where
         Ok(meta.global_step)
     }
 
-    /// The model (identical on every rank after each step).
+    /// The model (identical on every rank after each step). At ZeRO stage 3 its partitioned
+    /// parameters store this rank's chunk and gather the whole tensor when read (a
+    /// collective: every rank must read them together, as a forward pass does).
     pub fn model(&self) -> &M {
         &self.model
     }
-    /// The parameters, flat in layout order (the order the module visits them).
+    /// The whole parameters, flat in layout order (the order the module visits them). At
+    /// ZeRO stage 3 a collective: every rank calls it.
+    ///
+    /// # Panics
+    /// At stage 3, when a rank fails to take part in the gather (see
+    /// [`try_flat_params`](Self::try_flat_params)).
     pub fn flat_params(&self) -> Vec<f32> {
-        params_to_flat(&self.model, &self.layout)
+        self.try_flat_params()
+            .unwrap_or_else(|e| panic!("gathering the ZeRO-3 parameters failed: {e}"))
     }
-    /// Consumes the engine and returns the model.
+    /// [`flat_params`](Self::flat_params), with the gather's failure as an error.
+    pub fn try_flat_params(&self) -> Result<Vec<f32>> {
+        match &self.reduction {
+            Reduction::Sharded(z) => z.full_params(&self.model),
+            _ => Ok(params_to_flat(&self.model, &self.layout)),
+        }
+    }
+    /// Consumes the engine and returns the model with whole parameters. At ZeRO stage 3 a
+    /// collective (every rank calls it); the returned model's parameters read as stored.
+    ///
+    /// # Panics
+    /// At stage 3, when the gather fails (see [`try_into_model`](Self::try_into_model)).
     pub fn into_model(self) -> M {
-        self.model
+        self.try_into_model()
+            .unwrap_or_else(|e| panic!("gathering the ZeRO-3 parameters failed: {e}"))
+    }
+    /// [`into_model`](Self::into_model), with the gather's failure as an error.
+    pub fn try_into_model(self) -> Result<M> {
+        match &self.reduction {
+            Reduction::Sharded(z) => {
+                let flat = z.full_params(&self.model)?;
+                Ok(z.unshard(self.model, &flat))
+            }
+            _ => Ok(self.model),
+        }
+    }
+    /// ZeRO stage 3's gather counters (`None` at other stages).
+    pub fn gather_stats(&self) -> Option<crate::zero3::GatherStats> {
+        match &self.reduction {
+            Reduction::Sharded(z) => Some(z.gather_stats()),
+            _ => None,
+        }
     }
     /// The resolved config.
     pub fn config(&self) -> &DeepSpeedConfig {
@@ -751,46 +854,83 @@ fn partition_file(rank: usize) -> String {
     format!("zero_pp_rank_{rank}_optim_states.bin")
 }
 
-/// Joins the saved slices (in the saving ranks' order) into the whole flat state and cuts
-/// out `rank`'s slice of `partition`.
-fn recut_partition(
+/// The saved optimizer slices of a checkpoint, in rank order.
+fn read_slices(files: impl Iterator<Item = Vec<u8>>) -> Result<Vec<PartitionState>> {
+    files
+        .enumerate()
+        .map(|(r, b)| partition_state_from_bytes(&b, &partition_file(r)))
+        .collect()
+}
+
+/// The whole optimizer state (steps, and m and v in layout order) from the slices that
+/// `world` ranks saved at ZeRO stage `stage`: contiguous slices at stages 1 and 2, each
+/// rank's pieces of every tensor at stage 3.
+fn join_slices(
     slices: Vec<PartitionState>,
-    layout: &ParamLayout,
-    partition: &FlatPartition,
-    rank: usize,
+    sizes: &[usize],
+    stage: u8,
+    world: usize,
 ) -> Result<PartitionState> {
+    let numel: usize = sizes.iter().sum();
     let steps = slices.first().map(|s| s.steps.clone()).unwrap_or_default();
-    if steps.len() != layout.slots.len() || slices.iter().any(|s| s.steps != steps) {
+    if steps.len() != sizes.len() || slices.iter().any(|s| s.steps != steps) {
         return Err(DeepSpeedError::Checkpoint(format!(
             "the optimizer slices disagree on the step counts of {} tensors",
-            layout.slots.len()
+            sizes.len()
         )));
     }
     let total: usize = slices.iter().map(|s| s.m.len()).sum();
-    if total != layout.numel {
+    if total != numel || slices.len() != world {
         return Err(DeepSpeedError::Checkpoint(format!(
-            "the optimizer slices hold {total} elements; the model has {}",
-            layout.numel
+            "{} optimizer slices hold {total} elements; expected {world} slices of a model \
+             of {numel}",
+            slices.len()
         )));
     }
-    let own = partition.range(rank);
-    let (mut m, mut v) = (Vec::with_capacity(own.len()), Vec::with_capacity(own.len()));
-    let mut at = 0;
-    for s in &slices {
-        let piece = at..at + s.m.len();
-        let a = piece.start.max(own.start);
-        let b = piece.end.min(own.end);
-        if a < b {
-            m.extend_from_slice(&s.m[a - at..b - at]);
-            v.extend_from_slice(&s.v[a - at..b - at]);
+    let (mut m, mut v) = (vec![0.0f32; numel], vec![0.0f32; numel]);
+    if stage == 3 {
+        let plan = ShardPlan::new(sizes, world, 0, 0);
+        for (r, s) in slices.iter().enumerate() {
+            if s.m.len() != plan.own_len(r) {
+                return Err(DeepSpeedError::Checkpoint(format!(
+                    "{} holds {} elements; rank {r} of {world} owns {} at stage 3",
+                    partition_file(r),
+                    s.m.len(),
+                    plan.own_len(r)
+                )));
+            }
+            for seg in plan.segments(r) {
+                m[seg.global.clone()].copy_from_slice(&s.m[seg.local.clone()]);
+                v[seg.global].copy_from_slice(&s.v[seg.local]);
+            }
         }
-        at = piece.end;
+    } else {
+        let mut at = 0;
+        for s in &slices {
+            m[at..at + s.m.len()].copy_from_slice(&s.m);
+            v[at..at + s.v.len()].copy_from_slice(&s.v);
+            at += s.m.len();
+        }
     }
     Ok(PartitionState { steps, m, v })
 }
 
-/// `module` with the parameter ids `ids` and the values `flat`, both in `layout` order.
-fn restore_params<M: Module>(module: M, layout: &ParamLayout, ids: &[u64], flat: &[f32]) -> M {
+/// The state of a rank that owns `segments` (of `len` elements in all) of the whole state.
+fn cut_state(whole: &PartitionState, segments: &[Segment], len: usize) -> PartitionState {
+    let (mut m, mut v) = (Vec::with_capacity(len), Vec::with_capacity(len));
+    for seg in segments {
+        m.extend_from_slice(&whole.m[seg.global.clone()]);
+        v.extend_from_slice(&whole.v[seg.global.clone()]);
+    }
+    PartitionState {
+        steps: whole.steps.clone(),
+        m,
+        v,
+    }
+}
+
+/// `module` with the parameter ids `ids` (in layout order).
+fn set_param_ids<M: Module>(module: M, ids: &[u64]) -> M {
     struct Mapper<'a> {
         ids: &'a [u64],
         next: usize,
@@ -803,8 +943,12 @@ fn restore_params<M: Module>(module: M, layout: &ParamLayout, ids: &[u64], flat:
             Param::from_mapped_value(id, tensor, mapper)
         }
     }
-    let module = params_from_flat(module, layout, flat);
     module.map(&mut Mapper { ids, next: 0 })
+}
+
+/// `module` with the parameter ids `ids` and the values `flat`, both in `layout` order.
+fn restore_params<M: Module>(module: M, layout: &ParamLayout, ids: &[u64], flat: &[f32]) -> M {
+    set_param_ids(params_from_flat(module, layout, flat), ids)
 }
 
 impl StepLoss for burn::train::ClassificationOutput {

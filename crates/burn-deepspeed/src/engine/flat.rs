@@ -64,6 +64,21 @@ impl ParamLayout {
         layout
     }
 
+    /// The same layout with the parameter ids `ids` (in slot order).
+    pub fn with_ids(&self, ids: &[u64]) -> Self {
+        let mut layout = self.clone();
+        for (slot, &id) in layout.slots.iter_mut().zip(ids) {
+            slot.id = ParamId::from(id);
+        }
+        layout.index = layout
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.id, i))
+            .collect();
+        layout
+    }
+
     /// The slot of parameter `id`, if it belongs to this layout.
     pub fn slot_of(&self, id: ParamId) -> Option<usize> {
         self.index.get(&id).copied()

@@ -9,6 +9,7 @@ mod optim;
 pub mod reduce;
 mod sync;
 mod zero;
+mod zero3;
 
 pub use base::*;
 pub use memory::*;
@@ -16,3 +17,4 @@ pub use onebit::*;
 pub use optim::*;
 pub use sync::*;
 pub use zero::*;
+pub use zero3::*;

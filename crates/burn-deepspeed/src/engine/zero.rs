@@ -83,12 +83,6 @@ pub fn refuse_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
             reason: reason.into(),
         })
     };
-    if z.stage == ZeroStage::Parameters {
-        return refuse(
-            "stage",
-            "stage 3 (partitioned parameters) is not implemented yet; use stage 1 or 2",
-        );
-    }
     let offloaded = |d: Option<OffloadDevice>| d.is_some_and(|d| d != OffloadDevice::None);
     if offloaded(z.offload_optimizer.as_ref().map(|o| o.device)) || z.cpu_offload == Some(true) {
         return refuse(
@@ -128,6 +122,38 @@ pub fn refuse_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
         return refuse("mics_shard_size", "MiCS is not implemented; set it to -1");
     }
     Ok(())
+}
+
+/// Marks, on every rank, the tensors that had a gradient on any rank (one all-reduce), and
+/// refuses a tensor that had none unless `ignore_unused_parameters`.
+pub(crate) fn merge_presence(
+    comm: &dyn Communicator,
+    present: &mut [u8],
+    ignore_unused: bool,
+    layout: &ParamLayout,
+) -> Result<()> {
+    if comm.world_size() > 1 {
+        comm.all_reduce(present, ReduceOp::Max)?;
+    }
+    match present.iter().position(|&p| p == 0) {
+        Some(i) if !ignore_unused => Err(DeepSpeedError::Data(format!(
+            "parameter {i} (shape {:?}) got no gradient on any rank and \
+             zero_optimization.ignore_unused_parameters is false",
+            layout.slots[i].shape
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The factors applied before and after the reduction of `micro_steps` micro-batches on
+/// `world` ranks: the mean, split by `gradient_predivide_factor` when prescaling.
+pub(crate) fn pre_post(predivide: Option<f32>, world: usize, micro_steps: u64) -> (f32, f32) {
+    let world = world as f32;
+    let gas = micro_steps.max(1) as f32;
+    match predivide {
+        Some(f) => (1.0 / f, f / (world * gas)),
+        None => (1.0, 1.0 / (world * gas)),
+    }
 }
 
 /// A rank's gradient reduction and optimizer step at ZeRO stage 1 or 2.
@@ -273,15 +299,6 @@ impl ZeroSync {
         }
     }
 
-    fn pre_post(&self) -> (f32, f32) {
-        let world = self.comm.world_size() as f32;
-        let gas = self.micro_steps.max(1) as f32;
-        match self.predivide {
-            Some(f) => (1.0 / f, f / (world * gas)),
-            None => (1.0, 1.0 / (world * gas)),
-        }
-    }
-
     /// Adds one micro-batch's gradients: into the whole buffer at stage 1; at stage 2
     /// reduce-scattered bucket by bucket into this rank's slice (a collective).
     pub fn accumulate<M: Module>(&mut self, module: &M, grads: &GradientsParams) {
@@ -375,20 +392,16 @@ impl ZeroSync {
             return Err(e);
         }
         let comm = self.comm.clone();
-        if comm.world_size() > 1 {
-            comm.all_reduce(&mut self.present, ReduceOp::Max)?;
-        }
-        if !self.ignore_unused
-            && let Some(i) = self.present.iter().position(|&p| p == 0)
-        {
+        if let Err(e) = merge_presence(
+            comm.as_ref(),
+            &mut self.present,
+            self.ignore_unused,
+            &self.layout,
+        ) {
             self.reset();
-            return Err(DeepSpeedError::Data(format!(
-                "parameter {i} (shape {:?}) got no gradient on any rank and \
-                 zero_optimization.ignore_unused_parameters is false",
-                self.layout.slots[i].shape
-            )));
+            return Err(e);
         }
-        let (pre, post) = self.pre_post();
+        let (pre, post) = pre_post(self.predivide, comm.world_size(), self.micro_steps);
         let own = self.own.clone();
         if self.stage == ZeroStage::OptimizerStates {
             let mut tmp = Vec::new();

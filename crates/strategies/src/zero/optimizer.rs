@@ -57,11 +57,23 @@ impl PartitionedOptimizer {
         sizes: &[usize],
     ) -> Self {
         let own = partition.range(rank);
+        Self::over_segments(kind, partition.segments(rank, sizes), own, sizes.len())
+    }
+
+    /// The optimizer of a rank that owns the pieces `segments` (back to back in its buffer)
+    /// of `tensors` tensors, e.g. a stage-3 [`ShardPlan`](super::ShardPlan)'s; `own` is the
+    /// buffer's range (its length is the state's).
+    pub fn over_segments(
+        kind: PartitionedKind,
+        segments: Vec<Segment>,
+        own: Range<usize>,
+        tensors: usize,
+    ) -> Self {
         Self {
             kind,
-            segments: partition.segments(rank, sizes),
+            segments,
             state: PartitionState {
-                steps: vec![0; sizes.len()],
+                steps: vec![0; tensors],
                 m: vec![0.0; own.len()],
                 v: vec![0.0; own.len()],
             },

@@ -1,0 +1,381 @@
+//! [`GatherGroup`]: one rank's ZeRO stage-3 parameter fetcher (arXiv 1910.02054 §5.3).
+//!
+//! The [`zero3_gather`](super::zero3_gather) op finds its group through a process-wide
+//! registry by the key stored in each sharded parameter's [`ShardGather`](super::ShardGather)
+//! reparameterization. The group owns the collectives:
+//!
+//! - **Forward**: an all-gather of the tensor's equal chunks. The order in which the first
+//!   forward asks for tensors is recorded (DeepSpeed's trace); from then on a miss fetches the
+//!   requested tensor together with the ones the trace says come next, up to
+//!   `stage3_prefetch_bucket_size` elements, in one all-gather, and keeps them until asked
+//!   for. `stage3_max_live_parameters` caps the elements held that way plus the tensor being
+//!   fetched.
+//! - **Backward**: the gradient checkpointing of the op re-gathers the weight when its
+//!   consumer's backward needs it, and the op's backward reduce-scatters the whole gradient
+//!   into this rank's chunk (a sum over ranks; the engine scales it).
+//!
+//! Every rank asks in the same order, because every rank runs the same model and Burn's
+//! backward visits the same graph in the same order. A failed collective is kept and
+//! reported by the engine's next step; the calls after it return zeros without
+//! communicating, so a dead peer costs one timeout, not one per tensor.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
+
+use burn::tensor::Tensor;
+use burn_deepspeed_strategies::CommError;
+use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
+use burn_deepspeed_strategies::zero::ShardPlan;
+
+/// Why a tensor is fetched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// For a forward pass (traced, prefetched).
+    Forward,
+    /// Re-gathered for a backward pass (no prefetch).
+    Backward,
+}
+
+/// Counters of one group's traffic, since creation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct GatherStats {
+    /// Tensors gathered for forward passes.
+    pub forward_gathers: u64,
+    /// Tensors gathered again for backward passes.
+    pub backward_gathers: u64,
+    /// Gradients reduce-scattered.
+    pub reduce_scatters: u64,
+    /// All-gather collectives issued (a prefetch bucket is one).
+    pub all_gathers: u64,
+    /// Most elements held by the prefetch cache at once.
+    pub peak_prefetched: usize,
+}
+
+struct State {
+    /// The module's current shards (flat, `chunk` elements, no autodiff), for prefetching.
+    shards: Vec<Option<Tensor<1>>>,
+    trace: Vec<usize>,
+    /// Recording the first forward's order.
+    recording: bool,
+    cache: HashMap<usize, Vec<f32>>,
+    cache_elems: usize,
+    error: Option<CommError>,
+    stats: GatherStats,
+}
+
+/// One rank's stage-3 fetcher: the plan, the communicator and the prefetch state.
+pub struct GatherGroup {
+    id: u64,
+    comm: Arc<dyn Communicator>,
+    plan: ShardPlan,
+    shapes: Vec<Vec<usize>>,
+    prefetch: usize,
+    max_live: usize,
+    /// Factor applied to gradients before the reduce-scatter (`gradient_predivide_factor`).
+    pre: f32,
+    /// Fetch with an all-reduce of a zero-padded buffer instead of an all-gather
+    /// (`stage3_use_all_reduce_for_fetch_params`): the same values, twice the traffic.
+    fetch_by_all_reduce: bool,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for GatherGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatherGroup")
+            .field("id", &self.id)
+            .field("rank", &self.comm.rank())
+            .field("tensors", &self.shapes.len())
+            .finish()
+    }
+}
+
+enum Entry {
+    Live(Weak<GatherGroup>),
+    /// The parameters were gathered back whole ([`GatherGroup::release`]): the op passes the
+    /// stored value through.
+    Whole,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn registry() -> MutexGuard<'static, HashMap<u64, Entry>> {
+    static REGISTRY: LazyLock<Mutex<HashMap<u64, Entry>>> =
+        LazyLock::new(|| Mutex::new(HashMap::new()));
+    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The key of tensor `tensor` of group `group`, as stored in [`ShardGather`](super::ShardGather).
+pub fn key_of(group: u64, tensor: usize) -> u64 {
+    (group << 32) | tensor as u64
+}
+
+/// What a key resolves to.
+pub enum Resolved {
+    /// A live group and the tensor's index in it.
+    Group(Arc<GatherGroup>, usize),
+    /// The group's parameters are whole again.
+    Whole,
+}
+
+/// Finds the group of `key`.
+///
+/// # Panics
+/// When the engine that sharded the parameter is gone: a sharded parameter cannot be used
+/// without its group.
+pub fn resolve(key: u64) -> Resolved {
+    let group = key >> 32;
+    let tensor = (key & 0xffff_ffff) as usize;
+    match registry().get(&group) {
+        Some(Entry::Whole) => Resolved::Whole,
+        Some(Entry::Live(weak)) => match weak.upgrade() {
+            Some(g) => Resolved::Group(g, tensor),
+            None => panic!("ZeRO-3: the gather group {group} of a sharded parameter is gone"),
+        },
+        None => panic!(
+            "ZeRO-3: the engine that sharded this parameter (group {group}) was dropped; \
+             take the whole model with DeepSpeedEngine::into_model before dropping it"
+        ),
+    }
+}
+
+impl GatherGroup {
+    /// A registered group for `plan` (tensors of `shapes`, in layout order) on `comm`.
+    pub fn new(
+        comm: Arc<dyn Communicator>,
+        plan: ShardPlan,
+        shapes: Vec<Vec<usize>>,
+        prefetch: usize,
+        max_live: usize,
+        pre: f32,
+        fetch_by_all_reduce: bool,
+    ) -> Arc<Self> {
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let n = shapes.len();
+        let group = Arc::new(Self {
+            id,
+            comm,
+            plan,
+            shapes,
+            prefetch,
+            max_live,
+            pre,
+            fetch_by_all_reduce,
+            state: Mutex::new(State {
+                shards: vec![None; n],
+                trace: Vec::new(),
+                recording: true,
+                cache: HashMap::new(),
+                cache_elems: 0,
+                error: None,
+                stats: GatherStats::default(),
+            }),
+        });
+        registry().insert(id, Entry::Live(Arc::downgrade(&group)));
+        group
+    }
+
+    /// The group's id (the upper half of its keys).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> &ShardPlan {
+        &self.plan
+    }
+
+    /// The whole shape of tensor `t`.
+    pub fn shape(&self, t: usize) -> &[usize] {
+        &self.shapes[t]
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records tensor `t`'s current shard (flat, `chunk` elements) for prefetching. Call it
+    /// whenever the module's shards change (the engine does, after each step).
+    pub fn set_shard(&self, t: usize, shard: Tensor<1>) {
+        self.state().shards[t] = Some(shard);
+    }
+
+    /// Marks this group's parameters whole again: from now on the op passes stored values
+    /// through unchanged. Called once the module's shards were replaced by whole tensors.
+    pub fn release(&self) {
+        registry().insert(self.id, Entry::Whole);
+    }
+
+    /// Takes the first collective failure since the last call, if any.
+    pub fn take_error(&self) -> Option<CommError> {
+        self.state().error.take()
+    }
+
+    /// Traffic counters.
+    pub fn stats(&self) -> GatherStats {
+        self.state().stats
+    }
+
+    /// Drops prefetched tensors and ends the trace recording (the backward has begun).
+    fn end_forward(&self, st: &mut State) {
+        st.cache.clear();
+        st.cache_elems = 0;
+        if st.recording && !st.trace.is_empty() {
+            st.recording = false;
+        }
+    }
+
+    /// Tensor `t` whole (`numel` values), from this rank's `shard` (`chunk` values).
+    pub fn gather(&self, t: usize, shard: Vec<f32>, phase: Phase) -> Vec<f32> {
+        let mut st = self.state();
+        let numel = self.plan.tensors()[t].numel;
+        match phase {
+            Phase::Forward => {
+                st.stats.forward_gathers += 1;
+                if st.recording {
+                    st.trace.push(t);
+                }
+                if let Some(values) = st.cache.remove(&t) {
+                    st.cache_elems -= values.len();
+                    return values;
+                }
+            }
+            Phase::Backward => {
+                self.end_forward(&mut st);
+                st.stats.backward_gathers += 1;
+            }
+        }
+        let mut bundle = vec![t];
+        if phase == Phase::Forward && !st.recording {
+            self.plan_prefetch(&st, t, &mut bundle);
+        }
+        let mut shards: Vec<Vec<f32>> = Vec::with_capacity(bundle.len());
+        shards.push(shard);
+        for &j in &bundle[1..] {
+            let values = st.shards[j]
+                .clone()
+                .map(|s| {
+                    s.into_data_as::<f32>()
+                        .try_into_vec::<f32>()
+                        .expect("f32 shard data")
+                })
+                .expect("a prefetched tensor has a registered shard");
+            shards.push(values);
+        }
+        let mut wholes = self.all_gather(&mut st, &bundle, &shards);
+        let first = wholes.remove(0);
+        for (&j, values) in bundle[1..].iter().zip(wholes) {
+            st.cache_elems += values.len();
+            st.cache.insert(j, values);
+        }
+        st.stats.peak_prefetched = st.stats.peak_prefetched.max(st.cache_elems);
+        debug_assert_eq!(first.len(), numel);
+        first
+    }
+
+    /// Extends `bundle` (holding `t`) with the tensors the trace has after `t`, within the
+    /// prefetch bucket and the live cap.
+    fn plan_prefetch(&self, st: &State, t: usize, bundle: &mut Vec<usize>) {
+        let Some(pos) = st.trace.iter().position(|&x| x == t) else {
+            return;
+        };
+        let tensors = self.plan.tensors();
+        let mut elems = tensors[t].numel;
+        let mut live = st.cache_elems + elems;
+        for &j in &st.trace[pos + 1..] {
+            if bundle.contains(&j) || st.cache.contains_key(&j) || st.shards[j].is_none() {
+                continue;
+            }
+            let n = tensors[j].numel;
+            if elems + n > self.prefetch || live + n > self.max_live {
+                break;
+            }
+            elems += n;
+            live += n;
+            bundle.push(j);
+        }
+    }
+
+    /// One all-gather of the chunks of `bundle` (this rank's in `shards`): every rank's
+    /// chunks of all bundled tensors, back to back in rank order.
+    fn all_gather(&self, st: &mut State, bundle: &[usize], shards: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        let tensors = self.plan.tensors();
+        let world = self.comm.world_size();
+        let per_rank: usize = bundle.iter().map(|&j| tensors[j].chunk).sum();
+        let mut input = Vec::with_capacity(per_rank);
+        for (&j, s) in bundle.iter().zip(shards) {
+            debug_assert_eq!(s.len(), tensors[j].chunk);
+            input.extend_from_slice(s);
+        }
+        let mut out = vec![0.0f32; per_rank * world];
+        if st.error.is_none() {
+            st.stats.all_gathers += 1;
+            let _span = tracing::trace_span!("zero3_all_gather", elems = out.len()).entered();
+            let rank = self.comm.rank();
+            let result = if self.fetch_by_all_reduce {
+                out[rank * per_rank..(rank + 1) * per_rank].copy_from_slice(&input);
+                self.comm.all_reduce(&mut out, ReduceOp::Sum)
+            } else {
+                self.comm.all_gather_equal(&input, &mut out)
+            };
+            if let Err(e) = result {
+                st.error = Some(e);
+                out.iter_mut().for_each(|x| *x = 0.0);
+            }
+        }
+        let mut wholes: Vec<Vec<f32>> = bundle
+            .iter()
+            .map(|&j| Vec::with_capacity(tensors[j].chunk * world))
+            .collect();
+        for r in 0..world {
+            let mut at = r * per_rank;
+            for (k, &j) in bundle.iter().enumerate() {
+                let c = tensors[j].chunk;
+                wholes[k].extend_from_slice(&out[at..at + c]);
+                at += c;
+            }
+        }
+        for (w, &j) in wholes.iter_mut().zip(bundle) {
+            w.truncate(tensors[j].numel);
+        }
+        wholes
+    }
+
+    /// This rank's chunk of the sum over ranks of tensor `t`'s whole gradient `grad`.
+    pub fn reduce_scatter(&self, t: usize, mut grad: Vec<f32>) -> Vec<f32> {
+        let mut st = self.state();
+        self.end_forward(&mut st);
+        st.stats.reduce_scatters += 1;
+        let s = self.plan.tensors()[t];
+        grad.resize(s.chunk * self.comm.world_size(), 0.0);
+        if self.pre != 1.0 {
+            grad.iter_mut().for_each(|g| *g *= self.pre);
+        }
+        let mut out = vec![0.0f32; s.chunk];
+        if st.error.is_none() {
+            let _span = tracing::trace_span!("zero3_reduce_scatter", elems = grad.len()).entered();
+            if let Err(e) = self
+                .comm
+                .reduce_scatter_equal(&grad, &mut out, ReduceOp::Sum)
+            {
+                st.error = Some(e);
+                out.iter_mut().for_each(|x| *x = 0.0);
+            }
+        }
+        out
+    }
+}
+
+impl Drop for GatherGroup {
+    fn drop(&mut self) {
+        let mut reg = registry();
+        if matches!(reg.get(&self.id), Some(Entry::Live(_))) {
+            reg.remove(&self.id);
+        }
+    }
+}

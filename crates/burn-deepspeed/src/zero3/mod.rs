@@ -1,0 +1,12 @@
+//! ZeRO stage 3 (arXiv 1910.02054 §5.3) on Burn modules: parameters stored as per-rank
+//! chunks ([`shard_module`]), gathered whole for use by a custom op ([`zero3_gather`])
+//! whose backward reduce-scatters the gradient, through a per-rank [`GatherGroup`] that
+//! traces and prefetches.
+
+mod group;
+mod op;
+mod reparam;
+
+pub use group::*;
+pub use op::*;
+pub use reparam::*;

@@ -1,0 +1,119 @@
+//! Sharding a Burn module for ZeRO stage 3: each partitioned parameter stores only this
+//! rank's chunk, and a [`ShardGather`] reparameterization makes `Param::val()` return the
+//! whole tensor through [`zero3_gather`](super::zero3_gather). Stock modules (`Linear`,
+//! `Embedding`, `LayerNorm`, ...) run unchanged; the `ParamId`s stay, so gradients, records
+//! and optimizers see the chunks.
+
+use burn::module::{Module, Param, Reparameterization, Reparameterizer};
+use burn::tensor::{Device, Tensor, TensorData};
+
+use super::group::{GatherGroup, key_of};
+use super::op::zero3_gather;
+
+/// The reparameterization of a sharded parameter: `val()` gathers the whole tensor.
+#[derive(Module, Debug)]
+pub struct ShardGather {
+    key: u64,
+}
+
+impl Reparameterization for ShardGather {
+    const NAME: &'static str = "zero3_gather";
+
+    fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
+        zero3_gather(base, self.key)
+    }
+}
+
+/// The shape a chunk of `chunk` elements is stored in: the same rank as the whole tensor.
+pub fn chunk_shape(chunk: usize, rank: usize) -> Vec<usize> {
+    let mut shape = vec![1; rank.max(1)];
+    shape[0] = chunk;
+    shape
+}
+
+/// This rank's padded chunk of a whole tensor's values.
+pub fn chunk_of(values: &[f32], chunk: usize, rank: usize) -> Vec<f32> {
+    let start = (rank * chunk).min(values.len());
+    let end = ((rank + 1) * chunk).min(values.len());
+    let mut out = values[start..end].to_vec();
+    out.resize(chunk, 0.0);
+    out
+}
+
+/// Replaces the partitioned parameters of a module by this rank's chunks (in layout order)
+/// and attaches [`ShardGather`]; persistent ones stay whole. Every parameter moves to the
+/// [`checkpointing`] form of its device.
+pub struct Sharder<'a> {
+    /// The group the chunks are gathered through.
+    pub group: &'a GatherGroup,
+    /// Next parameter, in layout order.
+    pub next: usize,
+}
+
+impl Reparameterizer for Sharder<'_> {
+    type Reparam = ShardGather;
+
+    fn reparameterize<const D: usize>(
+        &mut self,
+        _path: &str,
+        param: Param<Tensor<D>>,
+    ) -> (Param<Tensor<D>>, Option<ShardGather>) {
+        let t = self.next;
+        self.next += 1;
+        let s = self.group.plan().tensors()[t];
+        let rank = self.group.comm().rank();
+        let group = self.group;
+        let param = param.map(|tensor| {
+            let require_grad = tensor.is_require_grad();
+            let device = checkpointing(tensor.device());
+            let values = tensor
+                .into_data_as::<f32>()
+                .try_into_vec::<f32>()
+                .expect("f32 parameter data");
+            let (values, shape) = if s.persistent {
+                (values, group.shape(t).to_vec())
+            } else {
+                let chunk = chunk_of(&values, s.chunk, rank);
+                let flat =
+                    Tensor::<1>::from_data(TensorData::new(chunk.clone(), [s.chunk]), &device);
+                group.set_shard(t, flat.inner());
+                (chunk, chunk_shape(s.chunk, D))
+            };
+            Tensor::<D>::from_data(TensorData::new(values, shape), &device)
+                .set_require_grad(require_grad)
+        });
+        let reparam = (!s.persistent).then(|| ShardGather {
+            key: key_of(group.id(), t),
+        });
+        (param, reparam)
+    }
+}
+
+/// `device` with Burn's gradient checkpointing when it is an autodiff device: the consumers
+/// of a gathered weight then re-gather it for their backward instead of keeping it.
+pub fn checkpointing(device: Device) -> Device {
+    match device.gradient_checkpointing_strategy() {
+        Some(_) => device.gradient_checkpointing(),
+        None => device,
+    }
+}
+
+/// Shards `module` (whose parameters are whole, in the plan's layout order) through `group`.
+pub fn shard_module<M: Module>(module: M, group: &GatherGroup) -> M {
+    module.apply_reparameterization(Sharder { group, next: 0 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_keep_the_rank_and_pad_the_tail() {
+        assert_eq!(chunk_shape(5, 2), vec![5, 1]);
+        assert_eq!(chunk_shape(5, 1), vec![5]);
+        let v: Vec<f32> = (0..10).map(|x| x as f32).collect();
+        assert_eq!(chunk_of(&v, 3, 3), vec![9.0, 0.0, 0.0]);
+        assert_eq!(chunk_of(&v, 3, 1), vec![3.0, 4.0, 5.0]);
+        assert_eq!(chunk_of(&v[..3], 1, 3), vec![0.0]);
+    }
+}

@@ -24,7 +24,7 @@ struct Args {
     #[arg(long)]
     config: Option<std::path::PathBuf>,
     /// Model size.
-    #[arg(long, default_value = "tiny", value_parser = ["tiny", "small"])]
+    #[arg(long, default_value = "tiny", value_parser = ["tiny", "small", "medium"])]
     model: String,
     /// Data-parallel ranks as threads (under mpirun, the MPI world decides).
     #[arg(long, default_value_t = 1)]
@@ -41,6 +41,9 @@ struct Args {
     /// Print a JSON summary as the last line of stdout.
     #[arg(long)]
     json: bool,
+    /// Overrides the config's `train_batch_size` (sequences per optimizer step).
+    #[arg(long)]
+    train_batch_size: Option<u64>,
     /// Save a checkpoint in this directory after the last step.
     #[arg(long)]
     save_dir: Option<std::path::PathBuf>,
@@ -64,10 +67,13 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> burn_deepspeed::Result<()> {
-    let (config, warnings) = match &args.config {
+    let (mut config, warnings) = match &args.config {
         Some(path) => DeepSpeedConfig::from_file(path)?,
         None => DeepSpeedConfig::from_json_str(DEFAULT_CONFIG)?,
     };
+    if let Some(n) = args.train_batch_size {
+        config.train_batch_size = Some(n);
+    }
     let bytes = match &args.data {
         Some(path) => std::fs::read(path).map_err(|e| {
             burn_deepspeed::DeepSpeedError::Data(format!("cannot read {}: {e}", path.display()))

@@ -3,7 +3,7 @@
 //! volumes, and the model state each rank holds, at several world sizes.
 //!
 //! cargo run --release --example zero_bench -- [--model small] [--worlds 2,4]
-//! [--stages 0,1,2] [--steps 6] [--rounds 2] [--json]; `scripts/bench-zero.sh` runs it and
+//! [--stages 0,1,2,3] [--steps 6] [--rounds 2] [--json]; `scripts/bench-zero.sh` runs it and
 //! writes the ZeRO section of BENCHMARKS.md.
 
 use std::process::ExitCode;
@@ -24,7 +24,7 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "2,4")]
     worlds: Vec<usize>,
     /// ZeRO stages; stage 0 is the baseline and always runs.
-    #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
+    #[arg(long, value_delimiter = ',', default_value = "0,1,2,3")]
     stages: Vec<u8>,
     /// Optimizer steps per run; the first is a warm-up and is not timed.
     #[arg(long, default_value_t = 6)]
@@ -45,7 +45,9 @@ fn config(stage: u8, batch: u64) -> DeepSpeedConfig {
         r#"{{"train_batch_size": {batch}, "gradient_clipping": 1.0,
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "weight_decay": 0.01}}}},
             "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 5e5,
-                                   "allgather_bucket_size": 5e5}}}}"#
+                                   "allgather_bucket_size": 5e5,
+                                   "stage3_param_persistence_threshold": 0,
+                                   "stage3_prefetch_bucket_size": 5e5}}}}"#
     );
     DeepSpeedConfig::from_json_str(&text)
         .expect("valid config")

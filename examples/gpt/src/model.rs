@@ -42,11 +42,20 @@ impl GptShape {
         seq_len: 256,
     };
 
-    /// A preset by name (`tiny`, `small`).
+    /// d 512, 16 layers, 8 heads, context 256 (about 50.7M parameters).
+    pub const MEDIUM: GptShape = GptShape {
+        d_model: 512,
+        layers: 16,
+        heads: 8,
+        seq_len: 256,
+    };
+
+    /// A preset by name (`tiny`, `small`, `medium`).
     pub fn preset(name: &str) -> Option<GptShape> {
         match name {
             "tiny" => Some(Self::TINY),
             "small" => Some(Self::SMALL),
+            "medium" => Some(Self::MEDIUM),
             _ => None,
         }
     }

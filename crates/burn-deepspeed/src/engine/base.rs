@@ -121,7 +121,7 @@ impl Reduction {
     }
 }
 
-/// Data-parallel training engine with ZeRO (arXiv 1910.02054) stages 0, 1 and 2.
+/// Data-parallel training engine with ZeRO (arXiv 1910.02054) stages 0 to 3.
 ///
 /// - Stage 0: every rank holds the whole model, gradients are averaged by bucketed all-reduce
 ///   (`reduce_bucket_size` elements per collective), clipped by global norm, and every rank
@@ -129,6 +129,9 @@ impl Reduction {
 /// - Stages 1 and 2 ([`ZeroSync`]): gradients are reduce-scattered, each rank keeps the
 ///   optimizer state of (and steps) its slice of the flat parameters, and the updated slices
 ///   are all-gathered; stage 2 also keeps only its slice of the gradients.
+/// - Stage 3 ([`Zero3Sync`]): the parameters too are stored as per-rank chunks and gathered
+///   whole only while a forward or backward op uses them ([`crate::zero3`]); each rank steps
+///   its chunks.
 ///
 /// SPMD: create one engine per rank, each with that rank's [`Communicator`]. Rank 0's
 /// parameters are broadcast at creation, so every replica starts identical.

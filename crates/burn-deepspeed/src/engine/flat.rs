@@ -55,13 +55,17 @@ impl ParamLayout {
         let mut v = V(ParamLayout::default());
         module.visit(&mut v);
         let mut layout = v.0;
-        layout.index = layout
+        layout.reindex();
+        layout
+    }
+
+    fn reindex(&mut self) {
+        self.index = self
             .slots
             .iter()
             .enumerate()
             .map(|(i, s)| (s.id, i))
             .collect();
-        layout
     }
 
     /// The same layout with the parameter ids `ids` (in slot order).
@@ -70,12 +74,7 @@ impl ParamLayout {
         for (slot, &id) in layout.slots.iter_mut().zip(ids) {
             slot.id = ParamId::from(id);
         }
-        layout.index = layout
-            .slots
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.id, i))
-            .collect();
+        layout.reindex();
         layout
     }
 
@@ -85,7 +84,7 @@ impl ParamLayout {
     }
 }
 
-fn to_f32_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+pub(crate) fn to_f32_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     t.into_data_as::<f32>()
         .try_into_vec::<f32>()
         .expect("f32 data converts to a Vec<f32>")

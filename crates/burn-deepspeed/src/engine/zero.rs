@@ -145,6 +145,22 @@ pub(crate) fn merge_presence(
     }
 }
 
+/// Clips every rank's part `grads` of the gradient by the global norm (one all-reduce of the
+/// parts' squared sums) to `clip`; returns the norm before clipping.
+pub(crate) fn clip_partitioned(
+    comm: &dyn Communicator,
+    grads: &mut [f32],
+    clip: f64,
+) -> Result<f64> {
+    let mut sq = [grads.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>() as f32];
+    if comm.world_size() > 1 {
+        comm.all_reduce(&mut sq, ReduceOp::Sum)?;
+    }
+    let norm = (sq[0] as f64).sqrt();
+    scale_to_norm(grads, norm, clip);
+    Ok(norm)
+}
+
 /// The factors applied before and after the reduction of `micro_steps` micro-batches on
 /// `world` ranks: the mean, split by `gradient_predivide_factor` when prescaling.
 pub(crate) fn pre_post(predivide: Option<f32>, world: usize, micro_steps: u64) -> (f32, f32) {
@@ -430,13 +446,7 @@ impl ZeroSync {
         if post != 1.0 {
             grads.iter_mut().for_each(|g| *g *= post);
         }
-        let mut sq = [grads.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>() as f32];
-        if comm.world_size() > 1 {
-            comm.all_reduce(&mut sq, ReduceOp::Sum)?;
-        }
-        let norm = (sq[0] as f64).sqrt();
-        scale_to_norm(grads, norm, self.clip);
-        Ok(norm)
+        clip_partitioned(comm.as_ref(), grads, self.clip)
     }
 
     /// After [`reduce`](Self::reduce), with a [tensor-aligned](Self::for_whole_tensors)

@@ -15,19 +15,12 @@ use burn::tensor::{Tensor, TensorData};
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::zero::{PartitionState, PartitionedOptimizer, Segment, ShardPlan};
 
-use super::flat::ParamLayout;
+use super::flat::{ParamLayout, to_f32_vec};
 use super::memory::ModelStateBytes;
-use super::reduce::scale_to_norm;
-use super::zero::{merge_presence, partitioned_kind, pre_post};
+use super::zero::{clip_partitioned, merge_presence, partitioned_kind, pre_post};
 use crate::config::DeepSpeedConfig;
 use crate::zero3::{GatherGroup, GatherStats, chunk_of, chunk_shape, shard_module};
 use crate::{DeepSpeedError, Result};
-
-fn to_f32_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data_as::<f32>()
-        .try_into_vec::<f32>()
-        .expect("f32 data converts to a Vec<f32>")
-}
 
 /// A rank's stage-3 state: the gather group, its gradient pieces and its optimizer.
 pub struct Zero3Sync {
@@ -243,17 +236,7 @@ impl Zero3Sync {
         if post != 1.0 {
             self.grads.iter_mut().for_each(|g| *g *= post);
         }
-        let mut sq = [self
-            .grads
-            .iter()
-            .map(|&g| (g as f64) * (g as f64))
-            .sum::<f64>() as f32];
-        if comm.world_size() > 1 {
-            comm.all_reduce(&mut sq, ReduceOp::Sum)?;
-        }
-        let norm = (sq[0] as f64).sqrt();
-        scale_to_norm(&mut self.grads, norm, self.clip);
-        Ok(norm)
+        clip_partitioned(comm.as_ref(), &mut self.grads, self.clip)
     }
 
     /// After [`reduce`](Self::reduce): steps this rank's pieces, writes the new chunks into
@@ -346,53 +329,19 @@ impl Zero3Sync {
     /// Replaces the module's chunks by this rank's updated pieces (padding stays zero) and
     /// the persistent tensors by `whole`; records the new chunks for prefetching.
     fn write_back<M: Module>(&self, model: M, params: &[f32], whole: Vec<f32>) -> M {
-        struct Mapper<'a> {
-            sync: &'a Zero3Sync,
-            params: &'a [f32],
-            whole: Vec<f32>,
-            rank: usize,
-        }
-        impl ModuleMapper for Mapper<'_> {
-            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-                let s = self.sync;
-                let Some(t) = s.layout.slot_of(param.id) else {
-                    return param;
-                };
-                let plan = s.group.plan();
-                let shard = plan.tensors()[t];
-                let (id, tensor, mapper) = param.consume();
-                let device = tensor.device();
-                let require_grad = tensor.is_require_grad();
-                let (values, shape) = match s.persistent_at[t] {
-                    Some(at) => (
-                        self.whole[at..at + shard.numel].to_vec(),
-                        s.layout.slots[t].shape.clone(),
-                    ),
-                    None => {
-                        let own = plan.own(self.rank, t);
-                        let mut chunk = vec![0.0f32; shard.chunk];
-                        if let Some(at) = s.local_start[t] {
-                            chunk[..own.len()].copy_from_slice(&self.params[at..at + own.len()]);
-                        }
-                        let flat = Tensor::<1>::from_data(
-                            TensorData::new(chunk.clone(), [shard.chunk]),
-                            &device,
-                        );
-                        s.group.set_shard(t, flat.inner());
-                        (chunk, chunk_shape(shard.chunk, D))
-                    }
-                };
-                let new = Tensor::<D>::from_data(TensorData::new(values, shape), &device)
-                    .set_require_grad(require_grad);
-                Param::from_mapped_value(id, new, mapper)
+        let rank = self.comm.rank();
+        let values = |t: usize, persistent: bool| match self.persistent_at[t] {
+            Some(at) if persistent => whole[at..at + self.numel(t)].to_vec(),
+            _ => {
+                let own = self.plan().own(rank, t);
+                let mut chunk = vec![0.0f32; self.plan().tensors()[t].chunk];
+                if let Some(at) = self.local_start[t] {
+                    chunk[..own.len()].copy_from_slice(&params[at..at + own.len()]);
+                }
+                chunk
             }
-        }
-        model.map(&mut Mapper {
-            sync: self,
-            params,
-            whole,
-            rank: self.comm.rank(),
-        })
+        };
+        self.replace(model, values, false)
     }
 
     /// The whole parameters, flat in layout order (a collective: one all-gather per

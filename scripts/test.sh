@@ -82,3 +82,24 @@ ok = (len(a["losses"]) == len(b["losses"]) == 5 and worst <= 1e-4
 print("mpi 1-bit parity: 1 passed, 0 failed" if ok else "mpi 1-bit parity: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+
+# The Learner strategy (SupervisedTraining) at ZeRO stage 3 under mpirun -n 2 trains the same
+# model as its two ranks in threads: prepare_model on every process, chunks from rank 0's
+# values, gathers over MPI, the whole model back on every rank.
+cargo build --example learner_bench --features burn-deepspeed-example-gpt/mpi
+lb="$target_dir/debug/examples/learner_bench"
+args=(--strategy deepspeed --stage 3 --world 2 --model tiny --batch 2 --steps 3 --json)
+"$lb" "${args[@]}" | tail -n 1 > "$out/learner-threads.json"
+mpirun -n 2 "$lb" "${args[@]}" | grep '^{' > "$out/learner-mpi.json"
+python3 - "$out/learner-threads.json" "$out/learner-mpi.json" <<'PY'
+import json, sys
+a = json.load(open(sys.argv[1]))
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(b) == 2, f"expected one report per MPI rank, got {len(b)}"
+worst = max(abs(r["held_out_loss"] - a["held_out_loss"]) / abs(a["held_out_loss"]) for r in b)
+print(f"Learner strategy stage 3 threads vs mpirun -n 2: held-out loss {a['held_out_loss']:.6f} "
+      f"vs {[r['held_out_loss'] for r in b]}, max rel diff {worst:.2e}")
+ok = worst <= 1e-5
+print("mpi learner stage 3 parity: 1 passed, 0 failed" if ok else "mpi learner stage 3 parity: 0 passed, 1 failed")
+sys.exit(0 if ok else 1)
+PY

@@ -56,6 +56,9 @@ pub enum DeepSpeedError {
     /// A checkpoint cannot be written, or cannot be loaded into this engine.
     #[error("checkpoint: {0}")]
     Checkpoint(String),
+    /// The Learner strategy was used in a way it cannot run.
+    #[error("Learner strategy: {0}")]
+    Strategy(String),
     /// The training data cannot feed the configured batch.
     #[error("data: {0}")]
     Data(String),

@@ -21,6 +21,13 @@ pub fn launched_by_mpirun() -> bool {
     std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
 }
 
+/// The number of processes `mpirun` started, when this process is one of them.
+pub fn mpirun_world_size() -> Option<usize> {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.parse().ok())
+}
+
 /// Runs `f` on every rank of this process and returns their results in rank order.
 ///
 /// Under `mpirun` (and with the `mpi` feature) this process is one rank: `f` runs once with

@@ -1,7 +1,7 @@
 //! The `zero_optimization` section (ZeRO, arXiv 1910.02054), with DeepSpeed's defaults.
 //!
 //! Every key DeepSpeed documents for stages 1-3 and offload is typed here. The engine runs
-//! stages 0-3, the Learner strategy stages 0-2; both refuse offload, ZeRO++ and MiCS
+//! stages 0-3, and so does the Learner strategy; both refuse offload, ZeRO++ and MiCS
 //! (`engine::refuse_zero_keys`).
 
 use serde::{Deserialize, Serialize};

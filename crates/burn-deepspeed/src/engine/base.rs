@@ -473,7 +473,10 @@ where
             Reduction::Sharded(zero) => {
                 // Every rank takes part in gathering the whole parameters; rank 0 writes them.
                 let params = zero.full_params(&self.model)?;
-                self.write_partitioned(dir, &tag, zero.export(), Some(params))
+                let state = zero
+                    .export()
+                    .expect("the engine's Zero3Sync has an optimizer");
+                self.write_partitioned(dir, &tag, state, Some(params))
             }
         };
         // Every rank learns whether rank 0's commit succeeded.

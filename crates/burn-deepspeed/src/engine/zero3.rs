@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::zero::{PartitionState, PartitionedOptimizer, Segment, ShardPlan};
 
@@ -38,11 +38,28 @@ pub struct Zero3Sync {
     /// Where tensor `t` starts in `persistent`, if it is persistent.
     persistent_at: Vec<Option<usize>>,
     present: Vec<u8>,
+    /// The device the gradients came on (for [`reduced_gradients`](Self::reduced_gradients)).
+    grad_device: Option<Device>,
     micro_steps: u64,
     predivide: Option<f32>,
     clip: f64,
     ignore_unused: bool,
-    optim: PartitionedOptimizer,
+    /// `None` when the caller steps the pieces with its own optimizer
+    /// ([`for_learner`](Self::for_learner)).
+    optim: Option<PartitionedOptimizer>,
+}
+
+/// DeepSpeed's stage-3 cut of the tensors of `layout` over `world` ranks under `config`'s
+/// persistence thresholds.
+pub fn shard_plan(layout: &ParamLayout, config: &DeepSpeedConfig, world: usize) -> ShardPlan {
+    let z = &config.zero_optimization;
+    let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+    ShardPlan::new(
+        &sizes,
+        world,
+        z.param_persistence_threshold as usize,
+        usize::try_from(z.model_persistence_threshold).unwrap_or(usize::MAX),
+    )
 }
 
 impl Zero3Sync {
@@ -52,24 +69,39 @@ impl Zero3Sync {
         config: &DeepSpeedConfig,
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
+        let kind = partitioned_kind(config)?;
+        let mut sync = Self::for_learner(layout, config, comm);
+        sync.optim = Some(PartitionedOptimizer::over_segments(
+            kind,
+            sync.segments.clone(),
+            0..sync.grads.len(),
+            sync.layout.slots.len(),
+        ));
+        Ok(sync)
+    }
+
+    /// The stage-3 state with no optimizer of its own: the caller steps this rank's chunks
+    /// and the persistent tensors ([`reduced_gradients`](Self::reduced_gradients)) with any
+    /// element-wise optimizer, e.g. the `Learner`'s, then calls
+    /// [`track_shards`](Self::track_shards).
+    pub fn for_learner(
+        layout: ParamLayout,
+        config: &DeepSpeedConfig,
+        comm: Arc<dyn Communicator>,
+    ) -> Self {
         let z = &config.zero_optimization;
-        let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
-        let plan = ShardPlan::new(
-            &sizes,
-            comm.world_size(),
-            z.param_persistence_threshold as usize,
-            usize::try_from(z.model_persistence_threshold).unwrap_or(usize::MAX),
-        );
+        let plan = shard_plan(&layout, config, comm.world_size());
+        let sizes = plan.tensors().len();
         let predivide = config
             .prescale_gradients
             .then_some(config.gradient_predivide_factor as f32);
         let segments = plan.segments(comm.rank());
         let own_len = plan.own_len(comm.rank());
-        let mut local_start = vec![None; sizes.len()];
+        let mut local_start = vec![None; sizes];
         for s in &segments {
             local_start[s.tensor] = Some(s.local.start);
         }
-        let mut persistent_at = vec![None; sizes.len()];
+        let mut persistent_at = vec![None; sizes];
         let mut at = 0;
         for (t, s) in plan.tensors().iter().enumerate() {
             if s.persistent {
@@ -77,12 +109,6 @@ impl Zero3Sync {
                 at += s.numel;
             }
         }
-        let optim = PartitionedOptimizer::over_segments(
-            partitioned_kind(config)?,
-            segments.clone(),
-            0..own_len,
-            sizes.len(),
-        );
         let group = GatherGroup::new(
             comm.clone(),
             plan,
@@ -92,7 +118,7 @@ impl Zero3Sync {
             predivide.map_or(1.0, |f| 1.0 / f),
             z.stage3_use_all_reduce_for_fetch_params,
         );
-        Ok(Self {
+        Self {
             comm,
             group,
             segments,
@@ -100,14 +126,15 @@ impl Zero3Sync {
             grads: vec![0.0; own_len],
             persistent: vec![0.0; at],
             persistent_at,
-            present: vec![0; sizes.len()],
+            present: vec![0; sizes],
+            grad_device: None,
             micro_steps: 0,
             predivide,
             clip: config.gradient_clipping,
             ignore_unused: z.ignore_unused_parameters,
-            optim,
+            optim: None,
             layout,
-        })
+        }
     }
 
     /// Shards a model whose parameters are whole (and identical on every rank).
@@ -142,7 +169,7 @@ impl Zero3Sync {
         ModelStateBytes {
             params: 4 * self.plan().stored_elems() as u64,
             grads: 4 * (self.grads.len() + self.persistent.len()) as u64,
-            optimizer: self.optim.state_bytes(),
+            optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()),
         }
     }
 
@@ -174,6 +201,9 @@ impl Zero3Sync {
                     return;
                 };
                 s.present[t] = 1;
+                if s.grad_device.is_none() {
+                    s.grad_device = Some(g.device());
+                }
                 let values = to_f32_vec(g);
                 if let Some(at) = s.persistent_at[t] {
                     s.persistent[at..at + values.len()]
@@ -248,14 +278,91 @@ impl Zero3Sync {
         self.read_own(&model, &mut params);
         {
             let _span = tracing::debug_span!("optimizer_step", rank).entered();
-            self.optim
-                .step(comm.as_ref(), &mut params, &self.grads, &self.present, lr)?;
+            let optim = self.optim.as_mut().ok_or_else(|| {
+                DeepSpeedError::Data("this stage-3 state steps with the caller's optimizer".into())
+            })?;
+            optim.step(comm.as_ref(), &mut params, &self.grads, &self.present, lr)?;
         }
         let whole = self.gather_persistent(&params)?;
         let model = self.write_back(model, &params, whole);
         self.reset();
         self.present.iter_mut().for_each(|p| *p = 0);
         Ok(model)
+    }
+
+    /// After [`reduce`](Self::reduce), for a caller that steps with its own optimizer: the
+    /// averaged, clipped gradients as Burn gradients, ready for `ModuleOptimizer::step` on
+    /// `model`'s stored values. A partitioned tensor gets its chunk's gradient (chunk shape,
+    /// zero over the padding); a persistent tensor gets its whole gradient, the same on every
+    /// rank (one all-gather of the persistent pieces). The buffers are then cleared for the
+    /// next accumulation.
+    pub fn reduced_gradients<M: Module>(&mut self, model: &M) -> Result<GradientsParams> {
+        let whole = self.gather_persistent(&self.grads)?;
+        struct V<'a> {
+            sync: &'a Zero3Sync,
+            whole: &'a [f32],
+            device: Device,
+            rank: usize,
+            out: GradientsParams,
+        }
+        impl ModuleVisitor for V<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let s = self.sync;
+                let Some(t) = s.layout.slot_of(param.id) else {
+                    return;
+                };
+                if s.present[t] == 0 {
+                    return;
+                }
+                let data = match s.persistent_at[t] {
+                    Some(at) => TensorData::new(
+                        self.whole[at..at + s.numel(t)].to_vec(),
+                        s.layout.slots[t].shape.clone(),
+                    ),
+                    None => {
+                        let chunk = s.plan().tensors()[t].chunk;
+                        let mut values = vec![0.0f32; chunk];
+                        if let Some(at) = s.local_start[t] {
+                            let n = s.plan().own(self.rank, t).len();
+                            values[..n].copy_from_slice(&s.grads[at..at + n]);
+                        }
+                        TensorData::new(values, chunk_shape(chunk, D))
+                    }
+                };
+                self.out
+                    .register::<D>(param.id, Tensor::from_data(data, &self.device));
+            }
+        }
+        let mut v = V {
+            sync: self,
+            whole: &whole,
+            device: self.grad_device.clone().unwrap_or_default(),
+            rank: self.comm.rank(),
+            out: GradientsParams::new(),
+        };
+        model.visit(&mut v);
+        let out = v.out;
+        self.reset();
+        self.present.iter_mut().for_each(|p| *p = 0);
+        Ok(out)
+    }
+
+    /// Records `model`'s current chunks for prefetching, after the caller stepped them.
+    pub fn track_shards<M: Module>(&self, model: &M) {
+        struct V<'a>(&'a Zero3Sync);
+        impl ModuleVisitor for V<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let s = self.0;
+                let Some(t) = s.layout.slot_of(param.id) else {
+                    return;
+                };
+                if s.persistent_at[t].is_none() {
+                    let chunk = s.plan().tensors()[t].chunk;
+                    s.group.set_shard(t, param.base().inner().reshape([chunk]));
+                }
+            }
+        }
+        model.visit(&mut V(self));
     }
 
     /// This rank's pieces of the model's parameters, in buffer order.
@@ -468,14 +575,19 @@ impl Zero3Sync {
         self.micro_steps = 0;
     }
 
-    /// This rank's optimizer state, to save.
-    pub fn export(&self) -> &PartitionState {
-        self.optim.export()
+    /// This rank's optimizer state, to save (`None` without an optimizer of its own).
+    pub fn export(&self) -> Option<&PartitionState> {
+        self.optim.as_ref().map(|o| o.export())
     }
 
     /// Restores this rank's optimizer state.
     pub fn restore(&mut self, state: PartitionState) -> Result<()> {
-        Ok(self.optim.restore(state)?)
+        match &mut self.optim {
+            Some(o) => Ok(o.restore(state)?),
+            None => Err(DeepSpeedError::Data(
+                "this stage-3 state steps with the caller's optimizer and keeps none".into(),
+            )),
+        }
     }
 
     /// Replaces the layout (the same tensors, with the parameter ids of a loaded checkpoint).

@@ -19,6 +19,7 @@
 //! reported by the engine's next step; the calls after it return zeros without
 //! communicating, so a dead peer costs one timeout, not one per tensor.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
@@ -95,6 +96,14 @@ enum Entry {
     /// The parameters were gathered back whole ([`GatherGroup::release`]): the op passes the
     /// stored value through.
     Whole,
+    /// Keys handed out by [`prepared_id`] for a model sharded ahead of its ranks (the Learner
+    /// strategy); each rank's thread answers them through [`GatherGroup::answer_on_this_thread`].
+    Prepared,
+}
+
+thread_local! {
+    /// Prepared ids this thread resolves to one of its own groups.
+    static ALIASES: RefCell<HashMap<u64, Weak<GatherGroup>>> = RefCell::new(HashMap::new());
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -126,17 +135,34 @@ pub enum Resolved {
 pub fn resolve(key: u64) -> Resolved {
     let group = key >> 32;
     let tensor = (key & 0xffff_ffff) as usize;
+    let aliased = ALIASES.with(|a| a.borrow().get(&group).and_then(Weak::upgrade));
+    if let Some(g) = aliased {
+        return Resolved::Group(g, tensor);
+    }
     match registry().get(&group) {
         Some(Entry::Whole) => Resolved::Whole,
         Some(Entry::Live(weak)) => match weak.upgrade() {
             Some(g) => Resolved::Group(g, tensor),
             None => panic!("ZeRO-3: the gather group {group} of a sharded parameter is gone"),
         },
+        Some(Entry::Prepared) => panic!(
+            "ZeRO-3: this model was prepared by DeepSpeedStrategy::prepare_model (group \
+             {group}); it runs only inside the SupervisedTraining that uses that strategy, \
+             which returns it whole"
+        ),
         None => panic!(
             "ZeRO-3: the engine that sharded this parameter (group {group}) was dropped; \
              take the whole model with DeepSpeedEngine::into_model before dropping it"
         ),
     }
+}
+
+/// A new id for a model sharded before its ranks exist: its keys resolve, on each rank's
+/// thread, to the group that rank registers with [`GatherGroup::answer_on_this_thread`].
+pub fn prepared_id() -> u64 {
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    registry().insert(id, Entry::Prepared);
+    id
 }
 
 impl GatherGroup {
@@ -190,6 +216,11 @@ impl GatherGroup {
         &self.shapes[t]
     }
 
+    /// The whole shapes, in layout order.
+    pub fn shapes(&self) -> &[Vec<usize>] {
+        &self.shapes
+    }
+
     /// The communicator.
     pub fn comm(&self) -> &Arc<dyn Communicator> {
         &self.comm
@@ -209,6 +240,20 @@ impl GatherGroup {
     /// through unchanged. Called once the module's shards were replaced by whole tensors.
     pub fn release(&self) {
         registry().insert(self.id, Entry::Whole);
+    }
+
+    /// Makes the keys of the prepared id `prepared` (see [`prepared_id`]) resolve to this
+    /// group on the calling thread, until [`forget_on_this_thread`](Self::forget_on_this_thread).
+    /// The gather and its backward run on the thread that calls the model (Burn's autodiff runs
+    /// a backward on the caller's thread), so ranks that are threads of one process each answer
+    /// the same keys with their own group.
+    pub fn answer_on_this_thread(self: &Arc<Self>, prepared: u64) {
+        ALIASES.with(|a| a.borrow_mut().insert(prepared, Arc::downgrade(self)));
+    }
+
+    /// Ends [`answer_on_this_thread`](Self::answer_on_this_thread).
+    pub fn forget_on_this_thread(prepared: u64) {
+        ALIASES.with(|a| a.borrow_mut().remove(&prepared));
     }
 
     /// Takes the first collective failure since the last call, if any.

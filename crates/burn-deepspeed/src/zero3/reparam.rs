@@ -6,6 +6,7 @@
 
 use burn::module::{Module, Param, Reparameterization, Reparameterizer};
 use burn::tensor::{Device, Tensor, TensorData};
+use burn_deepspeed_strategies::zero::ShardPlan;
 
 use super::group::{GatherGroup, key_of};
 use super::op::zero3_gather;
@@ -40,14 +41,18 @@ pub fn chunk_of(values: &[f32], chunk: usize, rank: usize) -> Vec<f32> {
     out
 }
 
-/// Replaces the partitioned parameters of a module by this rank's chunks (in layout order)
-/// and attaches [`ShardGather`]; persistent ones stay whole. Every parameter moves to the
-/// [`checkpointing`] form of its device.
-pub struct Sharder<'a> {
-    /// The group the chunks are gathered through.
-    pub group: &'a GatherGroup,
+/// Replaces the partitioned parameters of a module by one rank's chunks (in layout order)
+/// and attaches [`ShardGather`] with the keys of group `id`; persistent ones stay whole.
+/// Every parameter moves to the [`checkpointing`] form of its device.
+struct Sharder<'a> {
+    plan: &'a ShardPlan,
+    shapes: &'a [Vec<usize>],
+    id: u64,
+    rank: usize,
+    /// The live group to record the chunks in, for prefetching.
+    group: Option<&'a GatherGroup>,
     /// Next parameter, in layout order.
-    pub next: usize,
+    next: usize,
 }
 
 impl Reparameterizer for Sharder<'_> {
@@ -60,9 +65,8 @@ impl Reparameterizer for Sharder<'_> {
     ) -> (Param<Tensor<D>>, Option<ShardGather>) {
         let t = self.next;
         self.next += 1;
-        let s = self.group.plan().tensors()[t];
-        let rank = self.group.comm().rank();
-        let group = self.group;
+        let s = self.plan.tensors()[t];
+        let (rank, group, whole_shape) = (self.rank, self.group, &self.shapes[t]);
         let param = param.map(|tensor| {
             let require_grad = tensor.is_require_grad();
             let device = checkpointing(tensor.device());
@@ -71,19 +75,21 @@ impl Reparameterizer for Sharder<'_> {
                 .try_into_vec::<f32>()
                 .expect("f32 parameter data");
             let (values, shape) = if s.persistent {
-                (values, group.shape(t).to_vec())
+                (values, whole_shape.clone())
             } else {
                 let chunk = chunk_of(&values, s.chunk, rank);
-                let flat =
-                    Tensor::<1>::from_data(TensorData::new(chunk.clone(), [s.chunk]), &device);
-                group.set_shard(t, flat.inner());
+                if let Some(group) = group {
+                    let flat =
+                        Tensor::<1>::from_data(TensorData::new(chunk.clone(), [s.chunk]), &device);
+                    group.set_shard(t, flat.inner());
+                }
                 (chunk, chunk_shape(s.chunk, D))
             };
             Tensor::<D>::from_data(TensorData::new(values, shape), &device)
                 .set_require_grad(require_grad)
         });
         let reparam = (!s.persistent).then(|| ShardGather {
-            key: key_of(group.id(), t),
+            key: key_of(self.id, t),
         });
         (param, reparam)
     }
@@ -100,7 +106,33 @@ pub fn checkpointing(device: Device) -> Device {
 
 /// Shards `module` (whose parameters are whole, in the plan's layout order) through `group`.
 pub fn shard_module<M: Module>(module: M, group: &GatherGroup) -> M {
-    module.apply_reparameterization(Sharder { group, next: 0 })
+    module.apply_reparameterization(Sharder {
+        plan: group.plan(),
+        shapes: group.shapes(),
+        id: group.id(),
+        rank: group.comm().rank(),
+        group: Some(group),
+        next: 0,
+    })
+}
+
+/// Shards `module` for ranks that do not exist yet: the partitioned parameters become
+/// rank 0's chunks (placeholders of the right shape, overwritten by each rank) with the keys
+/// of the prepared id `id` (see [`prepared_id`](super::prepared_id)).
+pub fn shard_module_ahead<M: Module>(
+    module: M,
+    plan: &ShardPlan,
+    shapes: &[Vec<usize>],
+    id: u64,
+) -> M {
+    module.apply_reparameterization(Sharder {
+        plan,
+        shapes,
+        id,
+        rank: 0,
+        group: None,
+        next: 0,
+    })
 }
 
 #[cfg(test)]

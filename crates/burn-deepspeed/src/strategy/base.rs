@@ -21,6 +21,17 @@
 //! holds the optimizer state of its group. The updated groups are then all-gathered. Whole
 //! tensors are what any Burn optimizer (LAMB's trust ratio included) needs; the balance is
 //! limited by the largest tensor.
+//!
+//! At stage 3 the parameters are partitioned too, so the model must be sharded before the
+//! `Learner` is built: pass it through [`DeepSpeedStrategy::prepare_model`]. Each rank then
+//! holds its chunks, gathers each tensor for its forward and again for its backward, and its
+//! gradients come back reduce-scattered; the `Learner`'s optimizer steps the chunks. At the
+//! end of every epoch the ranks gather the whole model together for rank 0's validation, and
+//! `fit` returns it whole.
+//!
+//! The `Learner`'s checkpointer is refused at stages 1-3: it would save rank 0's optimizer
+//! state (its partition) as if it were all of it. Checkpoint those stages with
+//! [`DeepSpeedEngine`](crate::DeepSpeedEngine), whose checkpoints hold every rank's part.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,15 +48,18 @@ use burn_deepspeed_strategies::comm::{
 use crate::DeepSpeedConfig;
 use crate::config::ZeroStage;
 use crate::engine::flat::{ParamLayout, params_range};
-use crate::engine::{GradientSync, ZeroSync, broadcast_params};
+use crate::engine::{GradientSync, Zero3Sync, ZeroSync, broadcast_params};
+use crate::zero3::GatherGroup;
+
+use super::prepare::{Prepared, take_prepared};
 use crate::engine::{refuse_unsupported, unsupported};
 use crate::launch::{launched_by_mpirun, mpi_world};
 
 /// A `SupervisedLearningStrategy` that trains with DeepSpeed-style data parallelism.
 #[derive(Debug, Clone)]
 pub struct DeepSpeedStrategy {
-    config: DeepSpeedConfig,
-    ranks: usize,
+    pub(super) config: DeepSpeedConfig,
+    pub(super) ranks: usize,
     timeout: Duration,
 }
 
@@ -69,12 +83,26 @@ impl DeepSpeedStrategy {
     }
 }
 
-/// How the strategy reduces gradients: all-reduce (stage 0), or ZeRO stages 1-2 at tensor
-/// boundaries so that the Learner's own optimizer steps each rank's tensors.
+/// How the strategy reduces gradients: all-reduce (stage 0), ZeRO stages 1-2 at tensor
+/// boundaries so that the Learner's own optimizer steps each rank's tensors, or stage 3,
+/// where it steps each rank's chunks.
 #[allow(clippy::large_enum_variant)]
 enum StrategySync {
     Replicated(GradientSync),
     Zero(ZeroSync),
+    Sharded {
+        sync: Zero3Sync,
+        _answering: Answering,
+    },
+}
+
+/// This thread answers a prepared model's keys with its rank's gather group until dropped.
+struct Answering(u64);
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        GatherGroup::forget_on_this_thread(self.0);
+    }
 }
 
 struct RankRun<'a, M: LearnerModel> {
@@ -83,6 +111,8 @@ struct RankRun<'a, M: LearnerModel> {
     train: TrainLoader<M>,
     grad_accumulation: usize,
     config: &'a DeepSpeedConfig,
+    /// Stage 3: the whole parameters the model was prepared from, dropped once loaded.
+    prepared: Option<Arc<Prepared>>,
 }
 
 impl<M: LearnerModel> RankRun<'_, M> {
@@ -94,13 +124,52 @@ impl<M: LearnerModel> RankRun<'_, M> {
         self.train.slice(rank * per, (rank + 1) * per)
     }
 
-    /// Trains epochs; `on_item` sees every processed item on this rank (rank 0 forwards it to
-    /// the event processor) and `stop` is polled once per step (rank 0's interrupter).
+    /// Stage 3: registers this rank's gather group for the prepared model's keys and loads
+    /// this rank's chunks of rank 0's whole parameters into the `Learner`.
+    fn load_chunks(&mut self) -> crate::Result<StrategySync> {
+        let prepared = self.prepared.take().ok_or_else(|| {
+            crate::DeepSpeedError::Strategy(
+                "ZeRO stage 3 needs the model prepared by DeepSpeedStrategy::prepare_model".into(),
+            )
+        })?;
+        let sync = Zero3Sync::for_learner(prepared.layout.clone(), self.config, self.comm.clone());
+        sync.group().answer_on_this_thread(prepared.id);
+        let answering = Answering(prepared.id);
+        let mut flat = prepared.flat.clone();
+        drop(prepared);
+        self.comm.broadcast(&mut flat, 0)?;
+        let model = sync.load_flat(self.learner.model(), &flat);
+        drop(flat);
+        self.learner.load_model(model.into_record());
+        Ok(StrategySync::Sharded {
+            sync,
+            _answering: answering,
+        })
+    }
+
+    /// The whole model: the Learner's own, or at stage 3 gathered (a collective).
+    fn whole_model(&self, sync: &StrategySync) -> crate::Result<M> {
+        let model = self.learner.model();
+        match sync {
+            StrategySync::Sharded { sync: z, .. } => {
+                // Every parameter's value is gathered, in the same order on every rank.
+                let whole = model.materialize();
+                match z.group().take_error() {
+                    Some(e) => Err(e.into()),
+                    None => Ok(whole),
+                }
+            }
+            _ => Ok(model),
+        }
+    }
+
+    /// Trains epochs; `on_epoch` sees the epoch's events on this rank (rank 0 forwards them
+    /// to the event processor, validates and checkpoints). Returns the trained model whole.
     fn run_epochs(
         mut self,
         epochs: std::ops::RangeInclusive<usize>,
         mut on_epoch: impl FnMut(EpochEvent<'_, M>) -> bool,
-    ) -> crate::Result<Learner<M>> {
+    ) -> crate::Result<M> {
         let shard = self.shard();
         let start = self.learner.model();
         let layout = ParamLayout::of(&start);
@@ -108,15 +177,19 @@ impl<M: LearnerModel> RankRun<'_, M> {
             ZeroStage::Disabled => {
                 StrategySync::Replicated(GradientSync::new(&start, self.config, self.comm.clone()))
             }
+            ZeroStage::Parameters => self.load_chunks()?,
             _ => StrategySync::Zero(ZeroSync::for_whole_tensors(
                 layout.clone(),
                 self.config,
                 self.comm.clone(),
             )),
         };
-        // Every replica starts from rank 0's parameters; the optimizer and schedule are kept.
-        let model = broadcast_params(self.comm.as_ref(), &layout, start)?;
-        self.learner.load_model(model.into_record());
+        if !matches!(sync, StrategySync::Sharded { .. }) {
+            // Every replica starts from rank 0's parameters; the optimizer and schedule are
+            // kept.
+            let model = broadcast_params(self.comm.as_ref(), &layout, start)?;
+            self.learner.load_model(model.into_record());
+        }
         for epoch in epochs {
             if !on_epoch(EpochEvent::Start(epoch, shard.num_items())) {
                 break;
@@ -146,6 +219,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
                     match &mut sync {
                         StrategySync::Replicated(s) => s.accumulate(&model, &out.grads),
                         StrategySync::Zero(z) => z.accumulate(&model, &out.grads),
+                        StrategySync::Sharded { sync: z, .. } => z.accumulate(&model, &out.grads),
                     }
                     outputs.push(out.item);
                 }
@@ -168,6 +242,15 @@ impl<M: LearnerModel> RankRun<'_, M> {
                         let gathered = z.gather(updated, &own)?;
                         self.learner.load_model(gathered.into_record());
                     }
+                    StrategySync::Sharded { sync: z, .. } => {
+                        // The chunks' gradients came reduce-scattered from the backward; the
+                        // Learner's optimizer steps the chunks and the persistent tensors.
+                        z.reduce()?;
+                        let grads = z.reduced_gradients(&model)?;
+                        self.learner.lr_step();
+                        self.learner.optimizer_step(grads);
+                        z.track_shards(&self.learner.model());
+                    }
                 }
                 for item in outputs {
                     iteration += 1;
@@ -180,11 +263,12 @@ impl<M: LearnerModel> RankRun<'_, M> {
                     )));
                 }
             }
-            if !on_epoch(EpochEvent::End(epoch, &self.learner)) {
+            let whole = self.whole_model(&sync)?;
+            if !on_epoch(EpochEvent::End(epoch, &self.learner, whole)) {
                 break;
             }
         }
-        Ok(self.learner)
+        self.whole_model(&sync)
     }
 }
 
@@ -192,7 +276,8 @@ enum EpochEvent<'a, M: LearnerModel> {
     Start(usize, usize),
     ShouldStop,
     Item(TrainingItem<<M as burn::train::TrainStep>::Output>),
-    End(usize, &'a Learner<M>),
+    /// The epoch, the learner, and its model whole (for validation).
+    End(usize, &'a Learner<M>, M),
 }
 
 impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
@@ -205,9 +290,15 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
         starting_epoch: usize,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
         let mut config = self.config.clone();
-        if let Err(e) = refuse_unsupported(&config).and_then(|_| refuse_in_strategy(&config)) {
+        if let Err(e) = refuse_unsupported(&config)
+            .and_then(|_| refuse_in_strategy(&config, components.checkpointer.is_some()))
+        {
             panic!("burn-deepspeed: {e}");
         }
+        let prepared = match self.prepared_for(&learner) {
+            Ok(p) => p,
+            Err(e) => panic!("burn-deepspeed: {e}"),
+        };
         config.gradient_accumulation_steps = None;
         let grad_accumulation = components.grad_accumulation.unwrap_or(1).max(1);
         let epochs = starting_epoch..=components.num_epochs;
@@ -238,14 +329,14 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
                         .fail_on_error(processor.process_train(LearnerEvent::ProcessedItem(item)));
                     true
                 }
-                EpochEvent::End(epoch, learner) => {
+                EpochEvent::End(epoch, learner, whole) => {
                     interrupter
                         .fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
                     interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
                         epoch_number: epoch,
                         total_items: valid.num_items(),
                     }));
-                    let model = learner.model().valid();
+                    let model = whole.valid();
                     let mut it = valid.iter();
                     let mut iteration = 0;
                     while let Some(Ok(item)) = it.next() {
@@ -271,12 +362,18 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
         let result = if launched_by_mpirun() {
             mpi_world().and_then(|comm| {
                 let rank0 = comm.rank() == 0;
+                if let Some(p) = &prepared
+                    && p.world != comm.world_size()
+                {
+                    return Err(prepared_world_mismatch(p.world, comm.world_size()));
+                }
                 let run = RankRun {
                     comm,
                     learner: learner.clone(),
                     train: train.clone(),
                     grad_accumulation,
                     config: &config,
+                    prepared,
                 };
                 if rank0 {
                     run.run_epochs(epochs.clone(), &mut rank0_events)
@@ -304,6 +401,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
                             train: train.clone(),
                             grad_accumulation,
                             config: &config,
+                            prepared: prepared.clone(),
                         };
                         let epochs = epochs.clone();
                         scope.spawn(move || {
@@ -320,6 +418,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
                     train: train.clone(),
                     grad_accumulation,
                     config: &config,
+                    prepared,
                 };
                 let r0 = run.run_epochs(epochs.clone(), &mut rank0_events);
                 for (i, h) in handles.into_iter().enumerate() {
@@ -333,15 +432,46 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
             })
         };
         match result {
-            Ok(learner) => (learner.model(), processor),
+            Ok(model) => (model, processor),
             Err(e) => panic!("burn-deepspeed: rank 0: {e}"),
         }
     }
 }
 
+impl DeepSpeedStrategy {
+    /// Stage 3: the whole parameters the `Learner`'s model was prepared from.
+    fn prepared_for<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+    ) -> crate::Result<Option<Arc<Prepared>>> {
+        if self.config.zero_optimization.stage != ZeroStage::Parameters {
+            return Ok(None);
+        }
+        let prepared = take_prepared(&learner.model()).ok_or_else(|| {
+            crate::DeepSpeedError::Strategy(
+                "ZeRO stage 3 shards the model before the Learner is built (and a prepared \
+                 model trains once): pass it through DeepSpeedStrategy::prepare_model, then \
+                 Learner::new"
+                    .into(),
+            )
+        })?;
+        if !launched_by_mpirun() && prepared.world != self.ranks {
+            return Err(prepared_world_mismatch(prepared.world, self.ranks));
+        }
+        Ok(Some(prepared))
+    }
+}
+
+fn prepared_world_mismatch(prepared: usize, world: usize) -> crate::DeepSpeedError {
+    crate::DeepSpeedError::Strategy(format!(
+        "the model was prepared for ZeRO stage 3 on {prepared} ranks but the training runs on \
+         {world}; prepare it with the strategy that trains it"
+    ))
+}
+
 /// What the engine runs but the Learner strategy cannot: the strategy steps the `Learner`'s
 /// own optimizer and calls the `Learner`'s model as it is.
-fn refuse_in_strategy(config: &DeepSpeedConfig) -> crate::Result<()> {
+fn refuse_in_strategy(config: &DeepSpeedConfig, checkpointer: bool) -> crate::Result<()> {
     let kind = config.optimizer_kind();
     if kind.is_one_bit() {
         return Err(unsupported(
@@ -352,12 +482,13 @@ fn refuse_in_strategy(config: &DeepSpeedConfig) -> crate::Result<()> {
             ),
         ));
     }
-    if config.zero_optimization.stage == ZeroStage::Parameters {
+    if checkpointer && config.zero_optimization.stage != ZeroStage::Disabled {
         return Err(unsupported(
             "zero_optimization.stage",
-            "stage 3 shards the model's parameters, and Burn's Learner takes a new model only \
-             as a record, which cannot carry the gathering reparameterization; train stage 3 \
-             with `DeepSpeedEngine`, or use stage 1 or 2 here",
+            "the Learner's checkpointer saves rank 0's Learner, whose optimizer holds only rank \
+             0's partition at ZeRO stages 1-3 (and at stage 3 its model holds only rank 0's \
+             chunks), so a resumed run would lose the rest; leave the checkpointer off, or \
+             checkpoint with `DeepSpeedEngine::save_checkpoint`, which saves every rank's part",
         ));
     }
     if config.progressive_layer_drop.enabled {

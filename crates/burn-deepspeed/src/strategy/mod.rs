@@ -1,0 +1,6 @@
+//! [`DeepSpeedStrategy`]: data-parallel training inside Burn's `SupervisedTraining`.
+
+mod base;
+mod prepare;
+
+pub use base::*;

@@ -5,6 +5,7 @@ Usage: benchmarks_md.py pipeline BENCH_JSON GRID_MPI_JSON GRID_THREADS_JSON CORE
        benchmarks_md.py onebit DIR FREEZE_STEP CORES
        benchmarks_md.py zero DIR CORES
        benchmarks_md.py learner DIR CORES
+       benchmarks_md.py kernels KERNELS_JSON CORES
 """
 import json
 import re
@@ -307,6 +308,38 @@ def learner(directory, cores):
     return "\n".join(lines) + "\n"
 
 
+def kernels(path, cores):
+    k = json.load(open(path))
+    lines = [
+        "## Kernels (CPU path)",
+        "",
+        f"`bash scripts/bench-kernels.sh` (`kernel-bench`, median of {k['reps']} after a "
+        f"warm-up) on a machine with {cores} CPU cores ({k['threads']} rayon threads), "
+        f"{k['params']:,} fp32 values. Bandwidths count the bytes a pass must move: AdamW 28 per "
+        "parameter (read p, g, m, v; write p, m, v), the copy 8 per value, quantization 4 in "
+        "and 1 (int8) or ½ (int4) out, the 1-bit compression 12⅛ (x, error in and out, signs). "
+        "The copy is as large as the optimizer's four buffers, one `memcpy` per thread.",
+        "",
+        "| kernel | GB/s | ratio |",
+        "|---|---|---|",
+        f"| parallel memcpy (baseline) | {k['memcpy_gbps']:.2f} | 1.00 |",
+        f"| fused AdamW (`adam_step`) | {k['adamw_gbps']:.2f} | {k['adamw_over_memcpy']:.2f} of "
+        f"memcpy, {k['adamw_over_burn']:.1f}x Burn's |",
+        f"| Burn `AdamW` through `ModuleOptimizer` on Flex | {k['burn_adamw_gbps']:.2f} | "
+        f"{k['burn_adamw_gbps'] / k['memcpy_gbps']:.2f} of memcpy |",
+        f"| int8 quantize / dequantize (symmetric, groups of 2048) | {k['quantize_int8_gbps']:.2f}"
+        f" / {k['dequantize_int8_gbps']:.2f} | |",
+        f"| int4 quantize / dequantize (symmetric, groups of 2048) | {k['quantize_int4_gbps']:.2f}"
+        f" / {k['dequantize_int4_gbps']:.2f} | |",
+        f"| 1-bit compression with error feedback | {k['onebit_compress_gbps']:.2f} | |",
+        "",
+        f"One AdamW step over the {k['params']:,} parameters: {k['adamw_ms']:.1f} ms fused, "
+        f"{k['burn_adamw_ms']:.1f} ms in Burn.",
+        "",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def write_section(name, body):
     text = PATH.read_text() if PATH.exists() else HEADER
     block = f"<!-- section: {name} -->\n{body}<!-- end: {name} -->\n"
@@ -329,6 +362,8 @@ if __name__ == "__main__":
         write_section("onebit", onebit(*sys.argv[2:5]))
     elif kind == "zero":
         write_section("zero", zero(*sys.argv[2:4]))
+    elif kind == "kernels":
+        write_section("kernels", kernels(*sys.argv[2:4]))
     elif kind == "learner":
         write_section("learner", learner(*sys.argv[2:4]))
     else:

@@ -4,7 +4,7 @@
 //! scale `‖c‖₂ / √n`; the new error is `c − scale · sign(c)`, fed back into the next call so
 //! that nothing is lost over time.
 
-use burn_deepspeed_cubecl_kernels::sign::{pack_signs, packed_len, unpack_signs};
+use burn_deepspeed_cubecl_kernels::sign::{onebit_compress, packed_len, unpack_signs};
 
 /// A compressed vector: packed signs and one scale.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,28 +32,12 @@ impl OneBit {
 /// When `x` and `error` differ in length.
 pub fn compress(x: &[f32], error: &mut [f32]) -> OneBit {
     assert_eq!(x.len(), error.len(), "input and error lengths");
-    let n = x.len();
-    let corrected: Vec<f32> = x.iter().zip(error.iter()).map(|(a, e)| a + e).collect();
-    let norm = corrected
-        .iter()
-        .map(|&v| (v as f64) * (v as f64))
-        .sum::<f64>()
-        .sqrt();
-    let scale = if n == 0 {
-        0.0
-    } else {
-        (norm / (n as f64).sqrt()) as f32
-    };
-    let mut signs = vec![0u8; packed_len(n)];
-    pack_signs(&corrected, &mut signs);
-    for (e, c) in error.iter_mut().zip(&corrected) {
-        let s = if *c >= 0.0 { scale } else { -scale };
-        *e = c - s;
-    }
+    let mut signs = vec![0u8; packed_len(x.len())];
+    let scale = onebit_compress(x, error, &mut signs);
     OneBit {
         signs,
         scale,
-        len: n,
+        len: x.len(),
     }
 }
 

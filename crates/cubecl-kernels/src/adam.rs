@@ -38,6 +38,22 @@ pub struct AdamParams {
     pub bias_correction: bool,
 }
 
+impl AdamParams {
+    /// AdamW with DeepSpeed's defaults otherwise: β = (0.9, 0.999), ε = 1e-8, decoupled
+    /// weight decay, bias correction.
+    pub fn adamw(lr: f32, weight_decay: f32) -> Self {
+        Self {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay,
+            decoupled: true,
+            bias_correction: true,
+        }
+    }
+}
+
 /// Per-step scalars, computed once per tensor.
 #[derive(Debug, Clone, Copy)]
 struct Coefficients {
@@ -195,15 +211,7 @@ pub(crate) mod tests {
 
     /// Deterministic values in [-1, 1).
     pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
+        crate::fill::uniform(n, seed)
     }
 
     /// ‖a − b‖ / ‖b‖.

@@ -1,11 +1,30 @@
 //! Fused kernels for burn-deepspeed, each with a CPU path.
 //!
-//! Today this crate holds the CPU paths: fused Adam/AdamW ([`adam`]) and LAMB ([`lamb`]) steps,
-//! which the ZeRO stages use on their partitions, and 1-bit sign packing ([`sign`]). The CubeCL
-//! kernels (and group-wise quantization) join them with the same signatures.
+//! Today this crate holds the CPU paths (rayon over chunks the compiler vectorizes): fused
+//! Adam/AdamW ([`adam`]) and LAMB ([`lamb`]) steps, which the ZeRO stages use on their
+//! partitions, group-wise int8/int4 quantization ([`quantize`]), and 1-bit sign compression
+//! with error feedback ([`sign`]). The CubeCL kernels join them with the same signatures.
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod adam;
+pub mod fill;
 pub mod lamb;
+pub mod quantize;
 pub mod sign;
+
+/// Errors of this crate: arguments a kernel cannot run with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// A quantization group size the packing cannot hold.
+    #[error(
+        "quantization group of {group} values: it must be at least 1, and even with {bits}-bit \
+         codes (two share a byte)"
+    )]
+    GroupSize {
+        /// The group size asked for.
+        group: usize,
+        /// The code width.
+        bits: u32,
+    },
+}

@@ -10,6 +10,7 @@ Usage: benchmarks_md.py pipeline BENCH_JSON GRID_MPI_JSON GRID_THREADS_JSON CORE
 import json
 import re
 import sys
+from statistics import median
 from pathlib import Path
 
 PATH = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
@@ -251,11 +252,6 @@ def learner(directory, cores):
         runs.setdefault((r["world"], name), []).append(r)
     if not runs:
         raise SystemExit(f"no runs in {directory}")
-
-    def median(xs):
-        xs = sorted(xs)
-        n = len(xs)
-        return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
     any_run = next(iter(runs.values()))[0]
     rounds = max(len(v) for v in runs.values())

@@ -500,12 +500,22 @@ impl ZeroSync {
 
     /// Restores this rank's optimizer state.
     pub fn restore(&mut self, state: PartitionState) -> Result<()> {
-        match &mut self.optim {
-            Some(o) => Ok(o.restore(state)?),
-            None => Err(DeepSpeedError::Checkpoint(
-                "this ZeroSync has no optimizer state to restore".into(),
-            )),
-        }
+        restore_state(&mut self.optim, state)
+    }
+}
+
+/// Restores a rank's optimizer state into `optim`, refused when the rank keeps none (its
+/// caller's optimizer steps instead).
+pub(crate) fn restore_state(
+    optim: &mut Option<PartitionedOptimizer>,
+    state: PartitionState,
+) -> Result<()> {
+    match optim {
+        Some(o) => Ok(o.restore(state)?),
+        None => Err(DeepSpeedError::Checkpoint(
+            "this rank steps with its caller's optimizer and keeps no optimizer state to restore"
+                .into(),
+        )),
     }
 }
 

@@ -17,7 +17,7 @@ use burn_deepspeed_strategies::zero::{PartitionState, PartitionedOptimizer, Segm
 
 use super::flat::{ParamLayout, to_f32_vec};
 use super::memory::ModelStateBytes;
-use super::zero::{clip_partitioned, merge_presence, partitioned_kind, pre_post};
+use super::zero::{clip_partitioned, merge_presence, partitioned_kind, pre_post, restore_state};
 use crate::config::DeepSpeedConfig;
 use crate::zero3::{GatherGroup, GatherStats, chunk_of, chunk_shape, shard_module};
 use crate::{DeepSpeedError, Result};
@@ -582,12 +582,7 @@ impl Zero3Sync {
 
     /// Restores this rank's optimizer state.
     pub fn restore(&mut self, state: PartitionState) -> Result<()> {
-        match &mut self.optim {
-            Some(o) => Ok(o.restore(state)?),
-            None => Err(DeepSpeedError::Data(
-                "this stage-3 state steps with the caller's optimizer and keeps none".into(),
-            )),
-        }
+        restore_state(&mut self.optim, state)
     }
 
     /// Replaces the layout (the same tensors, with the parameter ids of a loaded checkpoint).

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the system packages burn-deepspeed needs (OpenMPI, and libclang for the `mpi`
-# crate's bindgen). Idempotent: does nothing when they are present.
+# crate's bindgen; Mesa's lavapipe software Vulkan, on which the CubeCL kernels' tests run
+# the wgpu runtime). Idempotent: does nothing when they are present.
 set -euo pipefail
 need=()
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
@@ -8,6 +9,8 @@ command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
     || dpkg -s libopenmpi-dev >/dev/null 2>&1 || need+=(libopenmpi-dev)
 dpkg -s libclang-dev >/dev/null 2>&1 || need+=(libclang-dev)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+dpkg -s mesa-vulkan-drivers >/dev/null 2>&1 || need+=(mesa-vulkan-drivers)
+dpkg -s libvulkan1 >/dev/null 2>&1 || need+=(libvulkan1)
 if [ ${#need[@]} -eq 0 ]; then
     exit 0
 fi

@@ -2,7 +2,10 @@
 //! AdamW, measured in one run.
 //!
 //! cargo bench -p burn-deepspeed-cubecl-kernels --bench kernel-bench -- [--params N]
-//! [--reps R] [--json]
+//! [--reps R] [--json] [--device wgpu|cuda]
+//!
+//! `--device` (with the `wgpu` or `cuda` feature) adds the CubeCL kernels on that device:
+//! fused AdamW against a device copy of the same bytes, both timed to completion.
 //!
 //! Every figure is the median of `reps` timed repetitions after one warm-up. Bandwidths count
 //! the bytes each pass must move: AdamW 28 per fp32 parameter (read p, g, m, v; write p, m,
@@ -30,6 +33,7 @@ struct Args {
     params: usize,
     reps: usize,
     json: bool,
+    device: Option<String>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -37,6 +41,7 @@ fn parse() -> Result<Args, String> {
         params: 1 << 24,
         reps: 7,
         json: false,
+        device: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -50,6 +55,7 @@ fn parse() -> Result<Args, String> {
             "--params" => args.params = value("--params")?,
             "--reps" => args.reps = value("--reps")?.max(1),
             "--json" => args.json = true,
+            "--device" => args.device = Some(it.next().ok_or("--device needs a value")?),
             // `cargo bench` passes `--bench` to every bench target.
             "--bench" => {}
             other => return Err(format!("unknown argument {other}")),
@@ -189,8 +195,19 @@ fn main() {
     );
     let onebit_compress_gbps = gbps((12.0 + 0.125) * nf, compress);
 
+    let device = match &args.device {
+        Some(name) => match on_device(name, n, reps) {
+            Ok(figures) => Some(figures),
+            Err(e) => {
+                eprintln!("kernel-bench: {e}");
+                std::process::exit(2);
+            }
+        },
+        None => None,
+    };
+
     let threads = rayon::current_num_threads();
-    let report = format!(
+    let mut report = format!(
         concat!(
             "{{\"params\":{},\"reps\":{},\"threads\":{},\"memcpy_gbps\":{:.3},",
             "\"adamw_gbps\":{:.3},\"burn_adamw_gbps\":{:.3},\"adamw_over_memcpy\":{:.3},",
@@ -232,5 +249,91 @@ fn main() {
         );
         println!("  1-bit compress    {onebit_compress_gbps:8.2} GB/s");
     }
+    if let Some(d) = device {
+        if !args.json {
+            println!(
+                "  {}: copy {:.2} GB/s, fused AdamW {:.2} GB/s ({:.2} of copy, {:.3} ms)",
+                d.name,
+                d.copy_gbps,
+                d.adamw_gbps,
+                d.adamw_gbps / d.copy_gbps,
+                d.adamw_s * 1e3
+            );
+        }
+        report.pop();
+        report.push_str(&format!(
+            concat!(
+                ",\"device\":\"{}\",\"device_copy_gbps\":{:.3},\"device_adamw_gbps\":{:.3},",
+                "\"device_adamw_over_copy\":{:.3},\"device_adamw_ms\":{:.4}}}"
+            ),
+            d.name,
+            d.copy_gbps,
+            d.adamw_gbps,
+            d.adamw_gbps / d.copy_gbps,
+            d.adamw_s * 1e3
+        ));
+    }
     println!("{report}");
+}
+
+/// Figures of the CubeCL kernels on one device.
+struct DeviceFigures {
+    name: String,
+    copy_gbps: f64,
+    adamw_gbps: f64,
+    adamw_s: f64,
+}
+
+#[cfg(feature = "cube")]
+fn on_device(name: &str, n: usize, reps: usize) -> Result<DeviceFigures, String> {
+    use burn_deepspeed_cubecl_kernels::cube::{adam, copy, upload};
+
+    let device = match name {
+        #[cfg(feature = "wgpu")]
+        "wgpu" => cubecl::Device::Wgpu(Default::default()),
+        #[cfg(feature = "cuda")]
+        "cuda" => cubecl::Device::cuda(0).map_err(|e| format!("no CUDA device: {e:?}"))?,
+        other => return Err(format!("--device {other}: not a runtime this build has")),
+    };
+    let client = device.client();
+    // A copy of as many bytes as the optimizer reads, timed to completion.
+    let src = upload(&client, &values(4 * n, 1));
+    let dst = client.empty(16 * n);
+    let copy_s = time(
+        reps,
+        || (),
+        |_| {
+            copy::copy(&client, 4 * n, &src, &dst);
+            copy::wait(&client);
+        },
+    );
+    drop((src, dst));
+    let h = AdamParams::adamw(1e-3, 0.01);
+    let p = upload(&client, &values(n, 2));
+    let g = upload(&client, &values(n, 3));
+    let zeros = vec![0.0f32; n];
+    let (m, v) = (upload(&client, &zeros), upload(&client, &zeros));
+    let mut step = 0;
+    let adamw_s = time(
+        reps,
+        || (),
+        |_| {
+            step += 1;
+            adam::adam_step::<f32>(&client, &h, step, n, [&p, &g, &m, &v]);
+            copy::wait(&client);
+        },
+    );
+    Ok(DeviceFigures {
+        name: format!("{name} ({})", client.name()).replace(['"', '\\'], "'"),
+        copy_gbps: gbps(8.0 * 4.0 * n as f64, copy_s),
+        adamw_gbps: gbps(28.0 * n as f64, adamw_s),
+        adamw_s,
+    })
+}
+
+#[cfg(not(feature = "cube"))]
+fn on_device(name: &str, _n: usize, _reps: usize) -> Result<DeviceFigures, String> {
+    Err(format!(
+        "--device {name}: built without a CubeCL runtime (use --features wgpu or cuda)"
+    ))
 }

@@ -15,6 +15,48 @@
 
 use rayon::prelude::*;
 
+/// A parameter (and gradient) element type of the fused step; the moments stay f32, as in
+/// DeepSpeed's mixed-precision optimizers.
+pub trait ParamElement: Copy + Send + Sync + 'static {
+    /// Widens to f32 (exact for every implementor).
+    fn to_f32(self) -> f32;
+    /// Rounds an f32 to this type (to nearest, ties to even).
+    fn from_f32(value: f32) -> Self;
+}
+
+impl ParamElement for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        value
+    }
+}
+
+impl ParamElement for half::bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        half::bf16::from_f32(value)
+    }
+}
+
+impl ParamElement for half::f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        half::f16::from_f32(value)
+    }
+}
+
 /// Elements per parallel task: below this a step runs on the calling thread.
 pub const CHUNK: usize = 1 << 15;
 
@@ -56,15 +98,15 @@ impl AdamParams {
 
 /// Per-step scalars, computed once per tensor.
 #[derive(Debug, Clone, Copy)]
-struct Coefficients {
-    bc1: f32,
-    bc2: f32,
-    decay: f32,
-    l2: f32,
+pub(crate) struct Coefficients {
+    pub(crate) bc1: f32,
+    pub(crate) bc2: f32,
+    pub(crate) decay: f32,
+    pub(crate) l2: f32,
 }
 
 impl AdamParams {
-    fn coefficients(&self, step: u32) -> Coefficients {
+    pub(crate) fn coefficients(&self, step: u32) -> Coefficients {
         let t = step.max(1) as i32;
         let (bc1, bc2) = if self.bias_correction {
             (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t))
@@ -88,36 +130,38 @@ impl AdamParams {
     }
 }
 
-fn adam_chunk(
+fn adam_chunk<P: ParamElement>(
     h: &AdamParams,
     c: Coefficients,
-    p: &mut [f32],
-    g: &[f32],
+    p: &mut [P],
+    g: &[P],
     m: &mut [f32],
     v: &mut [f32],
 ) {
     let (b1, b2) = (h.beta1, h.beta2);
     let (f1, f2) = (1.0 - b1, 1.0 - b2);
-    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let g = if c.l2 != 0.0 { g + *p * c.l2 } else { g };
+    for (((pp, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let (p, g) = (pp.to_f32(), g.to_f32());
+        let g = if c.l2 != 0.0 { g + p * c.l2 } else { g };
         let mi = *m * b1 + g * f1;
         let vi = *v * b2 + (g * g) * f2;
         *m = mi;
         *v = vi;
         let delta = (mi / c.bc1) / ((vi / c.bc2).sqrt() + h.eps);
-        *p = *p * c.decay - delta * h.lr;
+        *pp = P::from_f32(p * c.decay - delta * h.lr);
     }
 }
 
-/// One fused Adam step (the `step`-th, counted from 1) on one tensor's flat values.
+/// One fused Adam step (the `step`-th, counted from 1) on one tensor's flat values: f32,
+/// bf16 or f16 parameters and gradients, f32 moments.
 ///
 /// # Panics
 /// When the four slices differ in length.
-pub fn adam_step(
+pub fn adam_step<P: ParamElement>(
     h: &AdamParams,
     step: u32,
-    p: &mut [f32],
-    g: &[f32],
+    p: &mut [P],
+    g: &[P],
     m: &mut [f32],
     v: &mut [f32],
 ) {
@@ -140,11 +184,11 @@ pub fn adam_step(
 
 /// One tensor of a multi-tensor step: its values, gradient, moments and step number.
 #[derive(Debug)]
-pub struct AdamTensor<'a> {
+pub struct AdamTensor<'a, P = f32> {
     /// Parameter values.
-    pub p: &'a mut [f32],
+    pub p: &'a mut [P],
     /// Gradient.
-    pub g: &'a [f32],
+    pub g: &'a [P],
     /// First moment.
     pub m: &'a mut [f32],
     /// Second moment.
@@ -156,7 +200,7 @@ pub struct AdamTensor<'a> {
 /// One fused Adam step over many tensors in a single parallel pass: the tensors are cut into
 /// chunks of at most [`CHUNK`] elements and every chunk of every tensor is one task, so many
 /// small tensors cost one fork-join rather than one each.
-pub fn adam_step_multi(h: &AdamParams, tensors: &mut [AdamTensor<'_>]) {
+pub fn adam_step_multi<P: ParamElement>(h: &AdamParams, tensors: &mut [AdamTensor<'_, P>]) {
     let mut tasks = Vec::new();
     for t in tensors.iter_mut() {
         let n = t.p.len();
@@ -212,6 +256,62 @@ pub(crate) mod tests {
     /// Deterministic values in [-1, 1).
     pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
         crate::fill::uniform(n, seed)
+    }
+
+    /// [`adam_reference`], then the parameters rounded to `P` as the fused step stores them.
+    pub(crate) fn reference_in<P: ParamElement>(
+        h: &AdamParams,
+        step: u32,
+        p: &mut [f64],
+        g: &[f64],
+        m: &mut [f64],
+        v: &mut [f64],
+    ) {
+        adam_reference(h, step, p, g, m, v);
+        for x in p.iter_mut() {
+            *x = P::from_f32(*x as f32).to_f32() as f64;
+        }
+    }
+
+    /// Relative ‖Δp‖ allowed against the reference: f32 rounding, or one unit in the last
+    /// place of the half types (whose rounding a 1-ulp difference in f32 can flip).
+    pub(crate) fn tolerance<P: 'static>() -> f64 {
+        let t = std::any::TypeId::of::<P>();
+        if t == std::any::TypeId::of::<half::bf16>() {
+            4e-3
+        } else if t == std::any::TypeId::of::<half::f16>() {
+            5e-4
+        } else {
+            1e-6
+        }
+    }
+
+    #[test]
+    fn half_precision_parameters_match_the_rounded_f64_reference() {
+        fn run<P: ParamElement>() {
+            let h = params(true, true);
+            for n in [1usize, 7, 22, 64, 1000, 65537] {
+                let mut p: Vec<P> = values(n, 1).into_iter().map(P::from_f32).collect();
+                let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+                let mut pr: Vec<f64> = p.iter().map(|x| x.to_f32() as f64).collect();
+                let (mut mr, mut vr) = (vec![0.0; n], vec![0.0; n]);
+                for step in 1..=10 {
+                    let g: Vec<P> = values(n, 100 + step as u64)
+                        .into_iter()
+                        .map(P::from_f32)
+                        .collect();
+                    let gr: Vec<f64> = g.iter().map(|x| x.to_f32() as f64).collect();
+                    adam_step(&h, step, &mut p, &g, &mut m, &mut v);
+                    reference_in::<P>(&h, step, &mut pr, &gr, &mut mr, &mut vr);
+                }
+                let p32: Vec<f32> = p.iter().map(|x| x.to_f32()).collect();
+                let rel = rel_l2(&p32, &pr);
+                let name = std::any::type_name::<P>();
+                assert!(rel <= tolerance::<P>(), "{name} n {n}: rel {rel}");
+            }
+        }
+        run::<half::bf16>();
+        run::<half::f16>();
     }
 
     /// ‖a − b‖ / ‖b‖.

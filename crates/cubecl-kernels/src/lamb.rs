@@ -57,7 +57,7 @@ impl std::ops::Add for LambNorms {
 }
 
 impl LambParams {
-    fn corrections(&self, step: u32) -> (f32, f32) {
+    pub(crate) fn corrections(&self, step: u32) -> (f32, f32) {
         let t = step.max(1) as i32;
         if self.bias_correction {
             (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t))

@@ -1,13 +1,17 @@
-//! Fused kernels for burn-deepspeed, each with a CPU path.
+//! Fused kernels for burn-deepspeed, each with a CPU path and a CubeCL kernel.
 //!
-//! Today this crate holds the CPU paths (rayon over chunks the compiler vectorizes): fused
-//! Adam/AdamW ([`adam`]) and LAMB ([`lamb`]) steps, which the ZeRO stages use on their
-//! partitions, group-wise int8/int4 quantization ([`quantize`]), and 1-bit sign compression
-//! with error feedback ([`sign`]). The CubeCL kernels join them with the same signatures.
+//! The CPU paths (rayon over chunks the compiler vectorizes): fused Adam/AdamW ([`adam`]) and
+//! LAMB ([`lamb`]) steps, which the ZeRO stages use on their partitions, group-wise int8/int4
+//! quantization ([`quantize`]), and 1-bit sign compression with error feedback ([`sign`]).
+//! The `cube` module (features `wgpu`, `cuda`) holds the same ops as CubeCL kernels, and
+//! [`ext`] brings both to Burn tensors through a `#[backend_extension]`.
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod adam;
+#[cfg(feature = "cube")]
+pub mod cube;
+pub mod ext;
 pub mod fill;
 pub mod lamb;
 pub mod quantize;
@@ -26,5 +30,13 @@ pub enum KernelError {
         group: usize,
         /// The code width.
         bits: u32,
+    },
+    /// Tensors a fused op cannot take: wrong dtypes or shapes.
+    #[error("{op}: {detail}")]
+    Arguments {
+        /// The op.
+        op: &'static str,
+        /// What is wrong.
+        detail: String,
     },
 }

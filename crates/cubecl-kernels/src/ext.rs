@@ -14,7 +14,8 @@ use burn::tensor::{Int, Tensor, TensorData};
 use crate::KernelError;
 use crate::adam::AdamParams;
 use crate::lamb::LambParams;
-use crate::quantize::{Bits, Quantized, Quantizer, Scheme};
+use crate::quantize::{Quantized, Quantizer, Scheme};
+use crate::words::{to_bytes, to_words};
 
 /// Fused optimizer and compression ops on a backend's primitives. Use the functions of this
 /// module rather than these methods.
@@ -73,13 +74,25 @@ mod flex {
     use crate::adam::{ParamElement, adam_step};
     use crate::{lamb, sign};
 
-    /// A tensor whose storage is exactly its values, in order, owned by it alone (copied
-    /// when shared or strided, so that other holders never see an in-place update).
-    fn dense(t: FlexTensor) -> FlexTensor {
+    /// Whether the storage is exactly the values, in order.
+    fn exact(t: &FlexTensor) -> bool {
         let n = t.layout().num_elements();
-        let exact = t.layout().contiguous_offsets() == Some((0, n))
-            && t.bytes().len() == n * t.dtype().size();
-        if exact && t.is_unique() {
+        t.layout().contiguous_offsets() == Some((0, n)) && t.bytes().len() == n * t.dtype().size()
+    }
+
+    /// A tensor to read: its storage exactly its values (copied only when strided).
+    fn contiguous(t: FlexTensor) -> FlexTensor {
+        if exact(&t) {
+            t
+        } else {
+            FlexTensor::from_data(t.into_data())
+        }
+    }
+
+    /// A tensor to update in place: also owned by it alone (copied when shared, so that
+    /// other holders never see the update).
+    fn owned(t: FlexTensor) -> FlexTensor {
+        if exact(&t) && t.is_unique() {
             t
         } else {
             FlexTensor::from_data(t.into_data())
@@ -107,7 +120,7 @@ mod flex {
             params: AdamParams,
             step: u32,
         ) -> (FlexTensor, FlexTensor, FlexTensor) {
-            let (mut p, g, mut m, mut v) = (dense(p), dense(g), dense(m), dense(v));
+            let (mut p, g, mut m, mut v) = (owned(p), contiguous(g), owned(m), owned(v));
             match p.dtype() {
                 DType::F32 => adam_typed::<f32>(&mut p, &g, &mut m, &mut v, &params, step),
                 DType::BF16 => adam_typed::<half::bf16>(&mut p, &g, &mut m, &mut v, &params, step),
@@ -125,7 +138,7 @@ mod flex {
             params: LambParams,
             step: u32,
         ) -> (FlexTensor, FlexTensor, FlexTensor) {
-            let (mut p, g, mut m, mut v) = (dense(p), dense(g), dense(m), dense(v));
+            let (mut p, g, mut m, mut v) = (owned(p), contiguous(g), owned(m), owned(v));
             lamb::lamb_step(
                 &params,
                 step,
@@ -141,7 +154,7 @@ mod flex {
             x: FlexTensor,
             quantizer: Quantizer,
         ) -> (FlexTensor, FlexTensor, FlexTensor) {
-            let x = dense(x);
+            let x = contiguous(x);
             let q = quantizer.quantize(x.storage::<f32>());
             let groups = q.steps.len();
             let offsets = if q.offsets.is_empty() {
@@ -149,11 +162,10 @@ mod flex {
             } else {
                 q.offsets
             };
+            let words = to_words(&q.codes);
+            let nw = words.len();
             (
-                FlexTensor::from_data(TensorData::new(
-                    words_of(&q.codes),
-                    [q_words(&quantizer, q.len)],
-                )),
+                FlexTensor::from_data(TensorData::new(words, [nw])),
                 FlexTensor::from_data(TensorData::new(q.steps, [groups])),
                 FlexTensor::from_data(TensorData::new(offsets, [groups])),
             )
@@ -166,7 +178,8 @@ mod flex {
             quantizer: Quantizer,
             len: usize,
         ) -> FlexTensor {
-            let (codes, steps, offsets) = (dense(codes), dense(steps), dense(offsets));
+            let (codes, steps, offsets) =
+                (contiguous(codes), contiguous(steps), contiguous(offsets));
             let q = host_quantized(
                 quantizer,
                 len,
@@ -181,12 +194,12 @@ mod flex {
             x: FlexTensor,
             error: FlexTensor,
         ) -> (FlexTensor, FlexTensor, FlexTensor) {
-            let (x, mut error) = (dense(x), dense(error));
+            let (x, mut error) = (contiguous(x), owned(error));
             let n = x.layout().num_elements();
             let mut packed = vec![0u8; sign::packed_len(n)];
             let scale =
                 sign::onebit_compress(x.storage::<f32>(), error.storage_mut::<f32>(), &mut packed);
-            let words = words_of(&packed);
+            let words = to_words(&packed);
             let nw = words.len();
             (
                 FlexTensor::from_data(TensorData::new(words, [nw])),
@@ -196,36 +209,12 @@ mod flex {
         }
 
         fn unpack_signs(packed: FlexTensor, scale: f32, len: usize) -> FlexTensor {
-            let packed = dense(packed);
-            let mut bytes: Vec<u8> = packed
-                .storage::<u32>()
-                .iter()
-                .flat_map(|w| w.to_le_bytes())
-                .collect();
-            bytes.truncate(sign::packed_len(len));
+            let packed = contiguous(packed);
+            let bytes = to_bytes(packed.storage::<u32>(), sign::packed_len(len));
             let mut out = vec![0.0f32; len];
             sign::unpack_signs(&bytes, scale, &mut out);
             FlexTensor::from_data(TensorData::new(out, [len]))
         }
-    }
-}
-
-/// Little-endian 32-bit words of `bytes`, the last one zero-padded.
-fn words_of(bytes: &[u8]) -> Vec<u32> {
-    bytes
-        .chunks(4)
-        .map(|c| {
-            let mut w = [0u8; 4];
-            w[..c.len()].copy_from_slice(c);
-            u32::from_le_bytes(w)
-        })
-        .collect()
-}
-
-fn q_words(q: &Quantizer, n: usize) -> usize {
-    match q.bits() {
-        Bits::Int8 => n.div_ceil(4),
-        Bits::Int4 => n.div_ceil(8),
     }
 }
 
@@ -237,12 +226,10 @@ fn host_quantized(
     steps: &[f32],
     offsets: &[f32],
 ) -> Quantized {
-    let mut codes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    codes.truncate(quantizer.bits().bytes_for(len));
     Quantized {
         quantizer,
         len,
-        codes,
+        codes: to_bytes(words, quantizer.bits().bytes_for(len)),
         steps: steps.to_vec(),
         offsets: if quantizer.scheme() == Scheme::Symmetric {
             Vec::new()
@@ -342,12 +329,7 @@ mod cube {
             let q = quantize::quantize(&x.client, &quantizer, &x.handle, n);
             let groups = n.div_ceil(quantizer.group());
             (
-                new_like(
-                    &x,
-                    q.codes,
-                    quantize::words(quantizer.bits(), n),
-                    DType::U32,
-                ),
+                new_like(&x, q.codes, quantizer.bits().words_for(n), DType::U32),
                 new_like(&x, q.steps, groups, DType::F32),
                 new_like(&x, q.offsets, groups, DType::F32),
             )

@@ -16,6 +16,7 @@ pub mod fill;
 pub mod lamb;
 pub mod quantize;
 pub mod sign;
+pub mod words;
 
 /// Errors of this crate: arguments a kernel cannot run with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

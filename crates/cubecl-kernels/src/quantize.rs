@@ -45,6 +45,11 @@ impl Bits {
             Bits::Int4 => n.div_ceil(2),
         }
     }
+
+    /// 32-bit words that hold `n` codes (the kernels' storage; see [`crate::words`]).
+    pub fn words_for(self, n: usize) -> usize {
+        self.bytes_for(n).div_ceil(4)
+    }
 }
 
 /// Where the codes are centred.

@@ -11,6 +11,7 @@ use burn_deepspeed_cubecl_kernels::ext::{
 use burn_deepspeed_cubecl_kernels::fill::uniform;
 use burn_deepspeed_cubecl_kernels::lamb::{LambParams, lamb_step};
 use burn_deepspeed_cubecl_kernels::quantize::{Bits, Quantizer, Scheme};
+use burn_deepspeed_cubecl_kernels::words::to_bytes as bytes;
 use burn_deepspeed_cubecl_kernels::{KernelError, sign};
 
 const N: usize = 65537;
@@ -24,12 +25,6 @@ fn floats(t: Tensor<1>) -> Vec<f32> {
 
 fn words(t: Tensor<1, Int>) -> Vec<u32> {
     t.into_data().try_into_vec::<u32>().expect("u32 words")
-}
-
-fn bytes(words: &[u32], n: usize) -> Vec<u8> {
-    let mut b: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    b.truncate(n);
-    b
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f64 {

@@ -10,7 +10,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use super::grid::{UNITS, arg, cover};
-use crate::adam::AdamParams;
+use crate::adam::{AdamParams, Coefficients};
 
 /// One Adam update of element `i`: moments in f32, the parameter in its own type.
 #[cube]
@@ -96,8 +96,9 @@ fn adam_multi_kernel<P: Float>(
 }
 
 impl AdamParams {
-    fn scalars(&self) -> AdamScalarsLaunch {
-        let c = self.coefficients(1);
+    /// The kernel's scalars, from a step's coefficients (weight decay's part of them does not
+    /// depend on the step).
+    fn scalars(&self, c: &Coefficients) -> AdamScalarsLaunch {
         AdamScalarsLaunch::new(self.lr, self.beta1, self.beta2, self.eps, c.decay, c.l2)
     }
 }
@@ -126,7 +127,7 @@ pub fn adam_step<P: Float + CubeElement>(
             arg(g, n),
             arg(m, n),
             arg(v, n),
-            h.scalars(),
+            h.scalars(&c),
             c.bc1,
             c.bc2,
         );
@@ -160,12 +161,15 @@ pub fn adam_step_multi<P: Float + CubeElement>(
     let mut ends = Vec::with_capacity(segments.len());
     let mut corrections = Vec::with_capacity(2 * segments.len());
     let mut end = 0usize;
+    let mut first = None;
     for &(len, step) in segments {
         end += len;
         ends.push(end as u32);
         let c = h.coefficients(step);
         corrections.extend([c.bc1, c.bc2]);
+        first.get_or_insert(c);
     }
+    let scalars = h.scalars(&first.expect("n > 0, so there is a segment"));
     let ends_handle = super::grid::upload(client, &ends);
     let corrections_handle = super::grid::upload(client, &corrections);
     let (count, dim, _) = cover(client, n, UNITS);
@@ -181,7 +185,7 @@ pub fn adam_step_multi<P: Float + CubeElement>(
             arg(v, n),
             arg(&ends_handle, ends.len()),
             arg(&corrections_handle, corrections.len()),
-            h.scalars(),
+            scalars,
         );
     }
 }

@@ -14,6 +14,7 @@ use cubecl::server::Handle;
 use super::grid::{UNITS, arg, cover, download, reduce_units};
 use super::reduce::cube_max;
 use crate::quantize::{Bits, Quantized, Quantizer, Scheme};
+use crate::words::to_bytes;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -140,20 +141,12 @@ pub struct DeviceQuantized {
     pub quantizer: Quantizer,
     /// Number of values.
     pub len: usize,
-    /// Codes, [`words`] 32-bit words.
+    /// Codes, [`Bits::words_for`] 32-bit words.
     pub codes: Handle,
     /// Per group, `1/scale`.
     pub steps: Handle,
     /// Per group, the offset.
     pub offsets: Handle,
-}
-
-/// 32-bit words that hold `n` codes of `bits`.
-pub fn words(bits: Bits, n: usize) -> usize {
-    match bits {
-        Bits::Int8 => n.div_ceil(4),
-        Bits::Int4 => n.div_ceil(8),
-    }
 }
 
 /// Quantizes the `n` f32 values of `x` on the device.
@@ -164,7 +157,7 @@ pub fn quantize(client: &Client, q: &Quantizer, x: &Handle, n: usize) -> DeviceQ
     let levels = if int4 { 16.0 } else { 256.0 };
     let f32s = |k: usize| client.empty(k.max(1) * size_of::<f32>());
     let (steps, offsets) = (f32s(groups), f32s(groups));
-    let codes = client.empty(words(q.bits(), n).max(1) * size_of::<u32>());
+    let codes = client.empty(q.bits().words_for(n).max(1) * size_of::<u32>());
     if n > 0 {
         let units = reduce_units(client);
         let (count, dim, _) = cover(client, groups * units as usize, units);
@@ -184,7 +177,7 @@ pub fn quantize(client: &Client, q: &Quantizer, x: &Handle, n: usize) -> DeviceQ
                 units as usize,
             );
         }
-        let nw = words(q.bits(), n);
+        let nw = q.bits().words_for(n);
         let (count, dim, _) = cover(client, nw, UNITS);
         let half = levels / 2.0;
         // SAFETY: unit `w < words` reads values below `n` and writes word `w`.
@@ -230,7 +223,7 @@ impl DeviceQuantized {
                 client,
                 count,
                 dim,
-                arg(&self.codes, words(q.bits(), n)),
+                arg(&self.codes, q.bits().words_for(n)),
                 arg(&self.steps, groups),
                 arg(&self.offsets, groups),
                 arg(&out, n),
@@ -246,8 +239,7 @@ impl DeviceQuantized {
         let q = self.quantizer;
         let groups = self.len.div_ceil(q.group());
         let words: Vec<u32> = download(client, &self.codes);
-        let mut codes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        codes.truncate(q.bits().bytes_for(self.len));
+        let codes = to_bytes(&words, q.bits().bytes_for(self.len));
         let mut steps: Vec<f32> = download(client, &self.steps);
         steps.truncate(groups);
         let mut offsets: Vec<f32> = download(client, &self.offsets);

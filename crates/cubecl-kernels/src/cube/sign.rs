@@ -165,9 +165,7 @@ mod tests {
     use crate::sign::{self as cpu, packed_len};
 
     fn bytes(words: &[u32], n: usize) -> Vec<u8> {
-        let mut b: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        b.truncate(packed_len(n));
-        b
+        crate::words::to_bytes(words, packed_len(n))
     }
 
     #[test]

@@ -10,7 +10,7 @@ use burn_deepspeed::launch::launch;
 use burn_deepspeed::pld::ProgressiveLayerDrop;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunSpec, run_rank};
-use common::{max_rel_diff, train};
+use common::{assert_learns, max_abs_diff, max_rel_diff, train};
 
 const SHAPE: GptShape = GptShape {
     d_model: 64,
@@ -46,6 +46,7 @@ fn warm_up_reproduces_one_rank_at_two_and_four_ranks() {
             let diff = max_rel_diff(&one.losses, &many.losses);
             assert!(diff <= 1e-4, "{optimizer} world {ranks}: {diff}");
             assert_eq!(many.compressed_steps, 0);
+            assert_learns(&many.losses, optimizer);
         }
     }
 }
@@ -102,11 +103,15 @@ fn a_resumed_run_continues_the_trajectory() {
     let resumed = train(2, &rest);
     assert_eq!(resumed.first_step, 3);
     assert_eq!(resumed.losses, whole.losses[3..]);
+    assert_eq!(resumed.final_params, whole.final_params);
 
     // Another world size (stage 0 state is replicated): the same global batches.
     let other = train(1, &rest);
     let diff = max_rel_diff(&other.losses, &whole.losses[3..]);
+    let pdiff = max_abs_diff(&other.final_params, &whole.final_params);
+    println!("resumed at world 1: {diff:.2e} loss, {pdiff:.2e} params");
     assert!(diff <= 1e-4, "resumed at world 1: {diff}");
+    assert!(pdiff <= 1e-5, "resumed at world 1: parameters {pdiff}");
 
     // A checkpoint of another optimizer is refused with the reason.
     let mut wrong = spec(config("OneBitAdam", r#", "freeze_step": 2"#, ""), 6);

@@ -41,30 +41,18 @@ where
     if launched_by_mpirun() {
         return f(mpi_world()?).map(|r| (LaunchKind::Mpi, vec![r]));
     }
-    if threads == 0 {
-        return Err(DeepSpeedError::Data(
-            "the number of ranks must be at least 1".into(),
-        ));
-    }
-    let results = ThreadWorld::run(threads, ThreadWorldOptions { timeout }, |comm| {
-        f(Arc::new(comm))
-    });
+    // Rank 0's panic becomes an error too, as the other ranks' do.
+    let leader = |comm| std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm)));
+    let f = &f;
+    let followers = (1..threads).map(|_| move |comm| f(comm));
+    let (first, rest) = run_ranks(threads, timeout, leader, followers)?;
     let mut out = Vec::with_capacity(threads);
     let mut first_error = None;
-    for (rank, r) in results.into_iter().enumerate() {
-        match r {
-            Ok(Ok(v)) => out.push(v),
-            Ok(Err(e)) => {
+    for (rank, r) in std::iter::once(first).chain(rest).enumerate() {
+        match r.map_err(|panic| panicked(rank, panic)).and_then(|r| r) {
+            Ok(v) => out.push(v),
+            Err(e) => {
                 first_error.get_or_insert(e);
-            }
-            Err(panic) => {
-                let msg = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "unknown panic".into());
-                first_error
-                    .get_or_insert(DeepSpeedError::Data(format!("rank {rank} panicked: {msg}")));
             }
         }
     }
@@ -72,6 +60,87 @@ where
         Some(e) => Err(e),
         None => Ok((LaunchKind::Threads, out)),
     }
+}
+
+/// Runs `leader` as rank 0 on the calling thread (it may hold state that cannot move to
+/// another thread, such as an event processor) and, on every other rank, a closure that
+/// `follower` makes for it on the calling thread. Under `mpirun` this process is one rank and
+/// runs the one its rank calls for, and returns its result. In the thread world it returns
+/// rank 0's result; a failed follower is an error naming its rank.
+pub fn launch_with_leader<R, L, G>(
+    threads: usize,
+    timeout: Duration,
+    leader: L,
+    mut follower: impl FnMut() -> G,
+) -> Result<(LaunchKind, R)>
+where
+    R: Send,
+    L: FnOnce(Arc<dyn Communicator>) -> Result<R>,
+    G: FnOnce(Arc<dyn Communicator>) -> Result<R> + Send,
+{
+    if launched_by_mpirun() {
+        let comm = mpi_world()?;
+        let r = if comm.rank() == 0 {
+            leader(comm)?
+        } else {
+            follower()(comm)?
+        };
+        return Ok((LaunchKind::Mpi, r));
+    }
+    let followers: Vec<G> = (1..threads).map(|_| follower()).collect();
+    let (first, rest) = run_ranks(threads, timeout, leader, followers)?;
+    for (i, r) in rest.into_iter().enumerate() {
+        r.map_err(|panic| panicked(i + 1, panic))?
+            .map_err(|e| DeepSpeedError::Data(format!("rank {}: {e}", i + 1)))?;
+    }
+    first.map(|r| (LaunchKind::Threads, r))
+}
+
+/// The thread world: `leader` on the calling thread as rank 0, each of `followers` on one
+/// named thread as ranks 1, 2, ...; rank 0's result and the others' (a panic as its payload).
+fn run_ranks<R0, R, L, G>(
+    threads: usize,
+    timeout: Duration,
+    leader: L,
+    followers: impl IntoIterator<Item = G>,
+) -> Result<(R0, Vec<std::thread::Result<R>>)>
+where
+    R: Send,
+    L: FnOnce(Arc<dyn Communicator>) -> R0,
+    G: FnOnce(Arc<dyn Communicator>) -> R + Send,
+{
+    if threads == 0 {
+        return Err(DeepSpeedError::Data(
+            "the number of ranks must be at least 1".into(),
+        ));
+    }
+    let world = ThreadWorld::new(threads, ThreadWorldOptions { timeout });
+    let mut comms = world.communicators().into_iter();
+    let comm0 = comms.next().expect("a world has rank 0");
+    Ok(std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .zip(followers)
+            .enumerate()
+            .map(|(i, (comm, run))| {
+                std::thread::Builder::new()
+                    .name(format!("rank-{}", i + 1))
+                    .spawn_scoped(scope, move || run(Arc::new(comm)))
+                    .expect("failed to spawn a rank thread")
+            })
+            .collect();
+        let first = leader(Arc::new(comm0));
+        (first, handles.into_iter().map(|h| h.join()).collect())
+    }))
+}
+
+/// A rank's panic as an error naming it.
+fn panicked(rank: usize, panic: Box<dyn std::any::Any + Send>) -> DeepSpeedError {
+    let msg = panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into());
+    DeepSpeedError::Data(format!("rank {rank} panicked: {msg}"))
 }
 
 /// This process's communicator in the MPI world (initializes MPI; once per process).

@@ -18,6 +18,7 @@ pub mod launch;
 pub mod pipe;
 pub mod progress;
 pub mod strategy;
+pub mod sync;
 pub mod zero3;
 
 pub use burn_deepspeed_compress::pld;

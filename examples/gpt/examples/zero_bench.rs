@@ -1,6 +1,7 @@
 //! ZeRO benchmark: each stage's tokens/s over stage 0's from the same process (stages
-//! interleaved round by round), bytes sent per rank per step against the ZeRO paper's
-//! volumes, and the model state each rank holds, at several world sizes.
+//! interleaved round by round), bytes sent per rank per step (measured, beside the ring
+//! model's and the ZeRO paper's volumes), and the model state each rank holds (measured,
+//! beside ZeRO's formula), at several world sizes.
 //!
 //! cargo run --release --example zero_bench -- [--model small] [--worlds 2,4]
 //! [--stages 0,1,2,3] [--steps 6] [--rounds 2] [--json]; `scripts/bench-zero.sh` runs it and
@@ -118,9 +119,10 @@ fn main() -> ExitCode {
             let r = last[i].as_ref().expect("ran");
             let psi = r.params as f64;
             let n = world as f64;
-            // Per rank per step: an all-reduce (or reduce-scatter + all-gather) sends
-            // 2 (N-1)/N Ψ values; stage 3 adds another all-gather, 3 (N-1)/N Ψ.
-            let theory_values = if stage == 3 { 3.0 } else { 2.0 } * (n - 1.0) / n * psi;
+            // The paper's volume per rank per step: an all-reduce (or reduce-scatter +
+            // all-gather) sends 2 (N-1)/N Ψ values; stage 3 adds another all-gather,
+            // 3 (N-1)/N Ψ. A formula, reported beside the measured bytes.
+            let paper_values = if stage == 3 { 3.0 } else { 2.0 } * (n - 1.0) / n * psi;
             let bytes = median(r.comm_bytes_per_step.clone());
             rows.push(json!({
                 "world": world,
@@ -130,9 +132,11 @@ fn main() -> ExitCode {
                 "tokens_per_s_rounds": speeds[i],
                 "ratio_to_stage0": mean(&speeds[i]) / base,
                 "bytes_per_step": bytes,
-                "theory_bytes_per_step": 4.0 * theory_values,
+                "ring_model_bytes_per_step": median(r.comm_bytes_model_per_step.clone()),
+                "paper_bytes_per_step": 4.0 * paper_values,
                 "bytes_over_stage0": bytes as f64 / base_bytes as f64,
                 "model_state_bytes_per_rank": r.model_state_bytes_per_rank,
+                "model_state_bytes_formula": r.model_state_bytes_formula,
                 "peak_model_state_bytes_per_rank": r.peak_model_state_bytes_per_rank,
             }));
         }
@@ -147,15 +151,17 @@ fn main() -> ExitCode {
     if !args.json {
         for r in &rows {
             println!(
-                "world {} stage {}: {:.0} tokens/s ({:.3} of stage 0), {} B/step (theory {:.0}), \
-                 state {} B, peak {} B",
+                "world {} stage {}: {:.0} tokens/s ({:.3} of stage 0), {} B/step measured \
+                 (ring model {}, paper {:.0}), state {} B measured (formula {}), peak {} B",
                 r["world"],
                 r["stage"],
                 r["tokens_per_s"].as_f64().unwrap_or(0.0),
                 r["ratio_to_stage0"].as_f64().unwrap_or(0.0),
                 r["bytes_per_step"],
-                r["theory_bytes_per_step"].as_f64().unwrap_or(0.0),
+                r["ring_model_bytes_per_step"],
+                r["paper_bytes_per_step"].as_f64().unwrap_or(0.0),
                 r["model_state_bytes_per_rank"],
+                r["model_state_bytes_formula"],
                 r["peak_model_state_bytes_per_rank"]
             );
         }

@@ -92,16 +92,26 @@ pub struct RunReport {
     pub train_batch_size: u64,
     /// Micro-batches per step on each rank.
     pub gradient_accumulation_steps: u64,
-    /// Bytes of parameters + gradients + optimizer state a rank holds after the last step
-    /// (the largest over ranks).
+    /// Bytes of parameters + gradients + optimizer state a rank holds after the last step,
+    /// measured where they are allocated (the largest over ranks).
     pub model_state_bytes_per_rank: u64,
-    /// The largest such figure during a step (the largest over ranks).
+    /// The largest such figure during a step, transient buffers included, measured (the
+    /// largest over ranks).
     pub peak_model_state_bytes_per_rank: u64,
-    /// Bytes each rank sent, in rank order.
+    /// What ZeRO's formula gives for the same run (fp32 Adam: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N,
+    /// 16Ψ/N; pipelined runs: the largest stage's 16Ψ_stage), not measured.
+    pub model_state_bytes_formula: u64,
+    /// Bytes each rank's transport sent, in rank order (measured).
     pub comm_bytes_per_rank: Vec<u64>,
-    /// Bytes rank 0 sent in each optimizer step (data-parallel runs).
+    /// Bytes the ring model says each rank sent, in rank order (modelled, for comparison).
+    pub comm_bytes_model_per_rank: Vec<u64>,
+    /// Bytes rank 0's transport sent in each optimizer step (data-parallel runs; measured).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub comm_bytes_per_step: Vec<u64>,
+    /// Bytes the ring model says rank 0 sent in each optimizer step (data-parallel runs;
+    /// modelled).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub comm_bytes_model_per_step: Vec<u64>,
     /// Steps that exchanged 1-bit compressed momenta instead of all-reducing gradients.
     pub compressed_steps: u64,
     /// Progressive layer dropping: θ of the last step.
@@ -130,6 +140,11 @@ pub struct RunReport {
     /// comparisons in tests; not serialized).
     #[serde(skip)]
     pub final_params: FlatParams,
+    /// Data-parallel runs at ZeRO stages 1-3: the optimizer's first and second moments after
+    /// the last step, whole and flat in layout order (for comparisons in tests; not
+    /// serialized).
+    #[serde(skip)]
+    pub final_moments: Option<(FlatParams, FlatParams)>,
 }
 
 /// Flat parameter values; `Debug` prints only their count.
@@ -179,6 +194,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let first_step = engine.global_step();
     let mut losses = Vec::with_capacity(spec.steps as usize);
     let (mut per_step_bytes, mut per_sample, mut compressed) = (Vec::new(), Vec::new(), 0);
+    let mut per_step_model_bytes = Vec::new();
     let mut pld_theta = None;
     let start = Instant::now();
     for step in first_step..spec.steps {
@@ -187,6 +203,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         // ANCHOR_END: engine_loop
         losses.push(report.loss);
         per_step_bytes.push(report.bytes_sent);
+        per_step_model_bytes.push(report.model_bytes_sent);
         per_sample.push(step_start.elapsed().as_secs_f64() / batch.train_batch_size as f64);
         compressed += u64::from(report.compressed);
         pld_theta = report.pld_theta;
@@ -208,13 +225,19 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         comm.as_ref(),
         RankFigures {
             sent: comm.stats().total_sent(),
+            model_sent: comm.stats().total_model_sent(),
             state: engine.model_state_bytes().total(),
+            formula: engine.model_state_bytes_formula(),
             peak_state: engine.peak_model_state_bytes(),
             rss: peak_rss_bytes(),
             bubble: 0.0,
             live_activations: 0,
         },
     )?;
+    // Collectives for the tests' comparisons, after the traffic figures were taken.
+    let moments = engine
+        .optimizer_moments()?
+        .map(|s| (FlatParams(s.m), FlatParams(s.v)));
     Ok(RunReport {
         world,
         backend: comm.backend().to_string(),
@@ -229,8 +252,11 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         gradient_accumulation_steps: gas,
         model_state_bytes_per_rank: figures.iter().map(|f| f.state).max().unwrap_or(0),
         peak_model_state_bytes_per_rank: figures.iter().map(|f| f.peak_state).max().unwrap_or(0),
+        model_state_bytes_formula: engine.model_state_bytes_formula(),
         comm_bytes_per_rank: figures.iter().map(|f| f.sent).collect(),
+        comm_bytes_model_per_rank: figures.iter().map(|f| f.model_sent).collect(),
         comm_bytes_per_step: per_step_bytes,
+        comm_bytes_model_per_step: per_step_model_bytes,
         compressed_steps: compressed,
         pld_theta,
         step_seconds_per_sample: per_sample,
@@ -241,6 +267,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         peak_live_activations_per_stage: None,
         gather_stats: engine.gather_stats(),
         final_params: FlatParams(engine.try_flat_params()?),
+        final_moments: moments,
     })
 }
 
@@ -337,12 +364,16 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
     }
     let elapsed = start.elapsed().as_secs_f64();
     progress.finish();
-    let state = engine.model_state_bytes();
+    let state = engine.model_state_bytes().total();
+    let (sent, model_sent) = engine.bytes_sent();
     let figures = gather_figures(
         comm.as_ref(),
         RankFigures {
-            sent: engine.bytes_sent(),
+            sent,
+            model_sent,
             state,
+            // fp32 Adam: 4 bytes each of parameter, gradient, m and v per stage parameter.
+            formula: 16 * engine.stage_params() as u64,
             peak_state: state,
             rss: peak_rss_bytes(),
             bubble: if scheduled > 0.0 {
@@ -366,8 +397,11 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         gradient_accumulation_steps: batch.gradient_accumulation_steps,
         model_state_bytes_per_rank: figures.iter().map(|f| f.state).max().unwrap_or(0),
         peak_model_state_bytes_per_rank: figures.iter().map(|f| f.peak_state).max().unwrap_or(0),
+        model_state_bytes_formula: figures.iter().map(|f| f.formula).max().unwrap_or(0),
         comm_bytes_per_rank: figures.iter().map(|f| f.sent).collect(),
+        comm_bytes_model_per_rank: figures.iter().map(|f| f.model_sent).collect(),
         comm_bytes_per_step: Vec::new(),
+        comm_bytes_model_per_step: Vec::new(),
         compressed_steps: 0,
         pld_theta: None,
         step_seconds_per_sample: Vec::new(),
@@ -382,13 +416,17 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         ),
         gather_stats: None,
         final_params: FlatParams::default(),
+        final_moments: None,
     })
 }
 
 /// One rank's end-of-run figures.
 struct RankFigures {
     sent: u64,
+    model_sent: u64,
     state: u64,
+    /// The formula's model state (pipelined runs: this stage's).
+    formula: u64,
     peak_state: u64,
     rss: u64,
     bubble: f64,
@@ -400,7 +438,9 @@ struct RankFigures {
 fn gather_figures(comm: &dyn Communicator, mine: RankFigures) -> Result<Vec<RankFigures>> {
     let words = [
         mine.sent,
+        mine.model_sent,
         mine.state,
+        mine.formula,
         mine.peak_state,
         mine.rss,
         mine.bubble.to_bits(),
@@ -415,11 +455,13 @@ fn gather_figures(comm: &dyn Communicator, mine: RankFigures) -> Result<Vec<Rank
             let v = |i: usize| u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
             RankFigures {
                 sent: v(0),
-                state: v(1),
-                peak_state: v(2),
-                rss: v(3),
-                bubble: f64::from_bits(v(4)),
-                live_activations: v(5),
+                model_sent: v(1),
+                state: v(2),
+                formula: v(3),
+                peak_state: v(4),
+                rss: v(5),
+                bubble: f64::from_bits(v(6)),
+                live_activations: v(7),
             }
         })
         .collect())

@@ -30,11 +30,55 @@ pub fn train(ranks: usize, spec: &RunSpec) -> RunReport {
     first
 }
 
-/// Largest relative difference between two loss curves of the same length.
+/// Largest relative difference between two loss curves of the same length; a NaN anywhere
+/// counts as an infinite difference (so a diverged run never passes a parity check).
 pub fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)
-        .map(|(x, y)| (x - y).abs() / x.abs())
+        .map(|(x, y)| nan_is_infinite((x - y).abs() / x.abs()))
         .fold(0.0, f64::max)
+}
+
+/// Largest absolute difference between two parameter (or moment) vectors of the same length;
+/// a NaN anywhere counts as an infinite difference.
+#[allow(dead_code)]
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| nan_is_infinite((*x as f64 - *y as f64).abs()))
+        .fold(0.0, f64::max)
+}
+
+/// ‖a − b‖ / ‖b‖ over two vectors of the same length; NaN counts as infinite.
+#[allow(dead_code)]
+pub fn rel_norm_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let sq = |it: &mut dyn Iterator<Item = f64>| it.map(|v| v * v).sum::<f64>().sqrt();
+    let diff = sq(&mut a.iter().zip(b).map(|(x, y)| *x as f64 - *y as f64));
+    let norm = sq(&mut b.iter().map(|y| *y as f64));
+    nan_is_infinite(diff / norm.max(f64::MIN_POSITIVE))
+}
+
+fn nan_is_infinite(d: f64) -> f64 {
+    if d.is_nan() { f64::INFINITY } else { d }
+}
+
+/// Asserts that a run learns: every loss is finite and the mean of the last third is below
+/// the first loss.
+#[allow(dead_code)]
+pub fn assert_learns(losses: &[f64], what: &str) {
+    assert!(
+        losses.iter().all(|l| l.is_finite()),
+        "{what}: a loss is not finite: {losses:?}"
+    );
+    let tail = &losses[losses.len() - losses.len().div_ceil(3)..];
+    let mean = tail.iter().sum::<f64>() / tail.len() as f64;
+    assert!(
+        mean < losses[0],
+        "{what}: the loss does not fall ({} -> mean {mean} over the last {}): {losses:?}",
+        losses[0],
+        tail.len()
+    );
 }

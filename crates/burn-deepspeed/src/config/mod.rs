@@ -6,6 +6,7 @@ mod optimizer;
 mod scheduler;
 mod sections;
 mod serde_util;
+mod support;
 mod zero;
 
 pub use base::*;
@@ -13,4 +14,5 @@ pub use batch::*;
 pub use optimizer::*;
 pub use scheduler::*;
 pub use sections::*;
+pub use support::*;
 pub use zero::*;

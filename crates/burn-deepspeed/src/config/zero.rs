@@ -2,7 +2,7 @@
 //!
 //! Every key DeepSpeed documents for stages 1-3 and offload is typed here. The engine runs
 //! stages 0-3, and so does the Learner strategy; both refuse offload, ZeRO++ and MiCS
-//! (`engine::refuse_zero_keys`).
+//! (`check_supported`).
 
 use serde::{Deserialize, Serialize};
 

@@ -90,50 +90,6 @@ pub(crate) fn to_f32_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
         .expect("f32 data converts to a Vec<f32>")
 }
 
-/// Adds the gradients in `grads` into `flat` (zeros where a parameter has none), marks the
-/// parameters that had one in `present`, and remembers their device.
-pub fn accumulate_grads<M: Module>(
-    module: &M,
-    layout: &ParamLayout,
-    grads: &GradientsParams,
-    flat: &mut [f32],
-    present: &mut [u8],
-    device: &mut Option<Device>,
-) {
-    struct V<'a> {
-        layout: &'a ParamLayout,
-        grads: &'a GradientsParams,
-        flat: &'a mut [f32],
-        present: &'a mut [u8],
-        device: &'a mut Option<Device>,
-    }
-    impl ModuleVisitor for V<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let Some(i) = self.layout.slot_of(param.id) else {
-                return;
-            };
-            if let Some(g) = self.grads.get::<D>(param.id) {
-                if self.device.is_none() {
-                    *self.device = Some(g.device());
-                }
-                let slot = &self.layout.slots[i];
-                let values = to_f32_vec(g);
-                let dst = &mut self.flat[slot.offset..slot.offset + slot.numel];
-                dst.iter_mut().zip(values).for_each(|(d, v)| *d += v);
-                self.present[i] = 1;
-            }
-        }
-    }
-    let mut v = V {
-        layout,
-        grads,
-        flat,
-        present,
-        device,
-    };
-    module.visit(&mut v);
-}
-
 /// Rebuilds [`GradientsParams`] for the parameters marked in `present` that lie wholly in
 /// `flat`, which holds the flat elements from `start` on (the whole buffer when `start` is 0
 /// and `flat` has every element).
@@ -226,20 +182,23 @@ pub fn params_from_flat<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]
     })
 }
 
-/// Calls `f(slot, values)` for every parameter of `layout` in layout order, with its gradient
-/// from `grads` as f32 values, or `None` when it has none; remembers the gradients' device.
+/// The one gradient visitor: calls `f(slot, values)` for every parameter of `layout` in
+/// layout order, with its gradient from `grads` as f32 values, or `None` when it has none;
+/// remembers the gradients' device. Returns the bytes of the gradient tensors it read (their
+/// stored dtype), which are alive while the caller copies them.
 pub fn for_each_grad<M: Module>(
     module: &M,
     layout: &ParamLayout,
     grads: &GradientsParams,
     device: &mut Option<Device>,
     mut f: impl FnMut(usize, Option<Vec<f32>>),
-) {
+) -> u64 {
     struct V<'a, F> {
         layout: &'a ParamLayout,
         grads: &'a GradientsParams,
         device: &'a mut Option<Device>,
         f: &'a mut F,
+        bytes: u64,
     }
     impl<F: FnMut(usize, Option<Vec<f32>>)> ModuleVisitor for V<'_, F> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -250,17 +209,44 @@ pub fn for_each_grad<M: Module>(
                 if self.device.is_none() {
                     *self.device = Some(g.device());
                 }
+                self.bytes += super::memory::tensor_bytes(&g);
                 to_f32_vec(g)
             });
             (self.f)(i, values);
         }
     }
-    module.visit(&mut V {
+    let mut v = V {
         layout,
         grads,
         device,
         f: &mut f,
-    });
+        bytes: 0,
+    };
+    module.visit(&mut v);
+    v.bytes
+}
+
+/// `module` with the parameter ids `ids` (in layout order).
+pub fn set_param_ids<M: Module>(module: M, ids: &[u64]) -> M {
+    struct Mapper<'a> {
+        ids: &'a [u64],
+        next: usize,
+    }
+    impl ModuleMapper for Mapper<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (_, tensor, mapper) = param.consume();
+            let id = ParamId::from(self.ids[self.next]);
+            self.next += 1;
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    module.map(&mut Mapper { ids, next: 0 })
+}
+
+/// `module` with the values `flat` and the parameter ids `ids`, both in `layout` order (a
+/// checkpoint's parameters).
+pub fn restore_params<M: Module>(module: M, layout: &ParamLayout, ids: &[u64], flat: &[f32]) -> M {
+    set_param_ids(params_from_flat(module, layout, flat), ids)
 }
 
 /// The elements `range` of the module's flat parameters, reading only the tensors that

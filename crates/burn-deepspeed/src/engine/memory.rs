@@ -1,14 +1,21 @@
-//! Model-state accounting: bytes of parameters, gradients and optimizer state that a rank
-//! holds, now and at its peak during a step.
+//! Model-state accounting, **measured** where the bytes live: the parameters from the tensors
+//! the module stores (at ZeRO stage 3 its chunks), the gradient and optimizer buffers from
+//! their allocations, Burn's optimizer state from the tensors it holds, and the transient
+//! buffers of a step (gradient tensors from backward, reduction buckets, stage 3's gathered
+//! copies) when they are allocated. The formulas these figures are checked against live in
+//! [`super::estimate`].
 
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::ModuleOptimizer;
+use burn::tensor::Tensor;
 use serde::Serialize;
 
 /// Bytes of model state one rank holds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct ModelStateBytes {
-    /// Parameters.
+    /// Parameters, as the module stores them.
     pub params: u64,
-    /// Gradients: the accumulation buffer plus any gradient tensors alive.
+    /// Gradient buffers held between steps.
     pub grads: u64,
     /// Optimizer state.
     pub optimizer: u64,
@@ -21,127 +28,76 @@ impl ModelStateBytes {
     }
 }
 
-/// Tracks [`ModelStateBytes`] through a step and remembers the largest total.
-#[derive(Debug, Clone, Default)]
-pub struct MemoryLedger {
-    current: ModelStateBytes,
+/// The largest model state (held plus transient) a rank had at once, observed at the points
+/// where a step allocates.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryMeter {
     peak: u64,
 }
 
-impl MemoryLedger {
-    /// Current holdings.
-    pub fn current(&self) -> ModelStateBytes {
-        self.current
+impl MemoryMeter {
+    /// Records a moment when `held` was held and `transient` more bytes were alive.
+    pub fn observe(&mut self, held: ModelStateBytes, transient: u64) {
+        self.peak = self.peak.max(held.total() + transient);
     }
-    /// Largest total seen.
+
+    /// The largest total observed.
     pub fn peak(&self) -> u64 {
         self.peak
     }
-    /// Updates the holdings with `f` and the peak.
-    pub fn update(&mut self, f: impl FnOnce(&mut ModelStateBytes)) {
-        f(&mut self.current);
-        self.peak = self.peak.max(self.current.total());
+}
+
+/// Bytes of the float parameters `module` stores (their stored shapes and dtypes: at ZeRO
+/// stage 3 the chunks, not the gathered tensors). Reads no values.
+pub fn param_bytes<M: Module>(module: &M) -> u64 {
+    struct V(u64);
+    impl ModuleVisitor for V {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0 += tensor_bytes(&param.base());
+        }
     }
-    /// Records a transient extra of `grads` bytes (e.g. gradient tensors alive while they are
-    /// copied) without keeping it.
-    pub fn transient_grads(&mut self, bytes: u64) {
-        self.peak = self.peak.max(self.current.total() + bytes);
-    }
+    let mut v = V(0);
+    module.visit(&mut v);
+    v.0
 }
 
-/// Per-rank model-state bytes that ZeRO's formulas predict (arXiv 1910.02054 §5), for Ψ
-/// parameters over N data-parallel ranks, plus the transient buffers this implementation
-/// stages during a step. Activations are not included.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct MemoryEstimate {
-    /// Parameters held between steps.
-    pub params: u64,
-    /// Gradients held between steps.
-    pub grads: u64,
-    /// Optimizer state (with mixed precision: fp32 master weights, m and v).
-    pub optimizer: u64,
-    /// The sum: what the paper's formula gives.
-    pub total: u64,
-    /// Extra bytes alive at the peak of a step in this implementation (gradient tensors from
-    /// backward, reduction buckets, the all-gathered parameters).
-    pub step_overhead: u64,
+/// Bytes of one tensor's storage: its elements times its dtype's size.
+pub fn tensor_bytes<const D: usize>(t: &Tensor<D>) -> u64 {
+    (t.shape().num_elements() * t.dtype().size()) as u64
 }
 
-/// Bytes per element of the states ZeRO counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StatePrecision {
-    /// fp32 parameters and gradients, m and v (16 bytes per parameter): what the engine
-    /// trains today.
-    Fp32,
-    /// The paper's mixed precision: 16-bit parameters and gradients, fp32 master weights, m
-    /// and v (2 + 2 + 12 bytes per parameter).
-    Mixed,
+/// Bytes of a host buffer's allocation.
+pub fn vec_bytes<T>(buffer: &Vec<T>) -> u64 {
+    (buffer.capacity() * size_of::<T>()) as u64
 }
 
-/// [`MemoryEstimate`] for `params` parameters on `world` ranks at ZeRO `stage` (0-3), with
-/// `bucket` elements per reduction bucket (`reduce_bucket_size`) and, at stage 3,
-/// `live_params` gathered elements alive at once (the largest layer, or
-/// `stage3_max_live_parameters`).
-pub fn estimate_model_states(
-    params: u64,
-    world: u64,
-    stage: u8,
-    precision: StatePrecision,
-    bucket: u64,
-    live_params: u64,
-) -> MemoryEstimate {
-    let n = world.max(1);
-    let slice = params.div_ceil(n);
-    let (p, g, k) = match precision {
-        StatePrecision::Fp32 => (4, 4, 8),
-        StatePrecision::Mixed => (2, 2, 12),
+/// Bytes of the state tensors Burn's optimizer holds, read from its record (each tensor's
+/// stored bytes). Copies the state once: call it when the set of stepped parameters changes,
+/// not every step.
+pub fn burn_optimizer_bytes(optim: &ModuleOptimizer) -> u64 {
+    let Ok(bytes) = optim.into_bytes() else {
+        return 0;
     };
-    let (params_b, grads_b, optim_b) = match stage {
-        0 => (p * params, g * params, k * params),
-        1 => (p * params, g * params, k * slice),
-        2 => (p * params, g * slice, k * slice),
-        _ => (p * slice, g * slice, k * slice),
-    };
-    let bucket = bucket.min(params);
-    let step_overhead = match stage {
-        // Gradient tensors from backward while they are copied into the flat buffer.
-        0 | 1 => g * params,
-        // The same, plus one staged bucket.
-        2 => g * (params + bucket),
-        // Gathered weights alive at once, their gradients, and one bucket.
-        _ => (p + g) * live_params.min(params) + g * bucket,
-    };
-    MemoryEstimate {
-        params: params_b,
-        grads: grads_b,
-        optimizer: optim_b,
-        total: params_b + grads_b + optim_b,
-        step_overhead,
-    }
+    burn_pack::Reader::from_bytes(bytes)
+        .and_then(|r| r.into_tensors())
+        .map(|tensors| tensors.iter().map(|t| t.byte_len() as u64).sum())
+        .unwrap_or(0)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The paper's check value: Ψ = 7.5B, N = 64, mixed precision (K = 12).
-    #[test]
-    fn the_paper_s_example() {
-        let psi = 7_500_000_000;
-        let gb =
-            |s| estimate_model_states(psi, 64, s, StatePrecision::Mixed, 0, 0).total as f64 / 1e9;
-        assert_eq!(gb(0), 120.0);
-        assert!((gb(1) - 31.40625).abs() < 1e-6);
-        assert!((gb(2) - 16.640625).abs() < 1e-6);
-        assert!((gb(3) - 1.875).abs() < 1e-6);
+/// Bytes of the gradient tensors `grads` holds for `module`'s parameters.
+pub fn grads_bytes<M: Module>(module: &M, grads: &burn::optim::GradientsParams) -> u64 {
+    struct V<'a> {
+        grads: &'a burn::optim::GradientsParams,
+        bytes: u64,
     }
-
-    #[test]
-    fn fp32_formulas() {
-        let e = |s| estimate_model_states(1000, 4, s, StatePrecision::Fp32, 100, 10).total;
-        assert_eq!(e(0), 16_000);
-        assert_eq!(e(1), 8_000 + 2_000);
-        assert_eq!(e(2), 4_000 + 3_000);
-        assert_eq!(e(3), 4_000);
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.get::<D>(param.id) {
+                self.bytes += tensor_bytes(&g);
+            }
+        }
     }
+    let mut v = V { grads, bytes: 0 };
+    module.visit(&mut v);
+    v.bytes
 }

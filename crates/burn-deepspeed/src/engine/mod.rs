@@ -1,20 +1,19 @@
-//! The training engine: data parallelism over a [`Communicator`](burn_deepspeed_strategies::comm::Communicator).
+//! The training engine: data parallelism over a
+//! [`Communicator`](burn_deepspeed_strategies::comm::Communicator), with the gradient regime
+//! of [`crate::sync`].
 
 mod base;
 pub mod checkpoint;
+pub mod estimate;
 pub mod flat;
-mod memory;
+pub mod memory;
 mod onebit;
 mod optim;
-pub mod reduce;
-mod sync;
-mod zero;
-mod zero3;
+mod report;
 
 pub use base::*;
-pub use memory::*;
+pub use estimate::*;
+pub use memory::{MemoryMeter, ModelStateBytes};
 pub use onebit::*;
 pub use optim::*;
-pub use sync::*;
-pub use zero::*;
-pub use zero3::*;
+pub use report::*;

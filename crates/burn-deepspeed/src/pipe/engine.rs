@@ -16,15 +16,15 @@ use burn_deepspeed_strategies::pipe::{
 use serde::Serialize;
 
 use super::layer::{LayerInput, PipeBatch, PipeLayer};
+use super::run::{Mode, Run, Slot};
 use super::ties::{TiedGroup, find_ties};
 use super::wire::{self, TAG_ACTIVATION, TAG_GRADIENT};
-use crate::config::{BatchSizes, DeepSpeedConfig, PipelineStages, ZeroStage};
+use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
+use crate::engine::build_optimizer;
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat};
-use crate::engine::reduce::scale_to_norm;
-use crate::engine::{
-    GradientSync, build_optimizer, refuse_unsupported_precision, state_tensors_per_param,
-    unsupported,
-};
+use crate::engine::memory::{ModelStateBytes, burn_optimizer_bytes, param_bytes};
+use crate::sync::scale::{clip_to, squared_sum, sum_across};
+use crate::sync::{GradBuffer, SyncOptions, broadcast_params};
 use crate::{DeepSpeedError, Result};
 
 /// The result of one pipelined optimizer step.
@@ -52,29 +52,6 @@ pub struct PipeStepReport {
     pub compute_time: Duration,
 }
 
-/// One buffer slot of the schedule.
-struct Slot<B> {
-    batch: Option<B>,
-    input: Option<Tensor<3>>,
-    output: Option<Tensor<3>>,
-    loss: Option<Tensor<1>>,
-    output_grad: Option<Tensor<3>>,
-    input_grad: Option<Tensor<3>>,
-}
-
-impl<B> Default for Slot<B> {
-    fn default() -> Self {
-        Self {
-            batch: None,
-            input: None,
-            output: None,
-            loss: None,
-            output_grad: None,
-            input_grad: None,
-        }
-    }
-}
-
 /// Pipeline-parallel training of a model given as a sequence of [`PipeLayer`]s.
 ///
 /// SPMD over `stages x replicas` ranks (`pipeline.stages` from the config; the world size
@@ -98,7 +75,9 @@ pub struct PipelineEngine<L, B> {
     optim: ModuleOptimizer,
     config: DeepSpeedConfig,
     batch: BatchSizes,
-    sync: GradientSync,
+    grads: GradBuffer,
+    /// Measured bytes of the optimizer's state (read once every layer has been stepped).
+    optim_bytes: u64,
     kind: ScheduleKind,
     device: Device,
     total_params: usize,
@@ -124,43 +103,10 @@ where
         comm: Arc<dyn Communicator>,
         device: Device,
     ) -> Result<Self> {
+        check_supported(&config, EntryPoint::Pipeline)?;
         let pipeline = config.pipeline.clone().unwrap_or_default();
-        let stages = match pipeline.stages {
-            PipelineStages::Count(n) => n as usize,
-            PipelineStages::Auto(_) => {
-                return Err(unsupported(
-                    "pipeline.stages",
-                    "\"auto\" has no model to size the pipeline from here; give the number of \
-                     stages",
-                ));
-            }
-        };
+        let stages = pipeline.stage_count().unwrap_or(1) as usize;
         let topo = PipeDataTopology::new(comm.world_size(), stages)?;
-        match config.zero_optimization.stage {
-            ZeroStage::Disabled => {}
-            ZeroStage::OptimizerStates => {
-                return Err(unsupported(
-                    "zero_optimization.stage",
-                    "ZeRO stage 1 with a pipeline is not implemented yet; set the stage to 0",
-                ));
-            }
-            _ => {
-                return Err(unsupported(
-                    "zero_optimization.stage",
-                    "ZeRO stages 2 and 3 cannot be combined with pipeline parallelism (as in \
-                     DeepSpeed: gradients are accumulated across micro-batches on each stage); \
-                     use stage 0 or 1",
-                ));
-            }
-        }
-        refuse_unsupported_precision(&config)?;
-        if config.progressive_layer_drop.enabled {
-            return Err(unsupported(
-                "progressive_layer_drop.enabled",
-                "the pipeline engine does not hand θ to its layers yet; progressive layer \
-                 dropping runs in `DeepSpeedEngine`",
-            ));
-        }
         // The batch arithmetic counts data-parallel replicas, not ranks.
         let batch = config.resolve(topo.replicas)?;
         if layers.len() < stages {
@@ -204,12 +150,13 @@ where
         let optim_cfg = config
             .optimizer
             .clone()
-            .expect("resolve fills the optimizer");
+            .ok_or_else(|| DeepSpeedError::Data("the config was not resolved".into()))?;
         let optim = build_optimizer(&optim_cfg)?;
-        let sync = GradientSync::new(&mine, &config, data.clone());
-        let mut mine = sync.broadcast_params(mine)?;
+        let layout = ParamLayout::of(&mine);
+        let mut mine = broadcast_params(data.as_ref(), &layout, mine)?;
+        let grads = GradBuffer::new(layout, data.clone(), &SyncOptions::of(&config));
         if !ties.is_empty() {
-            let layout = sync.layout();
+            let layout = grads.layout();
             let mut flat = params_to_flat(&mine, layout);
             for tie in &ties {
                 tie.copy_first(&mut flat)?;
@@ -229,7 +176,8 @@ where
             optim,
             config,
             batch,
-            sync,
+            grads,
+            optim_bytes: 0,
             kind: ScheduleKind::default(),
             device,
             total_params,
@@ -250,63 +198,18 @@ where
     pub fn train_batch(&mut self, mut load: impl FnMut(usize) -> B) -> Result<PipeStepReport> {
         let stages = self.topo.stages;
         let micro = self.batch.gradient_accumulation_steps as usize;
-        let (first, last) = (self.stage == 0, self.stage == stages - 1);
         let schedule = self.kind.schedule(micro, stages, self.stage);
-        let mut slots: Vec<Slot<B>> = (0..schedule.num_pipe_buffers())
-            .map(|_| Slot::default())
-            .collect();
-        let (mut loaded, mut live, mut peak) = (0usize, 0usize, 0usize);
-        let mut compute = Duration::ZERO;
-        let mut schedule_time = Duration::ZERO;
-        let mut loss_sum = 0.0f64;
+        let mut run = Run::new(schedule.num_pipe_buffers(), Mode::Train);
         let mut grad_norm = 0.0;
         let lr = self.lr_at(self.global_step);
         let start = Instant::now();
         for step in schedule.steps() {
             for inst in step {
                 let _span = tracing::trace_span!("pipe", stage = self.stage, %inst).entered();
+                if self.data_instruction(inst, &mut run, &mut load)? {
+                    continue;
+                }
                 match inst {
-                    PipeInstruction::LoadMicroBatch { buffer } => {
-                        slots[buffer].batch = Some(load(loaded));
-                        loaded += 1;
-                    }
-                    PipeInstruction::RecvActivation { buffer } => {
-                        let x = wire::recv(
-                            self.pipe.as_ref(),
-                            self.stage - 1,
-                            TAG_ACTIVATION,
-                            &self.device,
-                        )?;
-                        slots[buffer].input = Some(x.require_grad());
-                    }
-                    PipeInstruction::ForwardPass { buffer } => {
-                        let t0 = Instant::now();
-                        let slot = &mut slots[buffer];
-                        let y = self.forward_stage(slot)?;
-                        if last {
-                            let batch = slot.batch.as_ref().ok_or_else(|| {
-                                pipeline_error("the last stage has no micro-batch loaded".into())
-                            })?;
-                            let loss = batch.loss(y);
-                            loss_sum += loss.clone().into_scalar::<f32>() as f64;
-                            slot.loss = Some(loss);
-                        } else {
-                            slot.output = Some(y);
-                        }
-                        if !last {
-                            // Only the last stage needs the batch again (for the loss).
-                            slot.batch = None;
-                        }
-                        live += 1;
-                        peak = peak.max(live);
-                        compute += t0.elapsed();
-                    }
-                    PipeInstruction::SendActivation { buffer } => {
-                        let y = slots[buffer].output.as_ref().ok_or_else(|| {
-                            pipeline_error(format!("no activation in buffer {buffer} to send"))
-                        })?;
-                        wire::send(self.pipe.as_ref(), y, self.stage + 1, TAG_ACTIVATION)?;
-                    }
                     PipeInstruction::RecvGrad { buffer } => {
                         let dy = wire::recv(
                             self.pipe.as_ref(),
@@ -314,57 +217,45 @@ where
                             TAG_GRADIENT,
                             &self.device,
                         )?;
-                        slots[buffer].output_grad = Some(dy);
+                        run.slots[buffer].output_grad = Some(dy);
                     }
                     PipeInstruction::BackwardPass { buffer } => {
                         let t0 = Instant::now();
-                        self.backward_stage(&mut slots[buffer], last)?;
-                        live -= 1;
-                        compute += t0.elapsed();
+                        let last = self.stage == stages - 1;
+                        self.backward_stage(&mut run.slots[buffer], last)?;
+                        run.live -= 1;
+                        run.compute += t0.elapsed();
                     }
                     PipeInstruction::SendGrad { buffer } => {
-                        let dx = slots[buffer].input_grad.take().ok_or_else(|| {
+                        let dx = run.slots[buffer].input_grad.take().ok_or_else(|| {
                             pipeline_error(format!("no input gradient in buffer {buffer} to send"))
                         })?;
                         wire::send(self.pipe.as_ref(), &dx, self.stage - 1, TAG_GRADIENT)?;
                     }
                     PipeInstruction::ReduceTiedGrads => {
-                        schedule_time = start.elapsed();
-                        let flat = self.sync.flat_mut();
+                        run.schedule_time = start.elapsed();
+                        let flat = self.grads.flat_mut();
                         for tie in &self.ties {
                             tie.sum(flat)?;
                         }
                     }
-                    PipeInstruction::ReduceGrads => self.sync.average()?,
+                    PipeInstruction::ReduceGrads => self.grads.average()?,
                     PipeInstruction::OptimizerStep => {
                         grad_norm = self.clip()?;
-                        let grads: GradientsParams = self.sync.take(&self.layers);
-                        let layers = std::mem::take(&mut self.layers);
-                        self.layers = self.optim.step(lr, layers, grads);
-                        self.sync.clear_marks();
+                        self.optimizer_step(lr);
+                    }
+                    other => {
+                        return Err(pipeline_error(format!("`{other}` in a train schedule")));
                     }
                 }
             }
         }
-        if loaded != if first || last { micro } else { 0 } {
-            return Err(pipeline_error(format!(
-                "stage {} loaded {loaded} micro-batches for {micro}",
-                self.stage
-            )));
-        }
-        // The loss lives on the last stage: average it over its replicas, then hand it down
-        // each pipeline.
-        let mut loss = [(loss_sum / micro as f64) as f32];
-        if last && self.data.world_size() > 1 {
-            self.data.all_reduce(&mut loss, ReduceOp::Mean)?;
-        }
-        if stages > 1 {
-            self.pipe.broadcast(&mut loss, stages - 1)?;
-        }
-        let stage_bubble = if schedule_time.is_zero() {
+        self.check_loaded(run.loaded, micro)?;
+        let loss = self.share_loss(run.loss_sum, micro)?;
+        let stage_bubble = if run.schedule_time.is_zero() {
             0.0
         } else {
-            1.0 - compute.as_secs_f64() / schedule_time.as_secs_f64()
+            1.0 - run.compute.as_secs_f64() / run.schedule_time.as_secs_f64()
         };
         let mut bubble = [stage_bubble as f32];
         if self.world.world_size() > 1 {
@@ -373,14 +264,14 @@ where
         self.global_step += 1;
         Ok(PipeStepReport {
             step: self.global_step,
-            loss: loss[0] as f64,
+            loss,
             lr,
             grad_norm,
             stage_bubble_fraction: stage_bubble,
             bubble_fraction: bubble[0] as f64,
-            peak_live_activations: peak,
-            schedule_time,
-            compute_time: compute,
+            peak_live_activations: run.peak,
+            schedule_time: run.schedule_time,
+            compute_time: run.compute,
         })
     }
 
@@ -388,62 +279,125 @@ where
     /// (DeepSpeed's `eval_batch`, on its [`InferenceSchedule`]); every rank gets the mean over
     /// all replicas. `load` is called as in [`train_batch`](Self::train_batch).
     pub fn eval_batch(&mut self, mut load: impl FnMut(usize) -> B) -> Result<f64> {
-        let stages = self.topo.stages;
         let micro = self.batch.gradient_accumulation_steps as usize;
-        let last = self.stage == stages - 1;
-        let schedule = InferenceSchedule::new(micro, stages, self.stage);
-        let mut slots: Vec<Slot<B>> = (0..schedule.num_pipe_buffers())
-            .map(|_| Slot::default())
-            .collect();
-        let (mut loaded, mut loss_sum) = (0usize, 0.0f64);
+        let schedule = InferenceSchedule::new(micro, self.topo.stages, self.stage);
+        let mut run = Run::new(schedule.num_pipe_buffers(), Mode::Eval);
         for inst in schedule.steps().into_iter().flatten() {
-            match inst {
-                PipeInstruction::LoadMicroBatch { buffer } => {
-                    slots[buffer].batch = Some(load(loaded));
-                    loaded += 1;
-                }
-                PipeInstruction::RecvActivation { buffer } => {
-                    slots[buffer].input = Some(wire::recv(
-                        self.pipe.as_ref(),
-                        self.stage - 1,
-                        TAG_ACTIVATION,
-                        &self.device,
-                    )?);
-                }
-                PipeInstruction::ForwardPass { buffer } => {
-                    let slot = &mut slots[buffer];
-                    let y = self.forward_stage(slot)?.detach();
-                    if last {
-                        let batch = slot.batch.take().ok_or_else(|| {
-                            pipeline_error("the last stage has no micro-batch loaded".into())
-                        })?;
-                        loss_sum += batch.loss(y).into_scalar::<f32>() as f64;
-                    } else {
-                        slot.output = Some(y);
-                    }
-                    slot.input = None;
-                }
-                PipeInstruction::SendActivation { buffer } => {
-                    let y = slots[buffer].output.take().ok_or_else(|| {
-                        pipeline_error(format!("no activation in buffer {buffer} to send"))
-                    })?;
-                    wire::send(self.pipe.as_ref(), &y, self.stage + 1, TAG_ACTIVATION)?;
-                }
-                other => {
-                    return Err(pipeline_error(format!(
-                        "`{other}` in an inference schedule"
-                    )));
-                }
+            if !self.data_instruction(inst, &mut run, &mut load)? {
+                return Err(pipeline_error(format!("`{inst}` in an inference schedule")));
             }
         }
+        self.check_loaded(run.loaded, micro)?;
+        self.share_loss(run.loss_sum, micro)
+    }
+
+    /// The instructions training and evaluation share: loading micro-batches, receiving and
+    /// sending activations, and forward passes. Returns false for any other instruction.
+    fn data_instruction(
+        &self,
+        inst: PipeInstruction,
+        run: &mut Run<B>,
+        load: &mut impl FnMut(usize) -> B,
+    ) -> Result<bool> {
+        let train = run.mode == Mode::Train;
+        let last = self.stage == self.topo.stages - 1;
+        match inst {
+            PipeInstruction::LoadMicroBatch { buffer } => {
+                run.slots[buffer].batch = Some(load(run.loaded));
+                run.loaded += 1;
+            }
+            PipeInstruction::RecvActivation { buffer } => {
+                let x = wire::recv(
+                    self.pipe.as_ref(),
+                    self.stage - 1,
+                    TAG_ACTIVATION,
+                    &self.device,
+                )?;
+                run.slots[buffer].input = Some(if train { x.require_grad() } else { x });
+            }
+            PipeInstruction::ForwardPass { buffer } => {
+                let t0 = Instant::now();
+                let slot = &mut run.slots[buffer];
+                let y = self.forward_stage(slot)?;
+                let y = if train { y } else { y.detach() };
+                if last {
+                    let batch = slot.batch.as_ref().ok_or_else(|| {
+                        pipeline_error("the last stage has no micro-batch loaded".into())
+                    })?;
+                    let loss = batch.loss(y);
+                    run.loss_sum += loss.clone().into_scalar::<f32>() as f64;
+                    if train {
+                        slot.loss = Some(loss);
+                    }
+                } else {
+                    slot.output = Some(y);
+                }
+                if !last || !train {
+                    // Only the last stage needs the batch again (for the loss's backward).
+                    slot.batch = None;
+                }
+                if train {
+                    run.live += 1;
+                    run.peak = run.peak.max(run.live);
+                    run.compute += t0.elapsed();
+                } else {
+                    slot.input = None;
+                }
+            }
+            PipeInstruction::SendActivation { buffer } => {
+                let slot = &mut run.slots[buffer];
+                // Training keeps the activation for the backward pass.
+                let y = if train {
+                    slot.output.clone()
+                } else {
+                    slot.output.take()
+                };
+                let y = y.ok_or_else(|| {
+                    pipeline_error(format!("no activation in buffer {buffer} to send"))
+                })?;
+                wire::send(self.pipe.as_ref(), &y, self.stage + 1, TAG_ACTIVATION)?;
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Refuses a run in which this stage loaded another number of micro-batches than the
+    /// schedule has (only the first and the last stage load them).
+    fn check_loaded(&self, loaded: usize, micro: usize) -> Result<()> {
+        let (first, last) = (self.stage == 0, self.stage == self.topo.stages - 1);
+        if loaded != if first || last { micro } else { 0 } {
+            return Err(pipeline_error(format!(
+                "stage {} loaded {loaded} micro-batches for {micro}",
+                self.stage
+            )));
+        }
+        Ok(())
+    }
+
+    /// The mean loss over every replica: the last stage averages its replicas', then hands
+    /// it down each pipeline.
+    fn share_loss(&self, loss_sum: f64, micro: usize) -> Result<f64> {
+        let stages = self.topo.stages;
         let mut loss = [(loss_sum / micro as f64) as f32];
-        if last && self.data.world_size() > 1 {
+        if self.stage == stages - 1 && self.data.world_size() > 1 {
             self.data.all_reduce(&mut loss, ReduceOp::Mean)?;
         }
         if stages > 1 {
             self.pipe.broadcast(&mut loss, stages - 1)?;
         }
         Ok(loss[0] as f64)
+    }
+
+    /// Steps this stage's layers with the averaged, clipped gradient.
+    fn optimizer_step(&mut self, lr: f64) {
+        let grads: GradientsParams = self.grads.take(&self.layers);
+        let layers = std::mem::take(&mut self.layers);
+        self.layers = self.optim.step(lr, layers, grads);
+        if self.optim_bytes == 0 {
+            self.optim_bytes = burn_optimizer_bytes(&self.optim);
+        }
+        self.grads.clear_marks();
     }
 
     /// Runs this stage's layers on a slot's input.
@@ -501,28 +455,29 @@ where
         }
         slot.batch = None;
         let grads = GradientsParams::from_grads(grads, &self.layers);
-        self.sync.accumulate(&self.layers, &grads);
+        self.grads.accumulate(&self.layers, &grads);
         Ok(())
     }
 
     /// Clips the averaged gradient by its norm over every stage (tied copies counted once).
     /// Returns the norm before clipping.
     fn clip(&mut self) -> Result<f64> {
-        let threshold = self.sync.clip_threshold();
-        let flat = self.sync.flat_mut();
-        let square = |r: &[f32]| r.iter().map(|&g| g as f64 * g as f64).sum::<f64>();
+        let threshold = self.config.gradient_clipping;
+        let flat = self.grads.flat_mut();
         let duplicates: f64 = self
             .ties
             .iter()
             .flat_map(|t| t.duplicates())
-            .map(|r| square(&flat[r.clone()]))
+            .map(|r| squared_sum(&flat[r.clone()]))
             .sum();
-        let mut sq = [(square(flat) - duplicates) as f32];
-        if self.topo.stages > 1 {
-            self.pipe.all_reduce(&mut sq, ReduceOp::Sum)?;
-        }
-        let norm = (sq[0].max(0.0) as f64).sqrt();
-        scale_to_norm(flat, norm, threshold);
+        let local = squared_sum(flat) - duplicates;
+        let sq = if self.topo.stages > 1 {
+            sum_across(self.pipe.as_ref(), local)?
+        } else {
+            local as f32
+        };
+        let norm = (sq.max(0.0) as f64).sqrt();
+        clip_to(flat, norm, threshold);
         Ok(norm)
     }
 
@@ -573,18 +528,25 @@ where
     }
     /// Float parameters of this stage.
     pub fn stage_params(&self) -> usize {
-        self.sync.layout().numel
+        self.grads.layout().numel
     }
-    /// Bytes of parameters, gradient buffer and optimizer state this rank holds (fp32).
-    pub fn model_state_bytes(&self) -> u64 {
-        let kind = self.config.optimizer_kind();
-        (4 * (2 + state_tensors_per_param(kind)) * self.stage_params()) as u64
+    /// The model state this rank holds, measured: its layers' stored parameters, its gradient
+    /// buffer, and the state tensors of its optimizer (read after the first step).
+    pub fn model_state_bytes(&self) -> ModelStateBytes {
+        ModelStateBytes {
+            params: self.layers.iter().map(param_bytes).sum(),
+            grads: self.grads.bytes(),
+            optimizer: self.optim_bytes,
+        }
     }
-    /// Bytes this rank sent over the world, pipeline and data-parallel communicators.
-    pub fn bytes_sent(&self) -> u64 {
+    /// This rank's counters over the world, pipeline and data-parallel communicators:
+    /// `(measured bytes sent, ring-model bytes sent)`.
+    pub fn bytes_sent(&self) -> (u64, u64) {
         [&self.world, &self.pipe, &self.data]
             .iter()
-            .map(|c| c.stats().total_sent())
-            .sum()
+            .map(|c| c.stats())
+            .fold((0, 0), |(m, r), s| {
+                (m + s.total_sent(), r + s.total_model_sent())
+            })
     }
 }

@@ -4,6 +4,7 @@
 
 mod engine;
 mod layer;
+mod run;
 mod ties;
 mod wire;
 

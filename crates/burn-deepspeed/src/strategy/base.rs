@@ -41,19 +41,15 @@ use burn::train::{
     EventProcessorTraining, Learner, LearnerEvent, LearnerModel, SupervisedLearningStrategy,
     SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingItem, ValidLoader,
 };
-use burn_deepspeed_strategies::comm::{
-    Communicator, CommunicatorExt, ReduceOp, ThreadWorld, ThreadWorldOptions,
-};
-
-use crate::DeepSpeedConfig;
-use crate::config::ZeroStage;
-use crate::engine::flat::{ParamLayout, params_range};
-use crate::engine::{GradientSync, Zero3Sync, ZeroSync, broadcast_params};
-use crate::zero3::GatherGroup;
+use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 
 use super::prepare::{Prepared, take_prepared};
-use crate::engine::{refuse_unsupported, unsupported};
-use crate::launch::{launched_by_mpirun, mpi_world};
+use crate::DeepSpeedConfig;
+use crate::config::{EntryPoint, ZeroStage, check_supported};
+use crate::engine::flat::ParamLayout;
+use crate::launch::{launch_with_leader, launched_by_mpirun};
+use crate::sync::{self, GradSync, ShardedSync, SyncOptions, broadcast_params};
+use crate::zero3::GatherGroup;
 
 /// A `SupervisedLearningStrategy` that trains with DeepSpeed-style data parallelism.
 #[derive(Debug, Clone)]
@@ -81,19 +77,6 @@ impl DeepSpeedStrategy {
         self.timeout = timeout;
         self
     }
-}
-
-/// How the strategy reduces gradients: all-reduce (stage 0), ZeRO stages 1-2 at tensor
-/// boundaries so that the Learner's own optimizer steps each rank's tensors, or stage 3,
-/// where it steps each rank's chunks.
-#[allow(clippy::large_enum_variant)]
-enum StrategySync {
-    Replicated(GradientSync),
-    Zero(ZeroSync),
-    Sharded {
-        sync: Zero3Sync,
-        _answering: Answering,
-    },
 }
 
 /// This thread answers a prepared model's keys with its rank's gather group until dropped.
@@ -124,15 +107,33 @@ impl<M: LearnerModel> RankRun<'_, M> {
         self.train.slice(rank * per, (rank + 1) * per)
     }
 
+    /// The gradient regime around the Learner's optimizer, with every rank's model starting
+    /// from rank 0's parameters. At stage 3 this rank's gather group answers the prepared
+    /// model's keys until the returned guard drops.
+    fn build_sync(&mut self) -> crate::Result<(Box<dyn GradSync<M>>, Option<Answering>)> {
+        let options = SyncOptions::of(self.config);
+        if options.stage == ZeroStage::Parameters {
+            let (sync, answering) = self.load_chunks(&options)?;
+            return Ok((Box::new(sync), Some(answering)));
+        }
+        let start = self.learner.model();
+        let layout = ParamLayout::of(&start);
+        let sync = sync::for_caller_optimizer(layout.clone(), self.comm.clone(), &options)?;
+        // Every replica starts from rank 0's parameters; the optimizer and schedule are kept.
+        let model = broadcast_params(self.comm.as_ref(), &layout, start)?;
+        self.learner.load_model(model.into_record());
+        Ok((sync, None))
+    }
+
     /// Stage 3: registers this rank's gather group for the prepared model's keys and loads
     /// this rank's chunks of rank 0's whole parameters into the `Learner`.
-    fn load_chunks(&mut self) -> crate::Result<StrategySync> {
+    fn load_chunks(&mut self, options: &SyncOptions) -> crate::Result<(ShardedSync, Answering)> {
         let prepared = self.prepared.take().ok_or_else(|| {
             crate::DeepSpeedError::Strategy(
                 "ZeRO stage 3 needs the model prepared by DeepSpeedStrategy::prepare_model".into(),
             )
         })?;
-        let sync = Zero3Sync::for_learner(prepared.layout.clone(), self.config, self.comm.clone());
+        let sync = ShardedSync::for_learner(prepared.layout.clone(), self.comm.clone(), options);
         sync.group().answer_on_this_thread(prepared.id);
         let answering = Answering(prepared.id);
         let mut flat = prepared.flat.clone();
@@ -141,26 +142,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
         let model = sync.load_flat(self.learner.model(), &flat);
         drop(flat);
         self.learner.load_model(model.into_record());
-        Ok(StrategySync::Sharded {
-            sync,
-            _answering: answering,
-        })
-    }
-
-    /// The whole model: the Learner's own, or at stage 3 gathered (a collective).
-    fn whole_model(&self, sync: &StrategySync) -> crate::Result<M> {
-        let model = self.learner.model();
-        match sync {
-            StrategySync::Sharded { sync: z, .. } => {
-                // Every parameter's value is gathered, in the same order on every rank.
-                let whole = model.materialize();
-                match z.group().take_error() {
-                    Some(e) => Err(e.into()),
-                    None => Ok(whole),
-                }
-            }
-            _ => Ok(model),
-        }
+        Ok((sync, answering))
     }
 
     /// Trains epochs; `on_epoch` sees the epoch's events on this rank (rank 0 forwards them
@@ -171,32 +153,14 @@ impl<M: LearnerModel> RankRun<'_, M> {
         mut on_epoch: impl FnMut(EpochEvent<'_, M>) -> bool,
     ) -> crate::Result<M> {
         let shard = self.shard();
-        let start = self.learner.model();
-        let layout = ParamLayout::of(&start);
-        let mut sync = match self.config.zero_optimization.stage {
-            ZeroStage::Disabled => {
-                StrategySync::Replicated(GradientSync::new(&start, self.config, self.comm.clone()))
-            }
-            ZeroStage::Parameters => self.load_chunks()?,
-            _ => StrategySync::Zero(ZeroSync::for_whole_tensors(
-                layout.clone(),
-                self.config,
-                self.comm.clone(),
-            )),
-        };
-        if !matches!(sync, StrategySync::Sharded { .. }) {
-            // Every replica starts from rank 0's parameters; the optimizer and schedule are
-            // kept.
-            let model = broadcast_params(self.comm.as_ref(), &layout, start)?;
-            self.learner.load_model(model.into_record());
-        }
+        let (mut sync, _answering) = self.build_sync()?;
         for epoch in epochs {
             if !on_epoch(EpochEvent::Start(epoch, shard.num_items())) {
                 break;
             }
             let mut iter = shard.iter();
             let mut iteration = 0;
-            'steps: loop {
+            loop {
                 let mut micro = Vec::with_capacity(self.grad_accumulation);
                 while micro.len() < self.grad_accumulation {
                     match iter.next() {
@@ -210,48 +174,9 @@ impl<M: LearnerModel> RankRun<'_, M> {
                 let mut flag = [u8::from(stop)];
                 self.comm.all_reduce(&mut flag, ReduceOp::Max)?;
                 if flag[0] != 0 {
-                    break 'steps;
+                    break;
                 }
-                let model = self.learner.model();
-                let mut outputs = Vec::with_capacity(micro.len());
-                for item in micro {
-                    let out = self.learner.train_step(item);
-                    match &mut sync {
-                        StrategySync::Replicated(s) => s.accumulate(&model, &out.grads),
-                        StrategySync::Zero(z) => z.accumulate(&model, &out.grads),
-                        StrategySync::Sharded { sync: z, .. } => z.accumulate(&model, &out.grads),
-                    }
-                    outputs.push(out.item);
-                }
-                match &mut sync {
-                    StrategySync::Replicated(s) => {
-                        let (grads, _norm) = s.reduce(&model)?;
-                        s.clear_marks();
-                        self.learner.lr_step();
-                        self.learner.optimizer_step(grads);
-                    }
-                    StrategySync::Zero(z) => {
-                        // Each rank steps its own tensors with the Learner's optimizer (which
-                        // keeps state for those only), then the ranks exchange the results.
-                        z.reduce()?;
-                        let grads = z.own_gradients(&model);
-                        self.learner.lr_step();
-                        self.learner.optimizer_step(grads);
-                        let updated = self.learner.model();
-                        let own = params_range(&updated, &layout, z.own());
-                        let gathered = z.gather(updated, &own)?;
-                        self.learner.load_model(gathered.into_record());
-                    }
-                    StrategySync::Sharded { sync: z, .. } => {
-                        // The chunks' gradients came reduce-scattered from the backward; the
-                        // Learner's optimizer steps the chunks and the persistent tensors.
-                        z.reduce()?;
-                        let grads = z.reduced_gradients(&model)?;
-                        self.learner.lr_step();
-                        self.learner.optimizer_step(grads);
-                        z.track_shards(&self.learner.model());
-                    }
-                }
+                let outputs = self.step(sync.as_mut(), micro)?;
                 for item in outputs {
                     iteration += 1;
                     let progress = iter.progress();
@@ -263,12 +188,38 @@ impl<M: LearnerModel> RankRun<'_, M> {
                     )));
                 }
             }
-            let whole = self.whole_model(&sync)?;
+            let whole = sync.whole_model(&self.learner.model())?;
             if !on_epoch(EpochEvent::End(epoch, &self.learner, whole)) {
                 break;
             }
         }
-        self.whole_model(&sync)
+        sync.whole_model(&self.learner.model())
+    }
+
+    /// One optimizer step over `micro`: the Learner computes each micro-batch's gradients,
+    /// the regime reduces them, the Learner's optimizer steps what this rank owns (whole
+    /// tensors at stage 0, its tensors at stages 1-2, its chunks at stage 3), and the regime
+    /// makes every rank's model consistent again.
+    fn step(
+        &mut self,
+        sync: &mut dyn GradSync<M>,
+        micro: Vec<<M as burn::train::TrainStep>::Input>,
+    ) -> crate::Result<Vec<<M as burn::train::TrainStep>::Output>> {
+        let model = self.learner.model();
+        let mut outputs = Vec::with_capacity(micro.len());
+        for item in micro {
+            let out = self.learner.train_step(item);
+            sync.accumulate(&model, &out.grads);
+            outputs.push(out.item);
+        }
+        sync.reduce()?;
+        let grads = sync.reduced_gradients(&model)?;
+        self.learner.lr_step();
+        self.learner.optimizer_step(grads);
+        if let Some(updated) = sync.finish_external_step(&self.learner.model())? {
+            self.learner.load_model(updated.into_record());
+        }
+        Ok(outputs)
     }
 }
 
@@ -278,6 +229,64 @@ enum EpochEvent<'a, M: LearnerModel> {
     Item(TrainingItem<<M as burn::train::TrainStep>::Output>),
     /// The epoch, the learner, and its model whole (for validation).
     End(usize, &'a Learner<M>, M),
+}
+
+/// Rank 0's side of training: the event processor, validation and checkpoints.
+struct LeaderEvents<M: LearnerModel> {
+    processor: SupervisedTrainingEventProcessor<M>,
+    interrupter: burn::train::Interrupter,
+    checkpointer: Option<burn::train::LearningCheckpointer<M>>,
+    event_store: Arc<burn::train::metric::store::EventStoreClient>,
+    valid: ValidLoader<M>,
+}
+
+impl<M: LearnerModel> LeaderEvents<M> {
+    /// Handles one of rank 0's events; false asks the ranks to stop.
+    fn on(&mut self, event: EpochEvent<'_, M>) -> bool {
+        let (processor, interrupter) = (&mut self.processor, &self.interrupter);
+        match event {
+            EpochEvent::Start(epoch, items) => {
+                interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
+                    epoch_number: epoch,
+                    total_items: items,
+                }));
+            }
+            EpochEvent::ShouldStop => return interrupter.should_stop(),
+            EpochEvent::Item(item) => {
+                interrupter
+                    .fail_on_error(processor.process_train(LearnerEvent::ProcessedItem(item)));
+            }
+            EpochEvent::End(epoch, learner, whole) => {
+                interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
+                self.validate(epoch, whole);
+                let (processor, interrupter) = (&mut self.processor, &self.interrupter);
+                interrupter.fail_on_error(processor.process_train(LearnerEvent::EndEpoch(epoch)));
+                if let Some(c) = &mut self.checkpointer {
+                    c.checkpoint(learner, epoch, &self.event_store);
+                }
+            }
+        }
+        true
+    }
+
+    /// Runs the validation split on the whole model.
+    fn validate(&mut self, epoch: usize, whole: M) {
+        let (processor, interrupter) = (&mut self.processor, &self.interrupter);
+        interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
+            epoch_number: epoch,
+            total_items: self.valid.num_items(),
+        }));
+        let model = whole.valid();
+        let mut it = self.valid.iter();
+        let mut iteration = 0;
+        while let Some(Ok(item)) = it.next() {
+            iteration += 1;
+            let out = InferenceStep::step(&model, item);
+            let item = TrainingItem::new(out, it.progress(), Some(iteration), None);
+            interrupter.fail_on_error(processor.process_valid(LearnerEvent::ProcessedItem(item)));
+        }
+        interrupter.fail_on_error(processor.process_valid(LearnerEvent::EndSplit(epoch)));
+    }
 }
 
 impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
@@ -290,9 +299,8 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
         starting_epoch: usize,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
         let mut config = self.config.clone();
-        if let Err(e) = refuse_unsupported(&config)
-            .and_then(|_| refuse_in_strategy(&config, components.checkpointer.is_some()))
-        {
+        let checkpointer = components.checkpointer.is_some();
+        if let Err(e) = check_supported(&config, EntryPoint::Strategy { checkpointer }) {
             panic!("burn-deepspeed: {e}");
         }
         let prepared = match self.prepared_for(&learner) {
@@ -302,138 +310,58 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
         config.gradient_accumulation_steps = None;
         let grad_accumulation = components.grad_accumulation.unwrap_or(1).max(1);
         let epochs = starting_epoch..=components.num_epochs;
-        let mut processor = components.event_processor;
-        let interrupter = components.interrupter.clone();
-        let mut checkpointer = components.checkpointer;
-        let event_store = components.event_store.clone();
         let device = learner
             .model()
             .devices()
             .into_iter()
             .next()
             .unwrap_or_default();
+        let mut leader_events = LeaderEvents {
+            processor: components.event_processor,
+            interrupter: components.interrupter.clone(),
+            checkpointer: components.checkpointer,
+            event_store: components.event_store.clone(),
+            valid,
+        };
+        let mut rank0_events = |event: EpochEvent<'_, M>| leader_events.on(event);
 
-        // Rank 0's events: the event processor, validation and checkpoints.
-        let mut rank0_events = |event: EpochEvent<'_, M>| -> bool {
-            match event {
-                EpochEvent::Start(epoch, items) => {
-                    interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
-                        epoch_number: epoch,
-                        total_items: items,
-                    }));
-                    true
-                }
-                EpochEvent::ShouldStop => interrupter.should_stop(),
-                EpochEvent::Item(item) => {
-                    interrupter
-                        .fail_on_error(processor.process_train(LearnerEvent::ProcessedItem(item)));
-                    true
-                }
-                EpochEvent::End(epoch, learner, whole) => {
-                    interrupter
-                        .fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
-                    interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
-                        epoch_number: epoch,
-                        total_items: valid.num_items(),
-                    }));
-                    let model = whole.valid();
-                    let mut it = valid.iter();
-                    let mut iteration = 0;
-                    while let Some(Ok(item)) = it.next() {
-                        iteration += 1;
-                        let out = InferenceStep::step(&model, item);
-                        let item = TrainingItem::new(out, it.progress(), Some(iteration), None);
-                        interrupter.fail_on_error(
-                            processor.process_valid(LearnerEvent::ProcessedItem(item)),
-                        );
-                    }
-                    interrupter
-                        .fail_on_error(processor.process_valid(LearnerEvent::EndSplit(epoch)));
-                    interrupter
-                        .fail_on_error(processor.process_train(LearnerEvent::EndEpoch(epoch)));
-                    if let Some(c) = &mut checkpointer {
-                        c.checkpoint(learner, epoch, &event_store);
-                    }
-                    true
-                }
+        // Each rank trains its own copy of the Learner (forked onto the device, in the thread
+        // world) with its own communicator.
+        let mpi = launched_by_mpirun();
+        let config = &config;
+        let rank_run = |comm: Arc<dyn Communicator>, mut learner: Learner<M>| {
+            if let Some(p) = &prepared
+                && p.world != comm.world_size()
+            {
+                return Err(prepared_world_mismatch(p.world, comm.world_size()));
+            }
+            if !mpi {
+                learner.fork(&device);
+            }
+            Ok(RankRun {
+                comm,
+                learner,
+                train: train.clone(),
+                grad_accumulation,
+                config,
+                prepared: prepared.clone(),
+            })
+        };
+        let follower = || {
+            let learner = learner.clone();
+            let epochs = epochs.clone();
+            let rank_run = &rank_run;
+            move |comm| {
+                rank_run(comm, learner)?
+                    .run_epochs(epochs, |e| !matches!(e, EpochEvent::ShouldStop))
             }
         };
-
-        let result = if launched_by_mpirun() {
-            mpi_world().and_then(|comm| {
-                let rank0 = comm.rank() == 0;
-                if let Some(p) = &prepared
-                    && p.world != comm.world_size()
-                {
-                    return Err(prepared_world_mismatch(p.world, comm.world_size()));
-                }
-                let run = RankRun {
-                    comm,
-                    learner: learner.clone(),
-                    train: train.clone(),
-                    grad_accumulation,
-                    config: &config,
-                    prepared,
-                };
-                if rank0 {
-                    run.run_epochs(epochs.clone(), &mut rank0_events)
-                } else {
-                    run.run_epochs(epochs.clone(), |e| !matches!(e, EpochEvent::ShouldStop))
-                }
-            })
-        } else {
-            let world = ThreadWorld::new(
-                self.ranks,
-                ThreadWorldOptions {
-                    timeout: self.timeout,
-                },
-            );
-            let mut comms = world.communicators().into_iter();
-            let comm0 = comms.next().expect("at least one rank");
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = comms
-                    .map(|comm| {
-                        let mut learner = learner.clone();
-                        learner.fork(&device);
-                        let run = RankRun {
-                            comm: Arc::new(comm) as Arc<dyn Communicator>,
-                            learner,
-                            train: train.clone(),
-                            grad_accumulation,
-                            config: &config,
-                            prepared: prepared.clone(),
-                        };
-                        let epochs = epochs.clone();
-                        scope.spawn(move || {
-                            run.run_epochs(epochs, |e| !matches!(e, EpochEvent::ShouldStop))
-                                .map(|_| ())
-                        })
-                    })
-                    .collect();
-                let mut learner0 = learner.clone();
-                learner0.fork(&device);
-                let run = RankRun {
-                    comm: Arc::new(comm0) as Arc<dyn Communicator>,
-                    learner: learner0,
-                    train: train.clone(),
-                    grad_accumulation,
-                    config: &config,
-                    prepared,
-                };
-                let r0 = run.run_epochs(epochs.clone(), &mut rank0_events);
-                for (i, h) in handles.into_iter().enumerate() {
-                    match h.join() {
-                        Ok(Ok(())) => {}
-                        Ok(Err(e)) => panic!("burn-deepspeed: rank {}: {e}", i + 1),
-                        Err(_) => panic!("burn-deepspeed: rank {} panicked", i + 1),
-                    }
-                }
-                r0
-            })
-        };
+        let leader =
+            |comm| rank_run(comm, learner.clone())?.run_epochs(epochs.clone(), &mut rank0_events);
+        let result = launch_with_leader(self.ranks, self.timeout, leader, follower);
         match result {
-            Ok(model) => (model, processor),
-            Err(e) => panic!("burn-deepspeed: rank 0: {e}"),
+            Ok((_, model)) => (model, leader_events.processor),
+            Err(e) => panic!("burn-deepspeed: {e}"),
         }
     }
 }
@@ -467,36 +395,4 @@ fn prepared_world_mismatch(prepared: usize, world: usize) -> crate::DeepSpeedErr
         "the model was prepared for ZeRO stage 3 on {prepared} ranks but the training runs on \
          {world}; prepare it with the strategy that trains it"
     ))
-}
-
-/// What the engine runs but the Learner strategy cannot: the strategy steps the `Learner`'s
-/// own optimizer and calls the `Learner`'s model as it is.
-fn refuse_in_strategy(config: &DeepSpeedConfig, checkpointer: bool) -> crate::Result<()> {
-    let kind = config.optimizer_kind();
-    if kind.is_one_bit() {
-        return Err(unsupported(
-            "optimizer.type",
-            &format!(
-                "the Learner strategy steps the Learner's own optimizer; {kind:?} runs in \
-                 `DeepSpeedEngine`"
-            ),
-        ));
-    }
-    if checkpointer && config.zero_optimization.stage != ZeroStage::Disabled {
-        return Err(unsupported(
-            "zero_optimization.stage",
-            "the Learner's checkpointer saves rank 0's Learner, whose optimizer holds only rank \
-             0's partition at ZeRO stages 1-3 (and at stage 3 its model holds only rank 0's \
-             chunks), so a resumed run would lose the rest; leave the checkpointer off, or \
-             checkpoint with `DeepSpeedEngine::save_checkpoint`, which saves every rank's part",
-        ));
-    }
-    if config.progressive_layer_drop.enabled {
-        return Err(unsupported(
-            "progressive_layer_drop.enabled",
-            "the Learner strategy cannot hand θ to the Learner's model; drive the model with \
-             `DeepSpeedEngine::pld_theta`",
-        ));
-    }
-    Ok(())
 }

@@ -16,8 +16,8 @@ use burn::module::Module;
 use super::DeepSpeedStrategy;
 use crate::config::ZeroStage;
 use crate::engine::flat::{ParamLayout, params_to_flat};
-use crate::engine::shard_plan;
 use crate::launch::mpirun_world_size;
+use crate::sync::{SyncOptions, shard_plan};
 use crate::zero3::{prepared_id, shard_module_ahead};
 
 /// A model prepared for stage 3, waiting for its ranks.
@@ -73,7 +73,7 @@ impl DeepSpeedStrategy {
         let world = mpirun_world_size().unwrap_or(self.ranks);
         let layout = ParamLayout::of(&model);
         let flat = params_to_flat(&model, &layout);
-        let plan = shard_plan(&layout, &self.config, world);
+        let plan = shard_plan(&layout, &SyncOptions::of(&self.config), world);
         let shapes: Vec<Vec<usize>> = layout.slots.iter().map(|s| s.shape.clone()).collect();
         let id = prepared_id();
         let model = shard_module_ahead(model, &plan, &shapes, id);

@@ -51,6 +51,10 @@ pub struct GatherStats {
     pub all_gathers: u64,
     /// Most elements held by the prefetch cache at once.
     pub peak_prefetched: usize,
+    /// Most elements one gather or reduce-scatter had allocated at once, the prefetch cache
+    /// included: gathered weights (and prefetched ones), or a whole gradient padded for its
+    /// reduce-scatter and the chunk it leaves. Counted where they are allocated.
+    pub peak_live_elems: usize,
 }
 
 struct State {
@@ -319,6 +323,7 @@ impl GatherGroup {
             st.cache.insert(j, values);
         }
         st.stats.peak_prefetched = st.stats.peak_prefetched.max(st.cache_elems);
+        st.stats.peak_live_elems = st.stats.peak_live_elems.max(st.cache_elems + first.len());
         debug_assert_eq!(first.len(), numel);
         first
     }
@@ -402,6 +407,7 @@ impl GatherGroup {
             grad.iter_mut().for_each(|g| *g *= self.pre);
         }
         let mut out = vec![0.0f32; s.chunk];
+        st.stats.peak_live_elems = st.stats.peak_live_elems.max(grad.len() + out.len());
         if st.error.is_none() {
             let _span = tracing::trace_span!("zero3_reduce_scatter", elems = grad.len()).entered();
             if let Err(e) = self

@@ -195,12 +195,25 @@ pub fn check_all(c: &dyn Communicator) -> Result<usize, String> {
     let mut buf = vec![1.0f32; 40 * world];
     c.all_reduce(&mut buf, ReduceOp::Sum)
         .map_err(|e| err("all_reduce for counters", e))?;
-    let delta = c.stats().since(&before);
+    let delta = c.stats().since(&before).get(super::OpKind::AllReduce);
     let expected = (2 * (world - 1) * 40 * 4) as u64;
-    let got = delta.get(super::OpKind::AllReduce).bytes_sent;
-    if got != expected {
+    if delta.model_bytes_sent != expected {
         return Err(format!(
-            "all_reduce counted {got} bytes sent, {expected} expected"
+            "all_reduce counted {} model bytes sent, {expected} expected",
+            delta.model_bytes_sent
+        ));
+    }
+    // Measured: both transports move the whole f32 buffer each way for this rank (the thread
+    // world copies it in and out of the round; MPI is handed it as send and receive buffers).
+    let moved = if world > 1 {
+        (40 * world * 4) as u64
+    } else {
+        0
+    };
+    if (delta.bytes_sent, delta.bytes_received) != (moved, moved) {
+        return Err(format!(
+            "all_reduce measured {} bytes sent and {} received, {moved} each expected",
+            delta.bytes_sent, delta.bytes_received
         ));
     }
     Ok(n + 1 + check_split(c)?)

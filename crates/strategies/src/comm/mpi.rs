@@ -119,12 +119,26 @@ impl MpiCommunicator {
         }
     }
 
-    fn record(&self, kind: OpKind, counts: &[usize], root: usize, elem: usize) {
-        let (s, r) = op_cost(kind, self.rank, self.size, counts, root, elem);
+    /// Counts one call: `posted` bytes `(sent, received)` in the buffers handed to MPI (after
+    /// padding and widening), and the ring model's figure for `counts`.
+    fn record(
+        &self,
+        kind: OpKind,
+        posted: (usize, usize),
+        counts: &[usize],
+        root: usize,
+        elem: usize,
+    ) {
+        let model = op_cost(kind, self.rank, self.size, counts, root, elem);
+        let moved = if self.size > 1 {
+            (posted.0 as u64, posted.1 as u64)
+        } else {
+            (0, 0)
+        };
         self.stats
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .record(kind, s, r);
+            .record(kind, moved, model);
     }
 
     fn check_rank(&self, op: &'static str, what: &str, r: usize) -> Result<()> {
@@ -251,7 +265,8 @@ impl Communicator for MpiCommunicator {
             self.reduce_f32(&send, op)
         };
         narrow(&values, buf, op);
-        self.record(OpKind::AllReduce, &[n], 0, elem);
+        // Every dtype is reduced in f32 (widened), from and into an f32 buffer.
+        self.record(OpKind::AllReduce, (4 * n, 4 * n), &[n], 0, elem);
         Ok(())
     }
 
@@ -290,7 +305,10 @@ impl Communicator for MpiCommunicator {
             out.iter_mut().for_each(|v| *v = (*v / size).floor());
         }
         narrow(&out, output, op);
-        self.record(OpKind::ReduceScatter, counts, 0, elem);
+        // Widened to f32 and padded to the largest chunk per rank.
+        let max = counts.iter().copied().max().unwrap_or(0);
+        let posted = (4 * max * self.size, 4 * max);
+        self.record(OpKind::ReduceScatter, posted, counts, 0, elem);
         Ok(())
     }
 
@@ -334,7 +352,8 @@ impl Communicator for MpiCommunicator {
                 .world
                 .all_gather_varcount_into(input.as_bytes(), &mut partition);
         }
-        self.record(OpKind::AllGather, counts, 0, elem);
+        let posted = (counts[self.rank] * elem, total * elem);
+        self.record(OpKind::AllGather, posted, counts, 0, elem);
         Ok(())
     }
 
@@ -349,7 +368,12 @@ impl Communicator for MpiCommunicator {
                 .process_at_rank(root as i32)
                 .broadcast_into(buf.as_bytes_mut());
         }
-        self.record(OpKind::Broadcast, &[n], root, elem);
+        let posted = if self.rank == root {
+            (n * elem, 0)
+        } else {
+            (0, n * elem)
+        };
+        self.record(OpKind::Broadcast, posted, &[n], root, elem);
         Ok(())
     }
 
@@ -376,7 +400,14 @@ impl Communicator for MpiCommunicator {
                 .world
                 .all_to_all_into(input.as_bytes(), output.as_bytes_mut());
         }
-        self.record(OpKind::AllToAll, &vec![chunk; self.size], 0, elem);
+        let bytes = input.len() * elem;
+        self.record(
+            OpKind::AllToAll,
+            (bytes, bytes),
+            &vec![chunk; self.size],
+            0,
+            elem,
+        );
         Ok(())
     }
 
@@ -389,7 +420,8 @@ impl Communicator for MpiCommunicator {
                 .process_at_rank(dst as i32)
                 .send_with_tag(buf.as_bytes(), tag as i32);
         }
-        self.record(OpKind::Send, &[buf.len()], 0, buf.dtype().size());
+        let (n, elem) = (buf.len(), buf.dtype().size());
+        self.record(OpKind::Send, (n * elem, 0), &[n], 0, elem);
         Ok(())
     }
 
@@ -411,13 +443,14 @@ impl Communicator for MpiCommunicator {
                 detail: format!("rank {src} sent {got} bytes, {expected} expected"),
             });
         }
-        self.record(OpKind::Recv, &[buf.len()], 0, buf.dtype().size());
+        let (n, elem) = (buf.len(), buf.dtype().size());
+        self.record(OpKind::Recv, (0, n * elem), &[n], 0, elem);
         Ok(())
     }
 
     fn barrier(&self) -> Result<()> {
         self.lock().world.barrier();
-        self.record(OpKind::Barrier, &[0], 0, 1);
+        self.record(OpKind::Barrier, (0, 0), &[0], 0, 1);
         Ok(())
     }
 

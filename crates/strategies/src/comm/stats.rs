@@ -62,20 +62,34 @@ impl fmt::Display for OpKind {
 }
 
 /// Calls and bytes of one kind of operation on one rank.
+///
+/// Two figures are kept apart:
+/// - `bytes_sent` / `bytes_received` are **measured**: what the transport moved for this rank.
+///   In the thread world, the bytes copied out of this rank's buffers into the shared round and
+///   the bytes copied into them; under MPI, the bytes of the buffers handed to the MPI calls,
+///   after the padding (uneven reduce-scatter) and widening (16-bit and u8 reductions run in
+///   f32) the implementation applies.
+/// - `model_bytes_sent` / `model_bytes_received` are **modelled**: what the same call would
+///   move under the bandwidth-optimal ring algorithm ([`op_cost`]), the same for every backend.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct OpStats {
     /// Number of calls.
     pub calls: u64,
-    /// Bytes this rank sent.
+    /// Bytes this rank's transport sent (measured).
     pub bytes_sent: u64,
-    /// Bytes this rank received.
+    /// Bytes this rank's transport received (measured).
     pub bytes_received: u64,
+    /// Bytes the ring model says this rank sends.
+    pub model_bytes_sent: u64,
+    /// Bytes the ring model says this rank receives.
+    pub model_bytes_received: u64,
 }
 
-/// Per-rank communication counters, by kind of operation.
-///
-/// Bytes follow the bandwidth-optimal (ring) cost model, the same for every backend, so that
-/// the thread world and MPI report identical figures for the same program. See [`op_cost`].
+/// Bytes one call moved for one rank: `(sent, received)`.
+pub type Moved = (u64, u64);
+
+/// Per-rank communication counters, by kind of operation: measured bytes and, beside them,
+/// the ring model's ([`OpStats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CommStats {
     ops: [OpStats; 8],
@@ -86,20 +100,26 @@ impl CommStats {
     pub fn get(&self, kind: OpKind) -> OpStats {
         self.ops[kind.index()]
     }
-    /// Records one call.
-    pub fn record(&mut self, kind: OpKind, bytes_sent: u64, bytes_received: u64) {
+    /// Records one call: the bytes the transport `moved` and the ring model's `model`.
+    pub fn record(&mut self, kind: OpKind, moved: Moved, model: Moved) {
         let s = &mut self.ops[kind.index()];
         s.calls += 1;
-        s.bytes_sent += bytes_sent;
-        s.bytes_received += bytes_received;
+        s.bytes_sent += moved.0;
+        s.bytes_received += moved.1;
+        s.model_bytes_sent += model.0;
+        s.model_bytes_received += model.1;
     }
-    /// Bytes sent over every kind of operation.
+    /// Bytes the transport sent over every kind of operation (measured).
     pub fn total_sent(&self) -> u64 {
         self.ops.iter().map(|s| s.bytes_sent).sum()
     }
-    /// Bytes received over every kind of operation.
+    /// Bytes the transport received over every kind of operation (measured).
     pub fn total_received(&self) -> u64 {
         self.ops.iter().map(|s| s.bytes_received).sum()
+    }
+    /// Bytes the ring model says were sent over every kind of operation.
+    pub fn total_model_sent(&self) -> u64 {
+        self.ops.iter().map(|s| s.model_bytes_sent).sum()
     }
     /// Counters accumulated since `earlier` (a snapshot of the same rank).
     pub fn since(&self, earlier: &CommStats) -> CommStats {
@@ -108,6 +128,8 @@ impl CommStats {
             o.calls -= e.calls;
             o.bytes_sent -= e.bytes_sent;
             o.bytes_received -= e.bytes_received;
+            o.model_bytes_sent -= e.model_bytes_sent;
+            o.model_bytes_received -= e.model_bytes_received;
         }
         out
     }

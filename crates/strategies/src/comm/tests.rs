@@ -39,12 +39,19 @@ fn barrier_and_counters_follow_the_cost_model() {
         c.stats()
     });
     for s in stats {
-        // Ring all-reduce: 2 (N-1)/N n elements each way.
-        assert_eq!(s.get(OpKind::AllReduce).bytes_sent, 2 * 3 * 100 * 4);
-        assert_eq!(s.get(OpKind::ReduceScatter).bytes_sent, 300 * 4);
-        assert_eq!(s.get(OpKind::ReduceScatter).bytes_received, 300 * 4);
+        // Ring model: all-reduce moves 2 (N-1)/N n elements each way; reduce-scatter sends
+        // the (N-1) chunks it does not own and receives (N-1) contributions to its own.
+        let (ar, rs) = (s.get(OpKind::AllReduce), s.get(OpKind::ReduceScatter));
+        assert_eq!(ar.model_bytes_sent, 2 * 3 * 100 * 4);
+        assert_eq!(rs.model_bytes_sent, 300 * 4);
+        assert_eq!(rs.model_bytes_received, 300 * 4);
+        assert_eq!(s.total_model_sent(), 2400 + 1200);
+        // Measured in the thread world: each rank copies its whole buffer into the round and
+        // its result out of it (all-reduce: 400 each way; reduce-scatter: 400 out, 100 in).
+        assert_eq!((ar.bytes_sent, ar.bytes_received), (400 * 4, 400 * 4));
+        assert_eq!((rs.bytes_sent, rs.bytes_received), (400 * 4, 100 * 4));
         assert_eq!(s.get(OpKind::Barrier).calls, 1);
-        assert_eq!(s.total_sent(), 2400 + 1200);
+        assert_eq!(s.total_sent(), 1600 + 1600);
     }
 }
 

@@ -244,12 +244,26 @@ impl ThreadCommunicator {
         Ok(())
     }
 
-    fn record(&self, kind: OpKind, counts: &[usize], root: usize, elem: usize) {
-        let (s, r) = op_cost(kind, self.rank, self.shared.world, counts, root, elem);
+    /// Counts one call: `copied` elements `(out of, into)` this rank's buffers (what this
+    /// transport moves), and the ring model's figure for `counts`.
+    fn record(
+        &self,
+        kind: OpKind,
+        copied: (usize, usize),
+        counts: &[usize],
+        root: usize,
+        elem: usize,
+    ) {
+        let model = op_cost(kind, self.rank, self.shared.world, counts, root, elem);
+        let moved = if self.shared.world > 1 {
+            ((copied.0 * elem) as u64, (copied.1 * elem) as u64)
+        } else {
+            (0, 0)
+        };
         self.stats
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .record(kind, s, r);
+            .record(kind, moved, model);
     }
 
     /// Fails with the recorded failure of another rank, if any.
@@ -393,7 +407,7 @@ impl Communicator for ThreadCommunicator {
             T::reduce_into(&inputs, out, op);
         }
         with_typed_mut!(buf, |s| reduce(&contribs, s, op));
-        self.record(OpKind::AllReduce, &[n], 0, elem);
+        self.record(OpKind::AllReduce, (n, n), &[n], 0, elem);
         Ok(())
     }
 
@@ -446,7 +460,13 @@ impl Communicator for ThreadCommunicator {
             T::reduce_into(&inputs, out, op);
         }
         with_typed_mut!(output, |s| reduce(&contribs, s, op, start..end));
-        self.record(OpKind::ReduceScatter, counts, 0, input.dtype().size());
+        self.record(
+            OpKind::ReduceScatter,
+            (total, counts[self.rank]),
+            counts,
+            0,
+            input.dtype().size(),
+        );
         Ok(())
     }
 
@@ -488,7 +508,13 @@ impl Communicator for ThreadCommunicator {
         }
         let elem = input.dtype().size();
         with_typed_mut!(output, |s| gather(&contribs, s));
-        self.record(OpKind::AllGather, counts, 0, elem);
+        self.record(
+            OpKind::AllGather,
+            (counts[self.rank], total),
+            counts,
+            0,
+            elem,
+        );
         Ok(())
     }
 
@@ -517,7 +543,8 @@ impl Communicator for ThreadCommunicator {
             debug_assert_eq!(src.len(), n);
             with_typed_mut!(buf, |s| s.copy_from_slice(src.typed()));
         }
-        self.record(OpKind::Broadcast, &[n], root, elem);
+        let copied = if self.rank == root { (n, 0) } else { (0, n) };
+        self.record(OpKind::Broadcast, copied, &[n], root, elem);
         Ok(())
     }
 
@@ -561,7 +588,8 @@ impl Communicator for ThreadCommunicator {
             }
         }
         with_typed_mut!(output, |s| exchange(&contribs, s, me, chunk));
-        self.record(OpKind::AllToAll, &vec![chunk; world], 0, elem);
+        let n = input.len();
+        self.record(OpKind::AllToAll, (n, n), &vec![chunk; world], 0, elem);
         Ok(())
     }
 
@@ -579,7 +607,8 @@ impl Communicator for ThreadCommunicator {
             .push_back(Owned::copy_of(buf));
         drop(state);
         self.shared.cv.notify_all();
-        self.record(OpKind::Send, &[buf.len()], 0, buf.dtype().size());
+        let n = buf.len();
+        self.record(OpKind::Send, (n, 0), &[n], 0, buf.dtype().size());
         Ok(())
     }
 
@@ -650,7 +679,7 @@ impl Communicator for ThreadCommunicator {
         let n = buf.len();
         let elem = buf.dtype().size();
         with_typed_mut!(&mut buf, |s| s.copy_from_slice(msg.typed()));
-        self.record(OpKind::Recv, &[n], 0, elem);
+        self.record(OpKind::Recv, (0, n), &[n], 0, elem);
         Ok(())
     }
 
@@ -664,7 +693,7 @@ impl Communicator for ThreadCommunicator {
             op: None,
         };
         self.rendezvous(header, Owned::empty())?;
-        self.record(OpKind::Barrier, &[0], 0, 1);
+        self.record(OpKind::Barrier, (0, 0), &[0], 0, 1);
         Ok(())
     }
 

@@ -1,5 +1,6 @@
-//! Engine checkpoints on disk: one directory per tag with a `meta.json` and the state files it
-//! lists, each with its length and checksum, written atomically.
+//! The checkpoint format on disk: one directory per tag with a `meta.json` and the state files
+//! it lists, each with its length and checksum, written atomically. The protocol that decides
+//! which rank writes and reads what is in `protocol.rs` beside this file.
 //!
 //! Layout of `DIR`:
 //! - `DIR/TAG/meta.json`: format, version, step, world size, ZeRO stage, optimizer, the
@@ -11,7 +12,8 @@
 //! At ZeRO stage 0 every rank holds the same state, so rank 0 writes it and any world size can
 //! load it. At stages 1 and 2 each rank also writes its slice of the optimizer state,
 //! `DIR/TAG/zero_pp_rank_R_optim_states.bin` (DeepSpeed's name); the slices are contiguous
-//! pieces of one flat state, so a load at another world size re-cuts them. A checkpoint is first written to a hidden directory and renamed into place, and
+//! pieces of one flat state, so a load at another world size re-cuts them. A checkpoint is
+//! first written to a hidden directory and renamed into place, and
 //! `latest` is replaced by a rename too: a crash leaves the previous checkpoint intact.
 
 use std::fs::{self, File};

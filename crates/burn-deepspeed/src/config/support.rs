@@ -1,0 +1,297 @@
+//! What this version refuses to run, in one place: every entry point (the engine, the
+//! pipeline engine, the Learner strategy) calls [`check_supported`] once, after
+//! [`DeepSpeedConfig::resolve`]. Each refusal names the key and what to do instead; settings
+//! that merely load with a warning are in `DeepSpeedConfig::load`'s warnings.
+
+use super::{DeepSpeedConfig, OffloadDevice, OptimizerKind, ZeroStage};
+use crate::{DeepSpeedError, Result};
+
+/// Which entry point is about to train.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryPoint {
+    /// [`DeepSpeedEngine`](crate::DeepSpeedEngine): data parallelism with ZeRO 0-3, 1-bit
+    /// optimizers and progressive layer dropping.
+    Engine,
+    /// [`PipelineEngine`](crate::pipe::PipelineEngine): pipeline x data parallelism.
+    Pipeline,
+    /// [`DeepSpeedStrategy`](crate::strategy::DeepSpeedStrategy) inside Burn's
+    /// `SupervisedTraining`; `checkpointer` says whether the Learner checkpoints.
+    Strategy {
+        /// The `SupervisedTraining` has a checkpointer.
+        checkpointer: bool,
+    },
+}
+
+fn refuse(key: &str, reason: impl Into<String>) -> Result<()> {
+    Err(DeepSpeedError::Unsupported {
+        key: key.into(),
+        reason: reason.into(),
+    })
+}
+
+/// Refuses, with the key and the alternative, what `entry` cannot run under `config`.
+pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
+    check_zero_keys(config)?;
+    check_precision(config)?;
+    check_optimizer(config, entry)?;
+    let stage = config.zero_optimization.stage;
+    let pipelined = config
+        .pipeline
+        .as_ref()
+        .and_then(|p| p.stage_count())
+        .unwrap_or(1)
+        > 1;
+    match entry {
+        EntryPoint::Engine if pipelined => refuse(
+            "pipeline.stages",
+            "DeepSpeedEngine is data-parallel only; train a pipeline with \
+             `burn_deepspeed::pipe::PipelineEngine`",
+        ),
+        EntryPoint::Engine => Ok(()),
+        EntryPoint::Pipeline => {
+            if config
+                .pipeline
+                .as_ref()
+                .is_some_and(|p| p.stage_count().is_none())
+            {
+                return refuse(
+                    "pipeline.stages",
+                    "\"auto\" has no model to size the pipeline from here; give the number \
+                     of stages",
+                );
+            }
+            match stage {
+                ZeroStage::Disabled => {}
+                ZeroStage::OptimizerStates => {
+                    return refuse(
+                        "zero_optimization.stage",
+                        "ZeRO stage 1 with a pipeline is not implemented yet; set the stage \
+                         to 0",
+                    );
+                }
+                _ => {
+                    return refuse(
+                        "zero_optimization.stage",
+                        "ZeRO stages 2 and 3 cannot be combined with pipeline parallelism (as \
+                         in DeepSpeed: gradients are accumulated across micro-batches on each \
+                         stage); set the stage to 0",
+                    );
+                }
+            }
+            if config.progressive_layer_drop.enabled {
+                return refuse(
+                    "progressive_layer_drop.enabled",
+                    "the pipeline engine does not hand θ to its layers yet; progressive layer \
+                     dropping runs in `DeepSpeedEngine`",
+                );
+            }
+            Ok(())
+        }
+        EntryPoint::Strategy { checkpointer } => {
+            if checkpointer && stage != ZeroStage::Disabled {
+                return refuse(
+                    "zero_optimization.stage",
+                    "the Learner's checkpointer saves rank 0's Learner, whose optimizer holds \
+                     only rank 0's partition at ZeRO stages 1-3 (and at stage 3 its model \
+                     holds only rank 0's chunks), so a resumed run would lose the rest; leave \
+                     the checkpointer off, or checkpoint with \
+                     `DeepSpeedEngine::save_checkpoint`, which saves every rank's part",
+                );
+            }
+            if config.progressive_layer_drop.enabled {
+                return refuse(
+                    "progressive_layer_drop.enabled",
+                    "the Learner strategy cannot hand θ to the Learner's model; drive the \
+                     model with `DeepSpeedEngine::pld_theta`",
+                );
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The optimizers each entry point steps.
+fn check_optimizer(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
+    let Some(optimizer) = &config.optimizer else {
+        return Ok(());
+    };
+    let kind = optimizer.kind;
+    if kind == OptimizerKind::ZeroOneAdam {
+        return refuse(
+            "optimizer.type",
+            "ZeroOneAdam is not implemented yet; use OneBitAdam, Adam, AdamW or Lamb",
+        );
+    }
+    if kind.is_one_bit() {
+        return match entry {
+            EntryPoint::Engine => Ok(()),
+            EntryPoint::Pipeline => refuse(
+                "optimizer.type",
+                format!(
+                    "{kind:?} compresses the data-parallel exchange and runs in \
+                     `DeepSpeedEngine` (ZeRO stage 0, no pipeline); use Adam, AdamW or Lamb here"
+                ),
+            ),
+            EntryPoint::Strategy { .. } => refuse(
+                "optimizer.type",
+                format!(
+                    "the Learner strategy steps the Learner's own optimizer; {kind:?} runs in \
+                     `DeepSpeedEngine`"
+                ),
+            ),
+        };
+    }
+    if optimizer.params.bias_correction == Some(false) {
+        return refuse(
+            "optimizer.params.bias_correction",
+            "Burn's Adam, AdamW and LAMB always correct the bias; remove the key or set it to \
+             true",
+        );
+    }
+    Ok(())
+}
+
+/// The `zero_optimization` settings no entry point runs yet. Everything else is honoured (see
+/// the book's ZeRO chapter for what each key does here).
+fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
+    let z = &config.zero_optimization;
+    let offloaded = |d: Option<OffloadDevice>| d.is_some_and(|d| d != OffloadDevice::None);
+    if offloaded(z.offload_optimizer.as_ref().map(|o| o.device)) || z.cpu_offload == Some(true) {
+        return refuse(
+            "zero_optimization.offload_optimizer",
+            "ZeRO-Offload (optimizer state on the CPU or NVMe) is not implemented yet; remove \
+             the section or set its device to \"none\"",
+        );
+    }
+    if offloaded(z.offload_param.as_ref().map(|o| o.device)) {
+        return refuse(
+            "zero_optimization.offload_param",
+            "parameter offload is not implemented yet; remove the section or set its device \
+             to \"none\"",
+        );
+    }
+    if z.zero_hpz_partition_size > 1 {
+        return refuse(
+            "zero_optimization.zero_hpz_partition_size",
+            "ZeRO++ hierarchical partitioning is not implemented; set it to 1",
+        );
+    }
+    for (key, on) in [
+        ("zero_quantized_weights", z.zero_quantized_weights),
+        (
+            "zero_quantized_nontrainable_weights",
+            z.zero_quantized_nontrainable_weights,
+        ),
+        ("zero_quantized_gradients", z.zero_quantized_gradients),
+    ] {
+        if on {
+            return refuse(
+                &format!("zero_optimization.{key}"),
+                "ZeRO++ quantized collectives are not implemented; set it to false",
+            );
+        }
+    }
+    if z.mics_shard_size > 0 {
+        return refuse(
+            "zero_optimization.mics_shard_size",
+            "MiCS is not implemented; set it to -1",
+        );
+    }
+    Ok(())
+}
+
+/// Mixed precision is not implemented yet.
+fn check_precision(config: &DeepSpeedConfig) -> Result<()> {
+    for (key, on) in [
+        ("fp16.enabled", config.fp16.enabled),
+        ("bf16.enabled", config.bf16.enabled),
+    ] {
+        if on {
+            return refuse(key, "mixed precision is not implemented yet; train in fp32");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str) -> DeepSpeedConfig {
+        let (mut c, _) = DeepSpeedConfig::from_json_str(text).expect("valid");
+        c.resolve(1).expect("resolves");
+        c
+    }
+
+    fn refused_key(c: &DeepSpeedConfig, entry: EntryPoint) -> Option<String> {
+        match check_supported(c, entry) {
+            Err(DeepSpeedError::Unsupported { key, reason }) => {
+                assert!(!reason.is_empty());
+                Some(key)
+            }
+            Err(e) => panic!("not an Unsupported error: {e}"),
+            Ok(()) => None,
+        }
+    }
+
+    /// Every refusal names its key, at the entry points that cannot run it, and only there.
+    #[test]
+    fn refusals_name_the_key_per_entry_point() {
+        let base =
+            r#""train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}"#;
+        let strategy = EntryPoint::Strategy {
+            checkpointer: false,
+        };
+        let cases: &[(&str, &str, [bool; 3])] = &[
+            (r#""fp16": {"enabled": true}"#, "fp16.enabled", [true; 3]),
+            (
+                r#""zero_optimization": {"offload_param": {"device": "cpu"}}"#,
+                "zero_optimization.offload_param",
+                [true; 3],
+            ),
+            (
+                r#""pipeline": {"stages": 2}"#,
+                "pipeline.stages",
+                [true, false, false],
+            ),
+            (
+                r#""zero_optimization": {"stage": 1}"#,
+                "zero_optimization.stage",
+                [false, true, false],
+            ),
+            (
+                r#""progressive_layer_drop": {"enabled": true}"#,
+                "progressive_layer_drop.enabled",
+                [false, true, true],
+            ),
+        ];
+        for (extra, key, refused) in cases {
+            let c = config(&format!("{{{base}, {extra}}}"));
+            for (entry, want) in [EntryPoint::Engine, EntryPoint::Pipeline, strategy]
+                .into_iter()
+                .zip(refused)
+            {
+                let got = refused_key(&c, entry);
+                assert_eq!(got.is_some(), *want, "{extra} at {entry:?}: {got:?}");
+                if *want {
+                    assert_eq!(got.as_deref(), Some(*key), "{extra} at {entry:?}");
+                }
+            }
+        }
+        let onebit = config(
+            r#"{"train_batch_size": 4, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}"#,
+        );
+        assert_eq!(refused_key(&onebit, EntryPoint::Engine), None);
+        assert_eq!(
+            refused_key(&onebit, strategy).as_deref(),
+            Some("optimizer.type")
+        );
+        let staged = config(&format!(
+            r#"{{{base}, "zero_optimization": {{"stage": 2}}}}"#
+        ));
+        assert_eq!(
+            refused_key(&staged, EntryPoint::Strategy { checkpointer: true }).as_deref(),
+            Some("zero_optimization.stage")
+        );
+    }
+}

@@ -1,0 +1,368 @@
+//! The checkpoint protocol: which rank writes what, how the ranks agree that a save
+//! succeeded, and how a checkpoint written at one world size (and ZeRO stage) is read back and
+//! cut for another.
+//!
+//! - A replicated state (ZeRO stage 0, Burn's or a 1-bit optimizer) is the same on every rank:
+//!   rank 0 writes `model.bin` and `optim.bin`.
+//! - Partitioned states (stages 1-3) are written by every rank into one staging directory
+//!   (which every rank must see): rank 0 creates it and says so, each rank writes its slice
+//!   `zero_pp_rank_R_optim_states.bin` and reports its length and checksum (one all-gather),
+//!   and rank 0 adds `model.bin` (at stage 3 gathered by every rank first) and commits.
+//! - Every rank learns whether rank 0's commit succeeded (one broadcast).
+//! - On load, every rank reads the files; the slices are joined into one whole state
+//!   (contiguous pieces at stages 1-2, each rank's pieces of every tensor at stage 3) and cut
+//!   again for this rank.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt};
+use burn_deepspeed_strategies::zero::{PartitionState, PartitionedOptimizer, ShardPlan};
+
+use super::format::{
+    CheckpointFile, CheckpointMeta, check_tag, commit_checkpoint, create_staging, f32_bytes,
+    f32_values, partition_state_bytes, partition_state_from_bytes, read_checkpoint, staging_dir,
+    write_checkpoint, write_state_file,
+};
+use crate::sync::{GradSync, SavedState};
+use crate::{DeepSpeedError, Result};
+
+/// The name of rank `rank`'s optimizer slice in a partitioned checkpoint.
+pub fn partition_file(rank: usize) -> String {
+    format!("zero_pp_rank_{rank}_optim_states.bin")
+}
+
+/// A checkpoint read from disk and checked against the engine that loads it.
+#[derive(Debug)]
+pub struct Loaded {
+    /// Its metadata.
+    pub meta: CheckpointMeta,
+    /// The whole parameters, flat in layout order.
+    pub params: Vec<f32>,
+    /// The optimizer files after `model.bin`, in the order `meta.json` lists them.
+    pub files: Vec<Vec<u8>>,
+}
+
+impl Loaded {
+    /// The replicated optimizer state (`optim.bin`).
+    pub fn replicated_state(&self) -> Result<&[u8]> {
+        self.files
+            .first()
+            .map(Vec::as_slice)
+            .ok_or_else(|| DeepSpeedError::Checkpoint("the optimizer state file is missing".into()))
+    }
+
+    /// The saved slices joined into the whole state of tensors of `sizes` elements, cut to
+    /// the flat element `ranges` this rank owns (back to back).
+    pub fn slice_state(&self, sizes: &[usize], ranges: &[Range<usize>]) -> Result<PartitionState> {
+        let slices = self
+            .files
+            .iter()
+            .enumerate()
+            .map(|(r, b)| partition_state_from_bytes(b, &partition_file(r)))
+            .collect::<Result<Vec<_>>>()?;
+        let whole = join_slices(slices, sizes, self.meta.zero_stage, self.meta.world_size)?;
+        Ok(cut_state(&whole, ranges))
+    }
+}
+
+/// Saves checkpoint `tag` under `dir` (see the module docs). Collective: every rank calls it
+/// with its `sync` and `model`; `meta` describes the engine (its files are filled in here).
+pub fn save<M: Module>(
+    dir: &Path,
+    tag: &str,
+    comm: &dyn Communicator,
+    sync: &dyn GradSync<M>,
+    model: &M,
+    meta: CheckpointMeta,
+) -> Result<PathBuf> {
+    check_tag(tag)?;
+    let root = comm.rank() == 0;
+    // At stage 3 every rank takes part in gathering the whole parameters; rank 0 writes them.
+    let params = sync.whole_params(model, root)?;
+    let written = match sync.save(root)? {
+        SavedState::Replicated(Some(optim)) => {
+            let params = f32_bytes(&params.unwrap_or_default());
+            let files = [("model.bin", params), ("optim.bin", optim)];
+            write_checkpoint(dir, tag, meta, &files)
+        }
+        SavedState::Replicated(None) => Ok(dir.join(tag)),
+        SavedState::Slice(state) => write_slices(dir, tag, comm, &state, params, meta),
+    };
+    // Every rank learns whether rank 0's commit succeeded.
+    let mut ok = [u8::from(written.is_ok())];
+    comm.broadcast(&mut ok, 0)?;
+    if ok[0] == 0 && written.is_ok() {
+        return Err(DeepSpeedError::Checkpoint(format!(
+            "rank 0 could not write {}",
+            dir.join(tag).display()
+        )));
+    }
+    written
+}
+
+/// Every rank stages its optimizer slice; rank 0 adds the model (`params`) and commits.
+fn write_slices(
+    dir: &Path,
+    tag: &str,
+    comm: &dyn Communicator,
+    state: &[u8],
+    params: Option<Vec<f32>>,
+    mut meta: CheckpointMeta,
+) -> Result<PathBuf> {
+    let staging = staging_dir(dir, tag, "ranks");
+    let mut ok = [u8::from(
+        comm.rank() != 0 || create_staging(&staging).is_ok(),
+    )];
+    comm.broadcast(&mut ok, 0)?;
+    if ok[0] == 0 {
+        return Err(DeepSpeedError::Checkpoint(format!(
+            "rank 0 could not create {}",
+            staging.display()
+        )));
+    }
+    let mine = write_state_file(&staging, &partition_file(comm.rank()), state);
+    // Each rank reports [ok, length, checksum] so that rank 0 can list every file.
+    let mut record = [0u8; 17];
+    if let Ok(f) = &mine {
+        record[0] = 1;
+        record[1..9].copy_from_slice(&f.bytes.to_le_bytes());
+        let sum = u64::from_str_radix(&f.fnv64, 16).unwrap_or_default();
+        record[9..].copy_from_slice(&sum.to_le_bytes());
+    }
+    let mut all = vec![0u8; 17 * comm.world_size()];
+    comm.all_gather_equal(&record, &mut all)?;
+    mine?;
+    if let Some(r) = all.chunks(17).position(|c| c[0] == 0) {
+        return Err(DeepSpeedError::Checkpoint(format!(
+            "rank {r} could not write its optimizer slice into {}",
+            staging.display()
+        )));
+    }
+    if comm.rank() != 0 {
+        return Ok(dir.join(tag));
+    }
+    let params = f32_bytes(&params.unwrap_or_default());
+    meta.files = vec![write_state_file(&staging, "model.bin", &params)?];
+    for (r, c) in all.chunks(17).enumerate() {
+        let word = |at: usize| u64::from_le_bytes(c[at..at + 8].try_into().expect("8 bytes"));
+        meta.files.push(CheckpointFile {
+            name: partition_file(r),
+            bytes: word(1),
+            fnv64: format!("{:016x}", word(9)),
+        });
+    }
+    commit_checkpoint(dir, tag, &staging, &meta)
+}
+
+/// Reads checkpoint `tag` (default: the one `dir/latest` names) and checks it against the
+/// engine `expected` describes: a ZeRO stage it can load (stages 1-3 load each other's), the
+/// same optimizer, and the same parameter shapes. Every rank calls it (each reads the files,
+/// so they must be visible to every rank).
+pub fn load(dir: &Path, tag: Option<&str>, expected: &CheckpointMeta) -> Result<Loaded> {
+    let (meta, files) = read_checkpoint(dir, tag)?;
+    let refuse = |what: String| Err(DeepSpeedError::Checkpoint(what));
+    let stage = expected.zero_stage;
+    let partitioned = |s: u8| (1..=3).contains(&s);
+    if meta.zero_stage != stage && !(partitioned(meta.zero_stage) && partitioned(stage)) {
+        return refuse(format!(
+            "written at ZeRO stage {}; this engine runs stage {stage}",
+            meta.zero_stage
+        ));
+    }
+    if meta.optimizer != expected.optimizer {
+        return refuse(format!(
+            "written by optimizer {}; the config names {}",
+            meta.optimizer, expected.optimizer
+        ));
+    }
+    let shapes = &expected.shapes;
+    if &meta.shapes != shapes || meta.param_ids.len() != shapes.len() {
+        let count = |s: &[Vec<usize>]| s.iter().map(|s| s.iter().product::<usize>()).sum::<usize>();
+        return refuse(format!(
+            "it holds {} parameters in {} tensors; this model has {} in {} (or the shapes \
+             differ)",
+            count(&meta.shapes),
+            meta.shapes.len(),
+            count(shapes),
+            shapes.len()
+        ));
+    }
+    let mut files = files.into_iter();
+    let params = f32_values(&files.next().unwrap_or_default(), "model.bin")?;
+    let numel: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+    if params.len() != numel {
+        return refuse(format!(
+            "model.bin holds {} values; the model has {numel}",
+            params.len()
+        ));
+    }
+    Ok(Loaded {
+        meta,
+        params,
+        files: files.collect(),
+    })
+}
+
+/// A partitioned optimizer's slice, to save.
+pub fn save_slice(optim: Option<&PartitionedOptimizer>) -> Result<SavedState> {
+    optim
+        .map(|o| SavedState::Slice(partition_state_bytes(o.export())))
+        .ok_or_else(no_state_to_restore)
+}
+
+/// The refusal of a rank that steps with its caller's optimizer and so keeps no state.
+pub fn no_state_to_restore() -> DeepSpeedError {
+    DeepSpeedError::Checkpoint(
+        "this rank steps with its caller's optimizer and keeps no optimizer state to save or \
+         restore"
+            .into(),
+    )
+}
+
+/// Every rank's optimizer slice joined into the whole state (steps, and m and v in layout
+/// order) on every rank: a collective (two all-gathers). `stage` says how the slices were cut
+/// (see [`join_slices`]). `None` when this rank keeps no optimizer state.
+pub fn gather_moments(
+    comm: &dyn Communicator,
+    optim: Option<&PartitionedOptimizer>,
+    sizes: &[usize],
+    stage: u8,
+) -> Result<Option<PartitionState>> {
+    let Some(optim) = optim else {
+        return Ok(None);
+    };
+    let mine = partition_state_bytes(optim.export());
+    let world = comm.world_size();
+    // The lengths travel as u64 little-endian bytes, then the slices themselves.
+    let mut lengths = vec![0u8; 8 * world];
+    comm.all_gather_equal(&(mine.len() as u64).to_le_bytes(), &mut lengths)?;
+    let counts: Vec<usize> = lengths
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
+        .collect();
+    let mut all = vec![0u8; counts.iter().sum()];
+    comm.all_gather(&mine, &mut all, &counts)?;
+    let mut at = 0;
+    let mut slices = Vec::with_capacity(world);
+    for (r, &n) in counts.iter().enumerate() {
+        slices.push(partition_state_from_bytes(
+            &all[at..at + n],
+            &partition_file(r),
+        )?);
+        at += n;
+    }
+    join_slices(slices, sizes, stage, world).map(Some)
+}
+
+/// The whole optimizer state (steps, and m and v in layout order) from the slices that
+/// `world` ranks saved at ZeRO stage `stage`: contiguous slices at stages 1 and 2, each
+/// rank's pieces of every tensor at stage 3.
+pub fn join_slices(
+    slices: Vec<PartitionState>,
+    sizes: &[usize],
+    stage: u8,
+    world: usize,
+) -> Result<PartitionState> {
+    let numel: usize = sizes.iter().sum();
+    let steps = slices.first().map(|s| s.steps.clone()).unwrap_or_default();
+    if steps.len() != sizes.len() || slices.iter().any(|s| s.steps != steps) {
+        return Err(DeepSpeedError::Checkpoint(format!(
+            "the optimizer slices disagree on the step counts of {} tensors",
+            sizes.len()
+        )));
+    }
+    let total: usize = slices.iter().map(|s| s.m.len()).sum();
+    if total != numel || slices.len() != world {
+        return Err(DeepSpeedError::Checkpoint(format!(
+            "{} optimizer slices hold {total} elements; expected {world} slices of a model \
+             of {numel}",
+            slices.len()
+        )));
+    }
+    let (mut m, mut v) = (vec![0.0f32; numel], vec![0.0f32; numel]);
+    if stage == 3 {
+        let plan = ShardPlan::new(sizes, world, 0, 0);
+        for (r, s) in slices.iter().enumerate() {
+            if s.m.len() != plan.own_len(r) {
+                return Err(DeepSpeedError::Checkpoint(format!(
+                    "{} holds {} elements; rank {r} of {world} owns {} at stage 3",
+                    partition_file(r),
+                    s.m.len(),
+                    plan.own_len(r)
+                )));
+            }
+            for seg in plan.segments(r) {
+                m[seg.global.clone()].copy_from_slice(&s.m[seg.local.clone()]);
+                v[seg.global].copy_from_slice(&s.v[seg.local]);
+            }
+        }
+    } else {
+        let mut at = 0;
+        for s in &slices {
+            m[at..at + s.m.len()].copy_from_slice(&s.m);
+            v[at..at + s.v.len()].copy_from_slice(&s.v);
+            at += s.m.len();
+        }
+    }
+    Ok(PartitionState { steps, m, v })
+}
+
+/// The state of a rank that owns the flat element `ranges` (back to back) of the whole state.
+fn cut_state(whole: &PartitionState, ranges: &[Range<usize>]) -> PartitionState {
+    let len = ranges.iter().map(|r| r.len()).sum();
+    let (mut m, mut v) = (Vec::with_capacity(len), Vec::with_capacity(len));
+    for r in ranges {
+        m.extend_from_slice(&whole.m[r.clone()]);
+        v.extend_from_slice(&whole.v[r.clone()]);
+    }
+    PartitionState {
+        steps: whole.steps.clone(),
+        m,
+        v,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(steps: u32, m: Vec<f32>) -> PartitionState {
+        let v = m.iter().map(|x| 2.0 * x).collect();
+        PartitionState {
+            steps: vec![steps; 2],
+            m,
+            v,
+        }
+    }
+
+    /// Contiguous slices of two ranks join into the whole state and cut again for three.
+    #[test]
+    fn slices_join_and_cut_at_another_world_size() {
+        let sizes = [3, 2];
+        let slices = vec![state(4, vec![0.0, 1.0, 2.0]), state(4, vec![3.0, 4.0])];
+        let whole = join_slices(slices, &sizes, 1, 2).expect("join");
+        assert_eq!(whole.m, vec![0.0, 1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(whole.v, vec![0.0, 2.0, 4.0, 6.0, 8.0]);
+        let cut = cut_state(&whole, &[1..2, 3..5]);
+        assert_eq!(cut.m, vec![1.0, 3.0, 4.0]);
+        assert_eq!(cut.steps, vec![4, 4]);
+    }
+
+    /// Slices that disagree on the steps, or do not add up to the model, are refused.
+    #[test]
+    fn mismatched_slices_are_refused() {
+        let sizes = [3, 2];
+        let err = join_slices(
+            vec![state(4, vec![0.0; 3]), state(5, vec![0.0; 2])],
+            &sizes,
+            1,
+            2,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("disagree"), "{err}");
+        let err = join_slices(vec![state(4, vec![0.0; 4])], &sizes, 1, 1).unwrap_err();
+        assert!(err.to_string().contains("hold 4 elements"), "{err}");
+    }
+}

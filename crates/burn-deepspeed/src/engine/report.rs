@@ -1,0 +1,67 @@
+//! What a training step reports, and what the engine reads from a step's output.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// What the engine reads from a training step's output: the micro-batch's mean loss.
+pub trait StepLoss {
+    /// The loss of this micro-batch (a mean over its samples), on the host.
+    fn loss(&self) -> f64;
+}
+
+impl StepLoss for burn::train::ClassificationOutput {
+    fn loss(&self) -> f64 {
+        self.loss.clone().into_scalar::<f32>() as f64
+    }
+}
+
+impl StepLoss for burn::train::RegressionOutput {
+    fn loss(&self) -> f64 {
+        self.loss.clone().into_scalar::<f32>() as f64
+    }
+}
+
+/// The result of one optimizer step.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepReport {
+    /// Optimizer steps taken so far (this one included).
+    pub step: u64,
+    /// Mean loss over every micro-batch of every rank in this step.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping. In a 1-bit optimizer's compression stage, where
+    /// gradients are not all-reduced and each rank clips its own, the root mean square of the
+    /// ranks' local norms.
+    pub grad_norm: f64,
+    /// The gradient norm was not finite (an inf or NaN in some gradient).
+    pub overflow: bool,
+    /// Bytes this rank's transport sent during the step (measured).
+    pub bytes_sent: u64,
+    /// Bytes the ring model says this rank sent during the step.
+    pub model_bytes_sent: u64,
+    /// Whether the step exchanged 1-bit compressed momenta instead of all-reducing gradients.
+    pub compressed: bool,
+    /// Progressive layer dropping: the θ this step's forward passes were given.
+    pub pld_theta: Option<f64>,
+    /// Time in forward and backward passes on this rank.
+    pub forward_backward: Duration,
+    /// Time in gradient reduction (communication included).
+    pub reduce: Duration,
+    /// Time in the optimizer step.
+    pub optimizer: Duration,
+}
+
+impl StepReport {
+    /// Prints DeepSpeed's `wall_clock_breakdown` line.
+    pub(crate) fn print_breakdown(&self) {
+        eprintln!(
+            "[step {}] forward+backward {:.1} ms | reduce {:.1} ms | optimizer {:.1} ms",
+            self.step,
+            self.forward_backward.as_secs_f64() * 1e3,
+            self.reduce.as_secs_f64() * 1e3,
+            self.optimizer.as_secs_f64() * 1e3
+        );
+    }
+}

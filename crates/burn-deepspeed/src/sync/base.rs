@@ -1,0 +1,150 @@
+//! The [`GradSync`] trait: how one rank turns its micro-batches' gradients into an optimizer
+//! step, whatever the ZeRO regime.
+
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn_deepspeed_strategies::onebit::OneBitOptimizer;
+use burn_deepspeed_strategies::zero::PartitionState;
+
+use crate::Result;
+use crate::engine::checkpoint::Loaded;
+use crate::engine::flat::{ParamLayout, params_to_flat};
+use crate::engine::memory::ModelStateBytes;
+use crate::zero3::GatherStats;
+
+/// What [`GradSync::reduce`] leaves for the step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reduced {
+    /// Global gradient norm before clipping.
+    pub norm: f64,
+    /// When each rank clipped its own gradient (a 1-bit optimizer's compression stage):
+    /// this rank's squared norm, averaged over ranks for the report.
+    pub local_norm_sq: Option<f64>,
+    /// Whether the step exchanges 1-bit compressed momenta instead of gradients.
+    pub compressed: bool,
+    /// The norm is not finite (inf or NaN somewhere in the gradient): the overflow flag that
+    /// loss scaling and skipped steps read.
+    pub overflow: bool,
+}
+
+impl Reduced {
+    /// A gradient reduced over every rank with global norm `norm`.
+    pub fn global(norm: f64) -> Self {
+        Self {
+            norm,
+            local_norm_sq: None,
+            compressed: false,
+            overflow: !norm.is_finite(),
+        }
+    }
+}
+
+/// The optimizer state a rank contributes to a checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SavedState {
+    /// The same on every rank: rank 0 writes it as `optim.bin` (`None` on the other ranks,
+    /// which need not serialize it).
+    Replicated(Option<Vec<u8>>),
+    /// This rank's slice: every rank writes its own `zero_pp_rank_R_optim_states.bin`.
+    Slice(Vec<u8>),
+}
+
+/// One data-parallel gradient regime: accumulate a micro-batch's gradients, reduce them
+/// (average over ranks and micro-batches, clip, flag overflow), step, report the model state
+/// held, and save or restore the optimizer state.
+///
+/// Three regimes implement it, as ZeRO's stages (arXiv 1910.02054) cut the state:
+/// [`ReplicatedSync`](super::ReplicatedSync) (stage 0, and
+/// [`CompressedSync`](super::CompressedSync) with a 1-bit optimizer),
+/// [`PartitionedSync`](super::PartitionedSync) (stages 1 and 2) and
+/// [`ShardedSync`](super::ShardedSync) (stage 3). The engine holds one `Box<dyn GradSync<M>>`
+/// and calls, per optimizer step: [`accumulate`](Self::accumulate) once per micro-batch, then
+/// [`reduce`](Self::reduce), then [`step`](Self::step) (or, when the caller owns the
+/// optimizer, [`reduced_gradients`](Self::reduced_gradients), its own step, and
+/// [`finish_external_step`](Self::finish_external_step)). Every method that communicates is
+/// a collective: every rank calls it in the same order.
+pub trait GradSync<M: Module> {
+    /// The parameters' flat layout.
+    fn layout(&self) -> &ParamLayout;
+
+    /// Adds one micro-batch's gradients (stages 2 and 3 reduce-scatter here).
+    fn accumulate(&mut self, model: &M, grads: &GradientsParams);
+
+    /// Micro-batches accumulated since the last step.
+    fn micro_steps(&self) -> u64;
+
+    /// Ends the accumulation: averages over ranks and micro-batches and clips by the global
+    /// norm.
+    fn reduce(&mut self) -> Result<Reduced>;
+
+    /// After [`reduce`](Self::reduce): steps this regime's optimizer and returns the updated
+    /// model (the same on every rank).
+    fn step(&mut self, model: M, lr: f64) -> Result<M>;
+
+    /// After [`reduce`](Self::reduce), for a caller that steps with its own optimizer: the
+    /// gradients it steps on this rank (whole tensors at stage 0, this rank's tensors at
+    /// stages 1-2, this rank's chunks at stage 3). Clears the buffers.
+    fn reduced_gradients(&mut self, model: &M) -> Result<GradientsParams>;
+
+    /// After the caller stepped [`reduced_gradients`](Self::reduced_gradients) into `model`:
+    /// makes every rank's model consistent again. Returns the model to load back where it
+    /// changed (stages 1-2 all-gather the updated slices), `None` where `model` stands.
+    fn finish_external_step(&mut self, model: &M) -> Result<Option<M>> {
+        let _ = model;
+        Ok(None)
+    }
+
+    /// The model state this rank holds now, measured (see [`crate::engine::memory`]).
+    fn held(&self, model: &M) -> ModelStateBytes;
+
+    /// The largest model state (held plus the step's transient buffers) observed so far.
+    fn peak(&self) -> u64;
+
+    /// The whole parameters, flat in layout order, where `wanted` (at stage 3 a collective
+    /// that every rank joins, wanted or not). By default, read from the model as it is.
+    fn whole_params(&self, model: &M, wanted: bool) -> Result<Option<Vec<f32>>> {
+        Ok(wanted.then(|| params_to_flat(model, self.layout())))
+    }
+
+    /// A copy of `model` with whole parameters (at stage 3 a collective gather that leaves
+    /// `model` sharded). By default, the model as it is.
+    fn whole_model(&self, model: &M) -> Result<M> {
+        Ok(model.clone())
+    }
+
+    /// `model` with whole parameters, for use without this regime (at stage 3 a collective
+    /// that releases the gather group). By default, the model as it is.
+    fn release_whole(&self, model: M) -> Result<M> {
+        Ok(model)
+    }
+
+    /// This rank's optimizer state for a checkpoint (`root`: this rank writes replicated
+    /// state).
+    fn save(&self, root: bool) -> Result<SavedState>;
+
+    /// Restores a checkpoint read by every rank: the parameters and their ids into `model`,
+    /// and this rank's optimizer state (cut again for this world size where partitioned).
+    fn load(&mut self, model: M, loaded: &Loaded) -> Result<M>;
+
+    /// The whole optimizer state (steps, m and v in layout order) on every rank, joined from
+    /// every rank's slice: a collective. `None` where the state is not flat slices (Burn's or
+    /// a 1-bit optimizer).
+    fn whole_moments(&self) -> Result<Option<PartitionState>> {
+        Ok(None)
+    }
+
+    /// ZeRO stage 3's gather counters.
+    fn gather_stats(&self) -> Option<GatherStats> {
+        None
+    }
+
+    /// Burn's optimizer, when this regime steps with one.
+    fn burn_optimizer(&self) -> Option<&ModuleOptimizer> {
+        None
+    }
+
+    /// The 1-bit optimizer, when this regime steps with one.
+    fn one_bit(&self) -> Option<&dyn OneBitOptimizer> {
+        None
+    }
+}

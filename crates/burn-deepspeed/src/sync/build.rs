@@ -1,0 +1,78 @@
+//! Which [`GradSync`] a config asks for: the one place that reads the ZeRO stage.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn_deepspeed_strategies::comm::Communicator;
+
+use super::{
+    CompressedSync, GradSync, PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions,
+    broadcast_params,
+};
+use crate::config::{DeepSpeedConfig, ZeroStage};
+use crate::engine::flat::ParamLayout;
+use crate::engine::{build_optimizer, partitioned_kind};
+use crate::{DeepSpeedError, Result};
+
+/// The regime a resolved `config` names for `model` on `comm`, and the model as that regime
+/// stores it: rank 0's parameters broadcast to every rank, and at stage 3 cut into this
+/// rank's chunks. Collective: every rank calls it.
+pub fn build<M: Module>(
+    model: M,
+    config: &DeepSpeedConfig,
+    comm: Arc<dyn Communicator>,
+) -> Result<(M, Box<dyn GradSync<M>>)> {
+    let optimizer = config
+        .optimizer
+        .as_ref()
+        .ok_or_else(|| DeepSpeedError::Data("the config was not resolved".into()))?;
+    let options = SyncOptions::of(config);
+    let layout = ParamLayout::of(&model);
+    let model = broadcast_params(comm.as_ref(), &layout, model)?;
+    Ok(match options.stage {
+        ZeroStage::Disabled => {
+            match CompressedSync::new(layout.clone(), comm.clone(), &options, optimizer)? {
+                Some(sync) => (model, Box::new(sync)),
+                None => {
+                    let optim = build_optimizer(optimizer)?;
+                    let sync = ReplicatedSync::new(layout, comm, &options, Some(optim));
+                    (model, Box::new(sync))
+                }
+            }
+        }
+        ZeroStage::OptimizerStates | ZeroStage::Gradients => {
+            let kind = partitioned_kind(optimizer)?;
+            (
+                model,
+                Box::new(PartitionedSync::new(layout, comm, &options, kind)),
+            )
+        }
+        ZeroStage::Parameters => {
+            let sync = ShardedSync::new(layout, comm, &options, partitioned_kind(optimizer)?);
+            (sync.shard(model), Box::new(sync))
+        }
+    })
+}
+
+/// The regime for a caller that steps with its own optimizer (the Learner strategy) at ZeRO
+/// stages 0-2: whole gradients at stage 0; at stages 1-2 a partition at tensor boundaries, so
+/// that each rank steps whole tensors. Stage 3 needs the model sharded first
+/// ([`ShardedSync::for_learner`]).
+pub fn for_caller_optimizer<M: Module>(
+    layout: ParamLayout,
+    comm: Arc<dyn Communicator>,
+    options: &SyncOptions,
+) -> Result<Box<dyn GradSync<M>>> {
+    Ok(match options.stage {
+        ZeroStage::Disabled => Box::new(ReplicatedSync::new(layout, comm, options, None)),
+        ZeroStage::OptimizerStates | ZeroStage::Gradients => {
+            Box::new(PartitionedSync::for_whole_tensors(layout, comm, options))
+        }
+        ZeroStage::Parameters => {
+            return Err(DeepSpeedError::Strategy(
+                "ZeRO stage 3 needs the model sharded first: build a ShardedSync::for_learner"
+                    .into(),
+            ));
+        }
+    })
+}

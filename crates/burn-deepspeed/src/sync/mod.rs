@@ -1,0 +1,25 @@
+//! Gradient synchronisation: the [`GradSync`] trait and its regimes (ZeRO stages 0-3, 1-bit
+//! compression), with the pieces they share (the flat gradient buffer, scaling and clipping,
+//! the options read from the config). Adding a regime (offload, expert groups) is one new
+//! file here and one arm in [`build`].
+
+mod base;
+mod bucket;
+mod buffer;
+mod build;
+mod compressed;
+mod options;
+mod partitioned;
+mod replicated;
+pub mod scale;
+mod sharded;
+mod shards;
+
+pub use base::*;
+pub use buffer::*;
+pub use build::*;
+pub use compressed::*;
+pub use options::*;
+pub use partitioned::*;
+pub use replicated::*;
+pub use sharded::*;

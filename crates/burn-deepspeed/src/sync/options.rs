@@ -1,0 +1,63 @@
+//! [`SyncOptions`]: the reduction settings of a config, read once for every regime.
+
+use crate::config::{DeepSpeedConfig, ZeroStage};
+
+/// What the gradient-sync regimes read from a resolved [`DeepSpeedConfig`]. Built once by the
+/// caller ([`SyncOptions::of`]) and handed down, so that no regime reads the config itself.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SyncOptions {
+    /// `zero_optimization.stage`.
+    pub stage: ZeroStage,
+    /// Elements per reduction collective (`zero_optimization.reduce_bucket_size`; 0: one).
+    pub reduce_bucket: usize,
+    /// Elements per all-gather of updated slices (`zero_optimization.allgather_bucket_size`).
+    pub gather_bucket: usize,
+    /// `gradient_predivide_factor` when `prescale_gradients` is on.
+    pub predivide: Option<f32>,
+    /// `gradient_clipping` (0 disables it).
+    pub clip: f64,
+    /// `zero_optimization.reduce_scatter`: false all-reduces each bucket and keeps the own
+    /// part (DeepSpeed's all-reduce path; the result is the same).
+    pub reduce_scatter: bool,
+    /// `zero_optimization.ignore_unused_parameters`.
+    pub ignore_unused: bool,
+    /// `stage3_prefetch_bucket_size`.
+    pub prefetch_bucket: usize,
+    /// `stage3_max_live_parameters`.
+    pub max_live: usize,
+    /// `stage3_param_persistence_threshold`.
+    pub param_persistence: usize,
+    /// `stage3_model_persistence_threshold`.
+    pub model_persistence: usize,
+    /// `stage3_use_all_reduce_for_fetch_params`.
+    pub fetch_by_all_reduce: bool,
+}
+
+impl SyncOptions {
+    /// The options of a resolved config.
+    pub fn of(config: &DeepSpeedConfig) -> Self {
+        let z = &config.zero_optimization;
+        Self {
+            stage: z.stage,
+            reduce_bucket: z.reduce_bucket_size as usize,
+            gather_bucket: z.allgather_bucket_size as usize,
+            predivide: config
+                .prescale_gradients
+                .then_some(config.gradient_predivide_factor as f32),
+            clip: config.gradient_clipping,
+            reduce_scatter: z.reduce_scatter,
+            ignore_unused: z.ignore_unused_parameters,
+            prefetch_bucket: z.prefetch_bucket_size as usize,
+            max_live: z.max_live_parameters as usize,
+            param_persistence: z.param_persistence_threshold as usize,
+            model_persistence: usize::try_from(z.model_persistence_threshold).unwrap_or(usize::MAX),
+            fetch_by_all_reduce: z.stage3_use_all_reduce_for_fetch_params,
+        }
+    }
+
+    /// The factor applied before the reduction (`1 / gradient_predivide_factor` when
+    /// prescaling, else 1).
+    pub fn pre_factor(&self) -> f32 {
+        self.predivide.map_or(1.0, |f| 1.0 / f)
+    }
+}

@@ -1,0 +1,376 @@
+//! [`PartitionedSync`]: ZeRO stages 1 and 2 (arXiv 1910.02054 §5): the optimizer state, and
+//! at stage 2 the gradients, are cut across the data-parallel ranks.
+//!
+//! - **Stage 1** accumulates whole gradients in a flat buffer, as stage 0 does. At the
+//!   accumulation boundary the buffer is reduce-scattered in buckets of `reduce_bucket_size`
+//!   elements; each rank keeps the mean gradient of its own slice (in place in the buffer).
+//! - **Stage 2** keeps only its slice: after each micro-batch's backward the gradients are
+//!   streamed into a bucket of `reduce_bucket_size` elements and every full bucket is
+//!   reduce-scattered straight away ([`super::bucket`]).
+//!
+//! Then both clip by the global norm (one all-reduce of the slices' squared sums), step the
+//! slice with the [`PartitionedOptimizer`] (m and v of the slice only), and all-gather the
+//! updated slices in buckets of `allgather_bucket_size` elements into every rank's model.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::Device;
+use burn_deepspeed_strategies::bucket::bucket_ranges;
+use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
+use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, PartitionedOptimizer};
+
+use super::bucket::Bucket;
+use super::buffer::merge_presence;
+use super::scale::{Scaling, clip_across};
+use super::{GradSync, Reduced, SavedState, SyncOptions};
+use crate::config::ZeroStage;
+use crate::engine::checkpoint::{Loaded, save_slice};
+use crate::engine::flat::{
+    ParamLayout, for_each_grad, grads_from_flat, params_from_flat, params_range, restore_params,
+};
+use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
+use crate::{DeepSpeedError, Result};
+
+/// A rank's gradient reduction and optimizer step at ZeRO stage 1 or 2.
+pub struct PartitionedSync {
+    /// Stage 2: gradients are reduce-scattered after every micro-batch.
+    streams: bool,
+    comm: Arc<dyn Communicator>,
+    layout: ParamLayout,
+    partition: FlatPartition,
+    own: Range<usize>,
+    /// Stage 1: the whole accumulated gradient; stage 2: empty.
+    full: Vec<f32>,
+    /// Stage 2: this rank's accumulated slice; stage 1: empty (the slice lives in `full`).
+    slice: Vec<f32>,
+    present: Vec<u8>,
+    device: Option<Device>,
+    micro_steps: u64,
+    options: SyncOptions,
+    /// The slice's optimizer; `None` when the caller steps whole tensors itself
+    /// ([`for_whole_tensors`](Self::for_whole_tensors)).
+    optim: Option<PartitionedOptimizer>,
+    /// A collective that failed during a micro-batch (stage 2), reported by the next step.
+    deferred: Option<DeepSpeedError>,
+    meter: MemoryMeter,
+}
+
+impl PartitionedSync {
+    /// The stage-1/2 state for `layout` on `comm`: a balanced flat partition stepped by the
+    /// [`PartitionedOptimizer`] of `kind`.
+    pub fn new(
+        layout: ParamLayout,
+        comm: Arc<dyn Communicator>,
+        options: &SyncOptions,
+        kind: PartitionedKind,
+    ) -> Self {
+        let partition = FlatPartition::new(layout.numel, comm.world_size());
+        let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+        let optim = PartitionedOptimizer::new(kind, &partition, comm.rank(), &sizes);
+        Self::with_partition(layout, comm, options, partition, Some(optim))
+    }
+
+    /// The stage-1/2 state with a partition at tensor boundaries and no optimizer of its own:
+    /// the caller steps this rank's whole tensors ([`GradSync::reduced_gradients`]) with any
+    /// optimizer, e.g. the Learner's, then [`GradSync::finish_external_step`] all-gathers.
+    pub fn for_whole_tensors(
+        layout: ParamLayout,
+        comm: Arc<dyn Communicator>,
+        options: &SyncOptions,
+    ) -> Self {
+        let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+        let partition = FlatPartition::tensor_aligned(&sizes, comm.world_size());
+        Self::with_partition(layout, comm, options, partition, None)
+    }
+
+    fn with_partition(
+        layout: ParamLayout,
+        comm: Arc<dyn Communicator>,
+        options: &SyncOptions,
+        partition: FlatPartition,
+        optim: Option<PartitionedOptimizer>,
+    ) -> Self {
+        let streams = options.stage == ZeroStage::Gradients;
+        let own = partition.range(comm.rank());
+        Self {
+            full: if streams {
+                Vec::new()
+            } else {
+                vec![0.0; layout.numel]
+            },
+            slice: if streams {
+                vec![0.0; own.len()]
+            } else {
+                Vec::new()
+            },
+            present: vec![0; layout.slots.len()],
+            streams,
+            comm,
+            layout,
+            partition,
+            own,
+            device: None,
+            micro_steps: 0,
+            options: *options,
+            optim,
+            deferred: None,
+            meter: MemoryMeter::default(),
+        }
+    }
+
+    /// This rank's slice of the flat parameters.
+    pub fn own(&self) -> Range<usize> {
+        self.own.clone()
+    }
+
+    /// The partition of the flat parameters.
+    pub fn partition(&self) -> &FlatPartition {
+        &self.partition
+    }
+
+    /// This rank's part of the reduced gradient.
+    fn own_grads(&mut self) -> &mut [f32] {
+        if self.streams {
+            &mut self.slice
+        } else {
+            &mut self.full[self.own.clone()]
+        }
+    }
+
+    /// Stage 1's reduce-scatter of the whole buffer, bucket by bucket.
+    fn reduce_scatter_full(&mut self, scaling: Scaling) -> Result<()> {
+        let comm = self.comm.clone();
+        let mut tmp = Vec::new();
+        for range in bucket_ranges(self.layout.numel, self.options.reduce_bucket) {
+            scaling.apply_pre(&mut self.full[range.clone()]);
+            let mine = self.partition.own_in(comm.rank(), &range);
+            tmp.resize(mine.len(), 0.0);
+            let counts = self.partition.counts_in(&range);
+            let _span =
+                tracing::debug_span!("reduce_scatter_bucket", elems = range.len()).entered();
+            if self.options.reduce_scatter {
+                comm.reduce_scatter(&self.full[range], &mut tmp, &counts, ReduceOp::Sum)?;
+                self.full[mine].copy_from_slice(&tmp);
+            } else {
+                comm.all_reduce(&mut self.full[range], ReduceOp::Sum)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// All-gathers every rank's updated slice (`own_params`, this rank's part) in buckets of
+    /// `allgather_bucket_size` elements into `model`, and clears the gradient buffers for the
+    /// next accumulation.
+    fn gather<M: Module>(&mut self, model: M, own_params: &[f32]) -> Result<M> {
+        let comm = self.comm.clone();
+        let own = self.own.clone();
+        let mut flat = vec![0.0f32; self.layout.numel];
+        for range in bucket_ranges(self.layout.numel, self.options.gather_bucket) {
+            let mine = self.partition.own_in(comm.rank(), &range);
+            let counts = self.partition.counts_in(&range);
+            let input = &own_params[mine.start - own.start..mine.end - own.start];
+            let _span = tracing::debug_span!("all_gather_bucket", elems = range.len()).entered();
+            comm.all_gather(input, &mut flat[range], &counts)?;
+        }
+        // The gathered parameters are assembled while the old ones are alive.
+        let held = GradSync::<M>::held(self, &model);
+        self.meter
+            .observe(held, vec_bytes(&flat) + 4 * own_params.len() as u64);
+        let model = params_from_flat(model, &self.layout, &flat);
+        self.reset();
+        self.present.iter_mut().for_each(|p| *p = 0);
+        Ok(model)
+    }
+
+    fn reset(&mut self) {
+        self.full.iter_mut().for_each(|g| *g = 0.0);
+        self.slice.iter_mut().for_each(|g| *g = 0.0);
+        self.micro_steps = 0;
+    }
+}
+
+impl<M: Module> GradSync<M> for PartitionedSync {
+    fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// Adds one micro-batch's gradients: into the whole buffer at stage 1; at stage 2
+    /// reduce-scattered bucket by bucket into this rank's slice (a collective).
+    fn accumulate(&mut self, model: &M, grads: &GradientsParams) {
+        self.micro_steps += 1;
+        let present = &mut self.present;
+        let transient = if !self.streams {
+            let (full, layout) = (&mut self.full, &self.layout);
+            for_each_grad(model, layout, grads, &mut self.device, |i, values| {
+                if let Some(values) = values {
+                    let s = &layout.slots[i];
+                    full[s.offset..s.offset + s.numel]
+                        .iter_mut()
+                        .zip(values)
+                        .for_each(|(d, v)| *d += v);
+                    present[i] = 1;
+                }
+            })
+        } else {
+            let cap = match self.options.reduce_bucket {
+                0 => self.layout.numel,
+                b => b.min(self.layout.numel),
+            };
+            let mut bucket = Bucket {
+                comm: self.comm.as_ref(),
+                partition: &self.partition,
+                own_start: self.own.start,
+                slice: &mut self.slice,
+                buf: Vec::with_capacity(cap),
+                reduce_scatter: self.options.reduce_scatter,
+                cap,
+                start: 0,
+                pre: self.options.pre_factor(),
+                error: self.deferred.take(),
+                peak_elems: 0,
+            };
+            let layout = &self.layout;
+            let tensors =
+                for_each_grad(
+                    model,
+                    layout,
+                    grads,
+                    &mut self.device,
+                    |i, values| match values {
+                        Some(values) => {
+                            present[i] = 1;
+                            bucket.push(&values);
+                        }
+                        None => bucket.push_zeros(layout.slots[i].numel),
+                    },
+                );
+            bucket.flush();
+            self.deferred = bucket.error;
+            tensors + 4 * bucket.peak_elems as u64
+        };
+        let held = GradSync::<M>::held(self, model);
+        self.meter.observe(held, transient);
+    }
+
+    fn micro_steps(&self) -> u64 {
+        self.micro_steps
+    }
+
+    /// Ends the accumulation: reduce-scatters (stage 1; stage 2 did it per micro-batch),
+    /// leaves this rank's slice of the mean gradient, and clips it by the global norm.
+    fn reduce(&mut self) -> Result<Reduced> {
+        if let Some(e) = self.deferred.take() {
+            self.reset();
+            return Err(e);
+        }
+        let refuse = (!self.options.ignore_unused).then_some(&self.layout);
+        if let Err(e) = merge_presence(self.comm.as_ref(), &mut self.present, refuse) {
+            self.reset();
+            return Err(e);
+        }
+        let scaling = Scaling::mean(
+            self.options.predivide,
+            self.comm.world_size(),
+            self.micro_steps,
+        );
+        if !self.streams {
+            self.reduce_scatter_full(scaling)?;
+        }
+        let (comm, clip) = (self.comm.clone(), self.options.clip);
+        let grads = self.own_grads();
+        scaling.apply_post(grads);
+        Ok(Reduced::global(clip_across(comm.as_ref(), grads, clip)?))
+    }
+
+    fn step(&mut self, model: M, lr: f64) -> Result<M> {
+        let comm = self.comm.clone();
+        let mut params = params_range(&model, &self.layout, self.own.clone());
+        {
+            let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
+            let grads: &[f32] = if self.streams {
+                &self.slice
+            } else {
+                &self.full[self.own.clone()]
+            };
+            let optim = self.optim.as_mut().ok_or_else(|| {
+                DeepSpeedError::Data(
+                    "this ZeRO sync has no optimizer; step its tensors and call \
+                     finish_external_step"
+                        .into(),
+                )
+            })?;
+            optim.step(comm.as_ref(), &mut params, grads, &self.present, lr)?;
+        }
+        self.gather(model, &params)
+    }
+
+    /// The gradients of this rank's tensors (those that had one on any rank), with a
+    /// [tensor-aligned](PartitionedSync::for_whole_tensors) partition.
+    fn reduced_gradients(&mut self, model: &M) -> Result<GradientsParams> {
+        let grads: &[f32] = if self.streams {
+            &self.slice
+        } else {
+            &self.full[self.own.clone()]
+        };
+        let device = self.device.clone().unwrap_or_default();
+        Ok(grads_from_flat(
+            model,
+            &self.layout,
+            grads,
+            self.own.start,
+            &self.present,
+            &device,
+        ))
+    }
+
+    fn finish_external_step(&mut self, model: &M) -> Result<Option<M>> {
+        let own = params_range(model, &self.layout, self.own.clone());
+        self.gather(model.clone(), &own).map(Some)
+    }
+
+    /// All parameters, the gradient buffer (whole at stage 1, a slice at stage 2) and the
+    /// slice's optimizer state.
+    fn held(&self, model: &M) -> ModelStateBytes {
+        ModelStateBytes {
+            params: param_bytes(model),
+            grads: vec_bytes(&self.full) + vec_bytes(&self.slice),
+            optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()),
+        }
+    }
+
+    fn peak(&self) -> u64 {
+        self.meter.peak()
+    }
+
+    fn save(&self, _root: bool) -> Result<SavedState> {
+        save_slice(self.optim.as_ref())
+    }
+
+    fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
+        let model = restore_params(model, &self.layout, &loaded.meta.param_ids, &loaded.params);
+        let layout = ParamLayout::of(&model);
+        let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+        let state = loaded.slice_state(&sizes, std::slice::from_ref(&self.own))?;
+        match &mut self.optim {
+            Some(o) => o.restore(state)?,
+            None => return Err(crate::engine::checkpoint::no_state_to_restore()),
+        }
+        self.layout = layout;
+        self.reset();
+        self.present.iter_mut().for_each(|p| *p = 0);
+        Ok(model)
+    }
+
+    fn whole_moments(&self) -> Result<Option<burn_deepspeed_strategies::zero::PartitionState>> {
+        let sizes: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
+        crate::engine::checkpoint::gather_moments(
+            self.comm.as_ref(),
+            self.optim.as_ref(),
+            &sizes,
+            1,
+        )
+    }
+}

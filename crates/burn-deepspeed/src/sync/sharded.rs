@@ -1,0 +1,336 @@
+//! [`ShardedSync`]: ZeRO stage 3 (arXiv 1910.02054 §5.3). Parameters are stored as per-rank
+//! chunks ([`crate::zero3`]); forward and backward gather them through a [`GatherGroup`], and
+//! the backward of each gather reduce-scatters the tensor's gradient, so after a micro-batch's
+//! backward a rank holds only the gradients of its chunks. At the accumulation boundary the
+//! persistent (whole) tensors' gradients are all-reduced, the rank's gradients are averaged
+//! and clipped by the global norm, the rank steps its pieces with the
+//! [`PartitionedOptimizer`], and writes the new chunks back into the module. Only the
+//! persistent tensors are all-gathered after the step. The module rewriting lives in
+//! `shards.rs` beside this file.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::Device;
+use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
+use burn_deepspeed_strategies::zero::{
+    PartitionState, PartitionedKind, PartitionedOptimizer, Segment, ShardPlan,
+};
+
+use super::buffer::merge_presence;
+use super::scale::{Scaling, clip_across};
+use super::{GradSync, Reduced, SavedState, SyncOptions};
+use crate::engine::checkpoint::{Loaded, gather_moments, no_state_to_restore, save_slice};
+use crate::engine::flat::{ParamLayout, for_each_grad, set_param_ids};
+use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
+use crate::zero3::{GatherGroup, GatherStats, shard_module};
+use crate::{DeepSpeedError, Result};
+
+/// A rank's stage-3 state: the gather group, its gradient pieces and its optimizer.
+pub struct ShardedSync {
+    pub(super) comm: Arc<dyn Communicator>,
+    pub(super) layout: ParamLayout,
+    pub(super) group: Arc<GatherGroup>,
+    /// This rank's pieces, back to back (the optimizer's buffer order).
+    pub(super) segments: Vec<Segment>,
+    /// Where tensor `t`'s piece starts in the rank's buffers, if it has one.
+    pub(super) local_start: Vec<Option<usize>>,
+    /// Accumulated gradient of this rank's pieces.
+    pub(super) grads: Vec<f32>,
+    /// Accumulated whole gradients of the persistent tensors, back to back.
+    pub(super) persistent: Vec<f32>,
+    /// Where tensor `t` starts in `persistent`, if it is persistent.
+    pub(super) persistent_at: Vec<Option<usize>>,
+    pub(super) present: Vec<u8>,
+    /// The device the gradients came on (for [`GradSync::reduced_gradients`]).
+    pub(super) grad_device: Option<Device>,
+    micro_steps: u64,
+    options: SyncOptions,
+    /// `None` when the caller steps the pieces with its own optimizer
+    /// ([`for_learner`](Self::for_learner)).
+    optim: Option<PartitionedOptimizer>,
+    meter: MemoryMeter,
+}
+
+/// DeepSpeed's stage-3 cut of the tensors of `layout` over `world` ranks under the
+/// persistence thresholds of `options`.
+pub fn shard_plan(layout: &ParamLayout, options: &SyncOptions, world: usize) -> ShardPlan {
+    let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+    ShardPlan::new(
+        &sizes,
+        world,
+        options.param_persistence,
+        options.model_persistence,
+    )
+}
+
+impl ShardedSync {
+    /// The stage-3 state for a model of `layout` (whole shapes) on `comm`, stepped by the
+    /// [`PartitionedOptimizer`] of `kind`.
+    pub fn new(
+        layout: ParamLayout,
+        comm: Arc<dyn Communicator>,
+        options: &SyncOptions,
+        kind: PartitionedKind,
+    ) -> Self {
+        let mut sync = Self::for_learner(layout, comm, options);
+        sync.optim = Some(PartitionedOptimizer::over_segments(
+            kind,
+            sync.segments.clone(),
+            0..sync.grads.len(),
+            sync.layout.slots.len(),
+        ));
+        sync
+    }
+
+    /// The stage-3 state with no optimizer of its own: the caller steps this rank's chunks
+    /// and the persistent tensors ([`GradSync::reduced_gradients`]) with any element-wise
+    /// optimizer, e.g. the `Learner`'s, then calls [`GradSync::finish_external_step`].
+    pub fn for_learner(
+        layout: ParamLayout,
+        comm: Arc<dyn Communicator>,
+        options: &SyncOptions,
+    ) -> Self {
+        let plan = shard_plan(&layout, options, comm.world_size());
+        let tensors = plan.tensors().len();
+        let segments = plan.segments(comm.rank());
+        let own_len = plan.own_len(comm.rank());
+        let mut local_start = vec![None; tensors];
+        for s in &segments {
+            local_start[s.tensor] = Some(s.local.start);
+        }
+        let mut persistent_at = vec![None; tensors];
+        let mut at = 0;
+        for (t, s) in plan.tensors().iter().enumerate() {
+            if s.persistent {
+                persistent_at[t] = Some(at);
+                at += s.numel;
+            }
+        }
+        let group = GatherGroup::new(
+            comm.clone(),
+            plan,
+            layout.slots.iter().map(|s| s.shape.clone()).collect(),
+            options.prefetch_bucket,
+            options.max_live,
+            options.pre_factor(),
+            options.fetch_by_all_reduce,
+        );
+        Self {
+            comm,
+            group,
+            segments,
+            local_start,
+            grads: vec![0.0; own_len],
+            persistent: vec![0.0; at],
+            persistent_at,
+            present: vec![0; tensors],
+            grad_device: None,
+            micro_steps: 0,
+            options: *options,
+            optim: None,
+            meter: MemoryMeter::default(),
+            layout,
+        }
+    }
+
+    /// Shards a model whose parameters are whole (and identical on every rank).
+    pub fn shard<M: Module>(&self, model: M) -> M {
+        shard_module(model, &self.group)
+    }
+
+    /// The gather group.
+    pub fn group(&self) -> &Arc<GatherGroup> {
+        &self.group
+    }
+
+    /// The shard plan.
+    pub fn plan(&self) -> &ShardPlan {
+        self.group.plan()
+    }
+
+    pub(super) fn reset(&mut self) {
+        self.grads.iter_mut().for_each(|g| *g = 0.0);
+        self.persistent.iter_mut().for_each(|g| *g = 0.0);
+        self.micro_steps = 0;
+    }
+
+    fn clear(&mut self) {
+        self.reset();
+        self.present.iter_mut().for_each(|p| *p = 0);
+    }
+}
+
+impl<M: Module> GradSync<M> for ShardedSync {
+    fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// Adds one micro-batch's gradients (chunk gradients from the gathers' backward, whole
+    /// gradients of persistent tensors) into this rank's buffers.
+    fn accumulate(&mut self, model: &M, grads: &GradientsParams) {
+        self.micro_steps += 1;
+        let rank = self.comm.rank();
+        let (plan, layout) = (self.group.plan(), &self.layout);
+        let (persistent_at, local_start) = (&self.persistent_at, &self.local_start);
+        let (persistent, own_grads, present) =
+            (&mut self.persistent, &mut self.grads, &mut self.present);
+        let tensors = for_each_grad(model, layout, grads, &mut self.grad_device, |t, values| {
+            let Some(values) = values else {
+                return;
+            };
+            present[t] = 1;
+            if let Some(at) = persistent_at[t] {
+                persistent[at..at + values.len()]
+                    .iter_mut()
+                    .zip(&values)
+                    .for_each(|(d, v)| *d += v);
+            } else if let Some(at) = local_start[t] {
+                let own = plan.own(rank, t);
+                own_grads[at..at + own.len()]
+                    .iter_mut()
+                    .zip(&values)
+                    .for_each(|(d, v)| *d += v);
+            }
+        });
+        // Alive during the micro-batch beyond the held state: its chunk gradients, and what
+        // the gathers allocated at once (gathered weights and the prefetch cache).
+        let gathered = 4 * self.group.stats().peak_live_elems as u64;
+        let held = GradSync::<M>::held(self, model);
+        self.meter.observe(held, tensors + gathered);
+    }
+
+    fn micro_steps(&self) -> u64 {
+        self.micro_steps
+    }
+
+    /// Ends the accumulation: reports a failed gather, all-reduces the persistent tensors'
+    /// gradients, averages over ranks and micro-batches, and clips by the global norm.
+    fn reduce(&mut self) -> Result<Reduced> {
+        if let Some(e) = self.group.take_error() {
+            self.reset();
+            return Err(e.into());
+        }
+        let comm = self.comm.clone();
+        let rank = comm.rank();
+        let refuse = (!self.options.ignore_unused).then_some(&self.layout);
+        if let Err(e) = merge_presence(comm.as_ref(), &mut self.present, refuse) {
+            self.reset();
+            return Err(e);
+        }
+        let scaling = Scaling::mean(self.options.predivide, comm.world_size(), self.micro_steps);
+        if !self.persistent.is_empty() {
+            scaling.apply_pre(&mut self.persistent);
+            if comm.world_size() > 1 {
+                let _span = tracing::debug_span!("zero3_persistent_all_reduce").entered();
+                comm.all_reduce(&mut self.persistent, ReduceOp::Sum)?;
+            }
+            for (t, at) in self.persistent_at.iter().enumerate() {
+                if let (Some(at), Some(local)) = (at, self.local_start[t]) {
+                    let own = self.group.plan().own(rank, t);
+                    self.grads[local..local + own.len()]
+                        .copy_from_slice(&self.persistent[at + own.start..at + own.end]);
+                }
+            }
+        }
+        scaling.apply_post(&mut self.grads);
+        let norm = clip_across(comm.as_ref(), &mut self.grads, self.options.clip)?;
+        Ok(Reduced::global(norm))
+    }
+
+    /// Steps this rank's pieces, writes the new chunks into `model`, and all-gathers the
+    /// persistent tensors.
+    fn step(&mut self, model: M, lr: f64) -> Result<M> {
+        let comm = self.comm.clone();
+        let mut params = vec![0.0f32; self.grads.len()];
+        self.read_own(&model, &mut params);
+        {
+            let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
+            let optim = self.optim.as_mut().ok_or_else(|| {
+                DeepSpeedError::Data("this stage-3 state steps with the caller's optimizer".into())
+            })?;
+            optim.step(comm.as_ref(), &mut params, &self.grads, &self.present, lr)?;
+        }
+        let whole = self.gather_persistent(&params)?;
+        // The new chunks are assembled while the old ones are alive.
+        let held = GradSync::<M>::held(self, &model);
+        self.meter
+            .observe(held, vec_bytes(&params) + vec_bytes(&whole) + held.params);
+        let model = self.write_back(model, &params, whole);
+        self.clear();
+        Ok(model)
+    }
+
+    fn reduced_gradients(&mut self, model: &M) -> Result<GradientsParams> {
+        let out = self.chunk_gradients(model)?;
+        self.clear();
+        Ok(out)
+    }
+
+    fn finish_external_step(&mut self, model: &M) -> Result<Option<M>> {
+        self.track_shards(model);
+        Ok(None)
+    }
+
+    /// Its chunks and the persistent tensors, the gradients of its pieces and of the
+    /// persistent tensors, and its pieces' optimizer state.
+    fn held(&self, model: &M) -> ModelStateBytes {
+        ModelStateBytes {
+            params: param_bytes(model),
+            grads: vec_bytes(&self.grads) + vec_bytes(&self.persistent),
+            optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()),
+        }
+    }
+
+    fn peak(&self) -> u64 {
+        self.meter.peak()
+    }
+
+    fn whole_params(&self, model: &M, _wanted: bool) -> Result<Option<Vec<f32>>> {
+        self.full_params(model).map(Some)
+    }
+
+    fn whole_model(&self, model: &M) -> Result<M> {
+        // Every parameter's value is gathered, in the same order on every rank.
+        let whole = model.clone().materialize();
+        match self.group.take_error() {
+            Some(e) => Err(e.into()),
+            None => Ok(whole),
+        }
+    }
+
+    fn release_whole(&self, model: M) -> Result<M> {
+        let flat = self.full_params(&model)?;
+        Ok(self.unshard(model, &flat))
+    }
+
+    fn save(&self, _root: bool) -> Result<SavedState> {
+        save_slice(self.optim.as_ref())
+    }
+
+    fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
+        let model = self.load_flat(model, &loaded.params);
+        let model = set_param_ids(model, &loaded.meta.param_ids);
+        let layout = self.layout.with_ids(&loaded.meta.param_ids);
+        let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+        let ranges: Vec<_> = self.segments.iter().map(|s| s.global.clone()).collect();
+        let state = loaded.slice_state(&sizes, &ranges)?;
+        self.optim
+            .as_mut()
+            .ok_or_else(no_state_to_restore)?
+            .restore(state)?;
+        self.layout = layout;
+        self.clear();
+        Ok(model)
+    }
+
+    fn whole_moments(&self) -> Result<Option<PartitionState>> {
+        let sizes: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
+        gather_moments(self.comm.as_ref(), self.optim.as_ref(), &sizes, 3)
+    }
+
+    fn gather_stats(&self) -> Option<GatherStats> {
+        Some(self.group.stats())
+    }
+}

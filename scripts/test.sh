@@ -52,7 +52,12 @@ assert a["backend"] == "threads" and b["backend"] == "mpi", (a["backend"], b["ba
 assert a["world"] == b["world"] == 2
 worst = max(abs(x - y) / abs(x) for x, y in zip(a["losses"], b["losses"]))
 print(f"gpt threads vs mpirun -n 2: losses {a['losses']} vs {b['losses']}, max rel diff {worst:.2e}")
-ok = len(a["losses"]) == len(b["losses"]) == 4 and worst <= 1e-4
+# Measured bytes at stage 0 on 2 ranks: both transports move each f32 gradient once per step
+# (the thread world's deposit, MPI's send buffer), which is also the ring model's figure.
+sent = [(r["comm_bytes_per_rank"][0], r["comm_bytes_model_per_rank"][0]) for r in (a, b)]
+print(f"gpt bytes sent by rank 0 (measured, ring model): threads {sent[0]}, mpirun {sent[1]}")
+bytes_ok = all(abs(m / model - 1) < 0.01 for m, model in sent) and sent[0][1] == sent[1][1]
+ok = len(a["losses"]) == len(b["losses"]) == 4 and worst <= 1e-4 and bytes_ok
 print("mpi gpt parity: 1 passed, 0 failed" if ok else "mpi gpt parity: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY

@@ -41,14 +41,13 @@ where
     if launched_by_mpirun() {
         return f(mpi_world()?).map(|r| (LaunchKind::Mpi, vec![r]));
     }
-    // Rank 0's panic becomes an error too, as the other ranks' do.
-    let leader = |comm| std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm)));
     let f = &f;
-    let followers = (1..threads).map(|_| move |comm| f(comm));
-    let (first, rest) = run_ranks(threads, timeout, leader, followers)?;
+    let ranks = (0..threads).map(|_| move |comm| f(comm));
+    let no_leader: Option<fn(Arc<dyn Communicator>)> = None;
+    let (_, results) = run_ranks(threads, timeout, no_leader, ranks)?;
     let mut out = Vec::with_capacity(threads);
     let mut first_error = None;
-    for (rank, r) in std::iter::once(first).chain(rest).enumerate() {
+    for (rank, r) in results.into_iter().enumerate() {
         match r.map_err(|panic| panicked(rank, panic)).and_then(|r| r) {
             Ok(v) => out.push(v),
             Err(e) => {
@@ -88,22 +87,25 @@ where
         return Ok((LaunchKind::Mpi, r));
     }
     let followers: Vec<G> = (1..threads).map(|_| follower()).collect();
-    let (first, rest) = run_ranks(threads, timeout, leader, followers)?;
+    let (first, rest) = run_ranks(threads, timeout, Some(leader), followers)?;
     for (i, r) in rest.into_iter().enumerate() {
         r.map_err(|panic| panicked(i + 1, panic))?
             .map_err(|e| DeepSpeedError::Data(format!("rank {}: {e}", i + 1)))?;
     }
+    let first = first.ok_or_else(|| DeepSpeedError::Data("rank 0 did not run".into()))?;
     first.map(|r| (LaunchKind::Threads, r))
 }
 
-/// The thread world: `leader` on the calling thread as rank 0, each of `followers` on one
-/// named thread as ranks 1, 2, ...; rank 0's result and the others' (a panic as its payload).
+/// The thread world. With a `leader`, it runs as rank 0 on the calling thread and the
+/// `followers` as ranks 1, 2, ...; without one, the `followers` are every rank. Each follower
+/// runs on a thread of its own, named after its rank. Returns the leader's result and the
+/// followers' (a panic as its payload).
 fn run_ranks<R0, R, L, G>(
     threads: usize,
     timeout: Duration,
-    leader: L,
+    leader: Option<L>,
     followers: impl IntoIterator<Item = G>,
-) -> Result<(R0, Vec<std::thread::Result<R>>)>
+) -> Result<(Option<R0>, Vec<std::thread::Result<R>>)>
 where
     R: Send,
     L: FnOnce(Arc<dyn Communicator>) -> R0,
@@ -116,19 +118,20 @@ where
     }
     let world = ThreadWorld::new(threads, ThreadWorldOptions { timeout });
     let mut comms = world.communicators().into_iter();
-    let comm0 = comms.next().expect("a world has rank 0");
+    let leader = leader.map(|l| (l, comms.next().expect("a world has rank 0")));
+    let first_follower = usize::from(leader.is_some());
     Ok(std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .zip(followers)
             .enumerate()
             .map(|(i, (comm, run))| {
                 std::thread::Builder::new()
-                    .name(format!("rank-{}", i + 1))
+                    .name(format!("rank-{}", i + first_follower))
                     .spawn_scoped(scope, move || run(Arc::new(comm)))
                     .expect("failed to spawn a rank thread")
             })
             .collect();
-        let first = leader(Arc::new(comm0));
+        let first = leader.map(|(run, comm)| run(Arc::new(comm)));
         (first, handles.into_iter().map(|h| h.join()).collect())
     }))
 }

@@ -89,6 +89,49 @@ fn pipeline_error(msg: String) -> DeepSpeedError {
     DeepSpeedError::Comm(CommError::Pipeline(msg))
 }
 
+/// Each layer's parameter count, and the stage boundaries `partition` cuts them into
+/// (`parts[s]..parts[s + 1]` on stage `s`); refuses a stage without layers.
+fn partition_layers<L: PipeLayer<B>, B: PipeBatch>(
+    layers: &[L],
+    partition: &str,
+    stages: usize,
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    if layers.len() < stages {
+        return Err(pipeline_error(format!(
+            "{} layers cannot fill {stages} stages",
+            layers.len()
+        )));
+    }
+    let method = PartitionMethod::parse(partition)?;
+    let counts: Vec<usize> = layers.iter().map(|l| ParamLayout::of(l).numel).collect();
+    let types: Vec<String> = layers.iter().map(|l| l.type_name()).collect();
+    let type_refs: Vec<&str> = types.iter().map(String::as_str).collect();
+    let parts = method.partition(&counts, &type_refs, stages)?;
+    if parts.windows(2).any(|w| w[0] == w[1]) {
+        return Err(pipeline_error(format!(
+            "partition `{partition}` leaves a stage without layers: boundaries {parts:?}"
+        )));
+    }
+    Ok((counts, parts))
+}
+
+/// `layers` with every tied copy set to its group's first (a collective over the pipeline
+/// when a tie spans stages).
+fn tie_params<L: burn::module::Module>(
+    layers: Vec<L>,
+    layout: &ParamLayout,
+    ties: &[TiedGroup],
+) -> Result<Vec<L>> {
+    if ties.is_empty() {
+        return Ok(layers);
+    }
+    let mut flat = params_to_flat(&layers, layout);
+    for tie in ties {
+        tie.copy_first(&mut flat)?;
+    }
+    Ok(params_from_flat(layers, layout, &flat))
+}
+
 impl<L, B> PipelineEngine<L, B>
 where
     L: PipeLayer<B>,
@@ -109,24 +152,8 @@ where
         let topo = PipeDataTopology::new(comm.world_size(), stages)?;
         // The batch arithmetic counts data-parallel replicas, not ranks.
         let batch = config.resolve(topo.replicas)?;
-        if layers.len() < stages {
-            return Err(pipeline_error(format!(
-                "{} layers cannot fill {stages} stages",
-                layers.len()
-            )));
-        }
         let (stage, replica) = topo.coords(comm.rank());
-        let method = PartitionMethod::parse(&pipeline.partition)?;
-        let counts: Vec<usize> = layers.iter().map(|l| ParamLayout::of(l).numel).collect();
-        let types: Vec<String> = layers.iter().map(|l| l.type_name()).collect();
-        let type_refs: Vec<&str> = types.iter().map(String::as_str).collect();
-        let parts = method.partition(&counts, &type_refs, stages)?;
-        if parts.windows(2).any(|w| w[0] == w[1]) {
-            return Err(pipeline_error(format!(
-                "partition `{}` leaves a stage without layers: boundaries {parts:?}",
-                pipeline.partition
-            )));
-        }
+        let (counts, parts) = partition_layers(&layers, &pipeline.partition, stages)?;
         let total_params = counts.iter().sum();
         let keys: Vec<Option<String>> = layers.iter().map(|l| l.tie_key()).collect();
 
@@ -153,16 +180,9 @@ where
             .ok_or_else(|| DeepSpeedError::Data("the config was not resolved".into()))?;
         let optim = build_optimizer(&optim_cfg)?;
         let layout = ParamLayout::of(&mine);
-        let mut mine = broadcast_params(data.as_ref(), &layout, mine)?;
+        let mine = broadcast_params(data.as_ref(), &layout, mine)?;
+        let mine = tie_params(mine, &layout, &ties)?;
         let grads = GradBuffer::new(layout, data.clone(), &SyncOptions::of(&config));
-        if !ties.is_empty() {
-            let layout = grads.layout();
-            let mut flat = params_to_flat(&mine, layout);
-            for tie in &ties {
-                tie.copy_first(&mut flat)?;
-            }
-            mine = params_from_flat(mine, layout, &flat);
-        }
         Ok(Self {
             layers: mine,
             parts,

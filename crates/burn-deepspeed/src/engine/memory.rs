@@ -3,11 +3,13 @@
 //! their allocations, Burn's optimizer state from the tensors it holds, and the transient
 //! buffers of a step (gradient tensors from backward, reduction buckets, stage 3's gathered
 //! copies) when they are allocated. The formulas these figures are checked against live in
-//! [`super::estimate`].
+//! [`super::estimate`]. Burn's optimizer keeps its state out of reach; its bytes per element
+//! are measured on a probe ([`burn_state_bytes_per_elem`]) and counted for the elements that
+//! have state.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::ModuleOptimizer;
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
 use serde::Serialize;
 
 /// Bytes of model state one rank holds.
@@ -71,18 +73,31 @@ pub fn vec_bytes<T>(buffer: &Vec<T>) -> u64 {
     (buffer.capacity() * size_of::<T>()) as u64
 }
 
-/// Bytes of the state tensors Burn's optimizer holds, read from its record (each tensor's
-/// stored bytes). Copies the state once: call it when the set of stepped parameters changes,
-/// not every step.
-pub fn burn_optimizer_bytes(optim: &ModuleOptimizer) -> u64 {
+/// Bytes of state an optimizer like `fresh` (one that has stepped nothing) keeps per f32
+/// parameter element, measured on a copy: one step on a probe parameter of
+/// [`PROBE_ELEMS`] elements, then the byte lengths of the state tensors in its record. Burn's
+/// optimizers keep their state in tensors shaped like the parameter (Adam, AdamW and LAMB: m
+/// and v), so the engine multiplies this by the elements that have state instead of
+/// serializing the real state, which would copy it twice.
+pub fn burn_state_bytes_per_elem(fresh: &ModuleOptimizer) -> f64 {
+    let device = Device::default();
+    let mut optim = fresh.clone();
+    let param = Param::from_tensor(Tensor::<1>::ones([PROBE_ELEMS], &device.clone().autodiff()));
+    let mut grads = burn::optim::GradientsParams::new();
+    grads.register::<1>(param.id, Tensor::<1>::ones([PROBE_ELEMS], &device));
+    let _ = optim.step(1e-3, param, grads);
     let Ok(bytes) = optim.into_bytes() else {
-        return 0;
+        return 0.0;
     };
-    burn_pack::Reader::from_bytes(bytes)
+    let state: u64 = burn_pack::Reader::from_bytes(bytes)
         .and_then(|r| r.into_tensors())
         .map(|tensors| tensors.iter().map(|t| t.byte_len() as u64).sum())
-        .unwrap_or(0)
+        .unwrap_or(0);
+    state as f64 / PROBE_ELEMS as f64
 }
+
+/// Elements of the probe parameter [`burn_state_bytes_per_elem`] steps.
+pub const PROBE_ELEMS: usize = 64;
 
 /// Bytes of the gradient tensors `grads` holds for `module`'s parameters.
 pub fn grads_bytes<M: Module>(module: &M, grads: &burn::optim::GradientsParams) -> u64 {

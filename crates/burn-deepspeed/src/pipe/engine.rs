@@ -22,7 +22,7 @@ use super::wire::{self, TAG_ACTIVATION, TAG_GRADIENT};
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
 use crate::engine::build_optimizer;
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat};
-use crate::engine::memory::{ModelStateBytes, burn_optimizer_bytes, param_bytes};
+use crate::engine::memory::{ModelStateBytes, burn_state_bytes_per_elem, param_bytes};
 use crate::sync::scale::{clip_to, squared_sum, sum_across};
 use crate::sync::{GradBuffer, SyncOptions, broadcast_params};
 use crate::{DeepSpeedError, Result};
@@ -76,7 +76,9 @@ pub struct PipelineEngine<L, B> {
     config: DeepSpeedConfig,
     batch: BatchSizes,
     grads: GradBuffer,
-    /// Measured bytes of the optimizer's state (read once every layer has been stepped).
+    /// The optimizer as built (stepped nothing), for measuring its state per element.
+    fresh_optim: ModuleOptimizer,
+    /// Bytes of the optimizer's state (counted after the first step).
     optim_bytes: u64,
     kind: ScheduleKind,
     device: Device,
@@ -193,6 +195,7 @@ where
             pipe,
             data,
             ties,
+            fresh_optim: optim.clone(),
             optim,
             config,
             batch,
@@ -415,7 +418,10 @@ where
         let layers = std::mem::take(&mut self.layers);
         self.layers = self.optim.step(lr, layers, grads);
         if self.optim_bytes == 0 {
-            self.optim_bytes = burn_optimizer_bytes(&self.optim);
+            // The state per element, measured on a probe, for every element of this stage
+            // (all of them have a gradient after the first step).
+            let per_elem = burn_state_bytes_per_elem(&self.fresh_optim);
+            self.optim_bytes = (per_elem * self.stage_params() as f64).round() as u64;
         }
         self.grads.clear_marks();
     }

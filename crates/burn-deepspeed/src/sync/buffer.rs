@@ -161,6 +161,11 @@ impl GradBuffer {
         grads
     }
 
+    /// Marks every parameter as having a gradient.
+    pub fn mark_all_present(&mut self) {
+        self.present.iter_mut().for_each(|p| *p = 1);
+    }
+
     /// Clears the per-parameter gradient marks (after the optimizer has consumed them).
     pub fn clear_marks(&mut self) {
         self.present.iter_mut().for_each(|p| *p = 0);

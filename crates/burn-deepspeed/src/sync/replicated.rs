@@ -15,7 +15,7 @@ use super::{GradSync, Reduced, SavedState, SyncOptions};
 use crate::engine::checkpoint::Loaded;
 use crate::engine::flat::{ParamLayout, restore_params};
 use crate::engine::memory::{
-    MemoryMeter, ModelStateBytes, burn_optimizer_bytes, grads_bytes, param_bytes,
+    MemoryMeter, ModelStateBytes, burn_state_bytes_per_elem, grads_bytes, param_bytes,
 };
 use crate::{DeepSpeedError, Result};
 
@@ -29,7 +29,9 @@ pub struct ReplicatedSync {
     fresh: Option<ModuleOptimizer>,
     /// Slots the optimizer has stepped (and so keeps state for).
     stepped: Vec<bool>,
-    /// Measured bytes of the optimizer's state tensors (re-read when `stepped` grows).
+    /// Bytes of optimizer state per element with state (measured once, on a probe).
+    state_per_elem: Option<f64>,
+    /// Bytes of the optimizer's state: `state_per_elem` times the stepped elements.
     optim_bytes: u64,
     meter: MemoryMeter,
 }
@@ -49,22 +51,32 @@ impl ReplicatedSync {
             clip: options.clip,
             fresh: optim.clone(),
             optim,
+            state_per_elem: None,
             optim_bytes: 0,
             meter: MemoryMeter::default(),
         }
     }
 
-    /// Re-reads the optimizer's state size when a parameter got state for the first time.
+    /// Counts the optimizer's state again when a parameter got state for the first time.
     fn track_optimizer_state(&mut self) {
+        let present = self.buffer.present();
         let mut grew = false;
-        for (s, &p) in self.stepped.iter_mut().zip(self.buffer.present()) {
+        for (s, &p) in self.stepped.iter_mut().zip(present) {
             if p != 0 && !*s {
                 *s = true;
                 grew = true;
             }
         }
-        if grew && let Some(optim) = &self.optim {
-            self.optim_bytes = burn_optimizer_bytes(optim);
+        if grew && let Some(fresh) = &self.fresh {
+            let per_elem = *self
+                .state_per_elem
+                .get_or_insert_with(|| burn_state_bytes_per_elem(fresh));
+            let layout = self.buffer.layout();
+            let elems: usize = (layout.slots.iter().zip(&self.stepped))
+                .filter(|(_, s)| **s)
+                .map(|(slot, _)| slot.numel)
+                .sum();
+            self.optim_bytes = (per_elem * elems as f64).round() as u64;
         }
     }
 }
@@ -152,8 +164,11 @@ impl<M: Module> GradSync<M> for ReplicatedSync {
         );
         self.buffer.set_layout(ParamLayout::of(&model));
         self.optim = Some(optim);
-        self.stepped.iter_mut().for_each(|s| *s = true);
-        self.optim_bytes = self.optim.as_ref().map_or(0, burn_optimizer_bytes);
+        // A loaded optimizer keeps state for every parameter.
+        self.stepped.iter_mut().for_each(|s| *s = false);
+        self.buffer.mark_all_present();
+        self.track_optimizer_state();
+        self.buffer.clear_marks();
         Ok(model)
     }
 

@@ -40,6 +40,76 @@ for n in 2 3; do
     mpirun -n "$n" "$conformance"
 done
 
+# The same suite with every MPI call capped at 64 bytes: buffers travel in pieces (what a
+# message over 2 GiB does), and the results are unchanged.
+for n in 2 3; do
+    BURN_DEEPSPEED_MPI_MAX_MESSAGE=64 mpirun -n "$n" -x BURN_DEEPSPEED_MPI_MAX_MESSAGE "$conformance"
+done
+
+# Faults under MPI: a rank that returns an error, and a rank killed with SIGKILL, end every
+# process of the job (non-zero) within 60 s, with the cause on stderr.
+victim=$(binary fault-victim)
+fault_passed=0
+fault_failed=0
+fault_case() {
+    local name=$1 ok=$2
+    if [ "$ok" = 1 ]; then
+        fault_passed=$((fault_passed + 1))
+        echo "mpi fault: $name: ok"
+    else
+        fault_failed=$((fault_failed + 1))
+        echo "mpi fault: $name: FAILED"
+    fi
+}
+start=$(date +%s)
+set +e
+timeout 120 mpirun -n 3 "$victim" fail 1 3 > "$out/fail.out" 2> "$out/fail.err"
+rc=$?
+set -e
+took=$(($(date +%s) - start))
+echo "rank 1 returns an error before step 3 of 3: exit $rc after ${took}s; stderr says:"
+grep -m 2 "aborts the MPI job" "$out/fail.err" || true
+ok=0
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$took" -le 60 ] \
+    && grep -q "rank 1 aborts the MPI job: data: injected fault on rank 1" "$out/fail.err"; then
+    ok=1
+fi
+fault_case "a rank's error aborts the job" "$ok"
+
+mkdir -p "$out/pids"
+set +e
+timeout 120 mpirun -n 3 "$victim" train "$out/pids" > "$out/kill.out" 2> "$out/kill.err" &
+job=$!
+for _ in $(seq 1 600); do
+    grep -q "^step 2$" "$out/kill.out" && [ -s "$out/pids/rank-1.pid" ] && break
+    sleep 0.1
+done
+killed_at=$(date +%s)
+kill -9 "$(cat "$out/pids/rank-1.pid")"
+wait "$job"
+rc=$?
+set -e
+# mpirun returns while it is still ending the other ranks: give them until 60 s after the kill.
+left=1
+while [ "$left" -gt 0 ] && [ $(($(date +%s) - killed_at)) -le 60 ]; do
+    left=0
+    for f in "$out"/pids/rank-*.pid; do
+        if kill -0 "$(cat "$f")" 2> /dev/null; then left=$((left + 1)); fi
+    done
+    [ "$left" -eq 0 ] || sleep 0.5
+done
+took=$(($(date +%s) - killed_at))
+echo "rank 1 killed with SIGKILL mid-run under mpirun -n 3: exit $rc after ${took}s, $left processes left; stderr says:"
+grep -m 3 -i "signal\|killed\|abort" "$out/kill.err" || true
+ok=0
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$took" -le 60 ] && [ "$left" -eq 0 ] \
+    && grep -qi "signal 9\|killed" "$out/kill.err"; then
+    ok=1
+fi
+fault_case "a killed rank ends the job" "$ok"
+echo "mpi faults: $fault_passed passed, $fault_failed failed"
+[ "$fault_failed" -eq 0 ]
+
 # The GPT example over MPI prints the same losses as the same run in threads.
 gpt=$(binary gpt)
 args=(--steps 4 --seed 7 --json)

@@ -370,7 +370,7 @@ fn per_rank_checkpoints_resume_exactly() {
     std::fs::write(&slice, bytes).expect("write");
     let err = refused(&rest, 4);
     assert!(
-        err.contains("zero_pp_rank_1_optim_states.bin is corrupt"),
+        err.contains("zero_pp_rank_1_optim_states.bin: is corrupt"),
         "{err}"
     );
 }

@@ -66,3 +66,22 @@ pub enum DeepSpeedError {
 
 /// Result type of the burn-deepspeed crate.
 pub type Result<T> = std::result::Result<T, DeepSpeedError>;
+
+/// Agrees across ranks on the outcome of a rank-local phase (see
+/// [`agree`](burn_deepspeed_strategies::comm::agree)): returns `local` when every rank
+/// succeeded; otherwise this rank's own error, or, on the ranks that succeeded, an error naming
+/// the failed rank and its reason. A collective: every rank calls it before the next
+/// collective, so that one rank's failure fails all of them instead of leaving them blocked.
+pub fn agreed<T>(
+    comm: &dyn burn_deepspeed_strategies::comm::Communicator,
+    phase: &'static str,
+    local: Result<T>,
+) -> Result<T> {
+    let reason = local.as_ref().err().map(|e| e.to_string());
+    let verdict = burn_deepspeed_strategies::comm::agree(comm, phase, reason.as_deref());
+    match (local, verdict) {
+        (Err(mine), _) => Err(mine),
+        (Ok(_), Err(peer)) => Err(peer.into()),
+        (Ok(v), Ok(())) => Ok(v),
+    }
+}

@@ -32,17 +32,20 @@ pub fn mpirun_world_size() -> Option<usize> {
 ///
 /// Under `mpirun` (and with the `mpi` feature) this process is one rank: `f` runs once with
 /// the MPI communicator and `threads` is ignored. Otherwise `threads` ranks run as threads.
-/// A rank that panics or fails makes the call return an error naming it.
+/// A rank that panics or fails makes the call return an error naming it. A rank whose `f`
+/// returns an error first [aborts](Communicator::abort) the world with it, so that its peers
+/// fail at once instead of waiting for it in their next collective (under `mpirun` the job
+/// ends with the rank and the reason on stderr).
 pub fn launch<R, F>(threads: usize, timeout: Duration, f: F) -> Result<(LaunchKind, Vec<R>)>
 where
     R: Send,
     F: Fn(Arc<dyn Communicator>) -> Result<R> + Sync,
 {
     if launched_by_mpirun() {
-        return f(mpi_world()?).map(|r| (LaunchKind::Mpi, vec![r]));
+        return failing_aborts(mpi_world()?, f).map(|r| (LaunchKind::Mpi, vec![r]));
     }
     let f = &f;
-    let ranks = (0..threads).map(|_| move |comm| f(comm));
+    let ranks = (0..threads).map(|_| move |comm| failing_aborts(comm, f));
     let no_leader: Option<fn(Arc<dyn Communicator>)> = None;
     let (_, results) = run_ranks(threads, timeout, no_leader, ranks)?;
     let mut out = Vec::with_capacity(threads);
@@ -80,13 +83,17 @@ where
     if launched_by_mpirun() {
         let comm = mpi_world()?;
         let r = if comm.rank() == 0 {
-            leader(comm)?
+            failing_aborts(comm, leader)?
         } else {
-            follower()(comm)?
+            failing_aborts(comm, follower())?
         };
         return Ok((LaunchKind::Mpi, r));
     }
-    let followers: Vec<G> = (1..threads).map(|_| follower()).collect();
+    let followers = (1..threads).map(|_| {
+        let run = follower();
+        move |comm| failing_aborts(comm, run)
+    });
+    let leader = move |comm| failing_aborts(comm, leader);
     let (first, rest) = run_ranks(threads, timeout, Some(leader), followers)?;
     for (i, r) in rest.into_iter().enumerate() {
         r.map_err(|panic| panicked(i + 1, panic))?
@@ -134,6 +141,19 @@ where
         let first = leader.map(|(run, comm)| run(Arc::new(comm)));
         (first, handles.into_iter().map(|h| h.join()).collect())
     }))
+}
+
+/// Runs one rank; when it fails, aborts its world with the error before returning it.
+fn failing_aborts<R>(
+    comm: Arc<dyn Communicator>,
+    run: impl FnOnce(Arc<dyn Communicator>) -> Result<R>,
+) -> Result<R> {
+    let handle = comm.clone();
+    let result = run(comm);
+    if let Err(e) = &result {
+        handle.abort(&e.to_string());
+    }
+    result
 }
 
 /// A rank's panic as an error naming it.

@@ -192,7 +192,15 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let progress = TrainProgress::new(if spec.progress { rank } else { usize::MAX }, spec.steps);
     let inner = device.clone().inner();
     let first_step = engine.global_step();
-    let mut losses = Vec::with_capacity(spec.steps as usize);
+    if first_step > spec.steps {
+        return Err(DeepSpeedError::Data(format!(
+            "--steps {} is below the step the checkpoint resumes from ({first_step}); ask for \
+             at least {first_step} steps",
+            spec.steps
+        )));
+    }
+    // Capacity for what a report keeps, not a blind allocation of `--steps` entries.
+    let mut losses = Vec::with_capacity((spec.steps - first_step).min(1 << 16) as usize);
     let (mut per_step_bytes, mut per_sample, mut compressed) = (Vec::new(), Vec::new(), 0);
     let mut per_step_model_bytes = Vec::new();
     let mut pld_theta = None;
@@ -293,9 +301,12 @@ pub fn train_step(
     // ranks hold disjoint shards of each global batch.
     let micro_batches = (0..batch.gradient_accumulation_steps).map(|k| {
         let first = (k * world + rank) * micro;
+        // One draw per micro-step, the same on every rank: the ranks drop the same blocks,
+        // which ZeRO-3 needs (a dropped block is not gathered, so ranks that dropped
+        // different blocks would pair different gathers).
         let layer_drop = theta.map(|theta| LayerDrop {
             theta,
-            seed: SplitMix64::new(spec.seed ^ (step << 32) ^ first).next_u64(),
+            seed: SplitMix64::new(spec.seed ^ (step << 32) ^ k).next_u64(),
         });
         spec.corpus
             .batch(step, first, micro as usize, spec.shape.seq_len, device)
@@ -341,7 +352,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
     let micro = batch.train_micro_batch_size_per_gpu as usize;
     let progress = TrainProgress::new(if spec.progress { rank } else { usize::MAX }, spec.steps);
     let inner = device.clone().inner();
-    let mut losses = Vec::with_capacity(spec.steps as usize);
+    let mut losses = Vec::with_capacity(spec.steps.min(1 << 16) as usize);
     let (mut compute, mut scheduled, mut live) = (0.0f64, 0.0f64, 0usize);
     let start = Instant::now();
     for step in 0..spec.steps {

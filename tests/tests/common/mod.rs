@@ -8,6 +8,7 @@ use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
 
 /// A run of `steps` on the embedded corpus (windows from `data_seed`, init from `seed`).
+#[allow(dead_code)]
 pub fn spec(
     config: DeepSpeedConfig,
     shape: GptShape,
@@ -32,6 +33,7 @@ pub fn train(ranks: usize, spec: &RunSpec) -> RunReport {
 
 /// Largest relative difference between two loss curves of the same length; a NaN anywhere
 /// counts as an infinite difference (so a diverged run never passes a parity check).
+#[allow(dead_code)]
 pub fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()

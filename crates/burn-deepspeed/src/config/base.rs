@@ -250,10 +250,11 @@ impl DeepSpeedConfig {
                 message: format!("must be ≥ 0, found {}", self.gradient_clipping),
             });
         }
-        if self.gradient_predivide_factor.is_nan() || self.gradient_predivide_factor <= 0.0 {
+        let f = self.gradient_predivide_factor;
+        if !(f.is_finite() && f > 0.0) {
             return Err(DeepSpeedError::InvalidValue {
                 path: "gradient_predivide_factor".into(),
-                message: format!("must be > 0, found {}", self.gradient_predivide_factor),
+                message: format!("must be a finite number > 0, found {f}"),
             });
         }
         let pld = &self.progressive_layer_drop;

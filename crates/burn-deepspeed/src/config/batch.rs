@@ -39,30 +39,41 @@ pub fn resolve_batch(
     if world == 0 {
         return err("the world size must be at least 1".into());
     }
+    // Every product is checked: huge values are refused by name, never wrapped.
+    let mg = |m: u64, g: u64| {
+        product(&[
+            ("train_micro_batch_size_per_gpu", m),
+            ("gradient_accumulation_steps", g),
+            ("the world size", world),
+        ])
+    };
     let (train, micro, gas) = match (train, micro, gas) {
         (Some(t), Some(m), Some(g)) => (t, m, g),
         (Some(t), Some(m), None) => {
-            if t % (m * world) != 0 {
+            let per_step = mg(m, 1)?;
+            if t % per_step != 0 {
                 return err(format!(
                     "train_batch_size ({t}) is not divisible by train_micro_batch_size_per_gpu \
-                     ({m}) × world size ({world}) = {}, so gradient_accumulation_steps would \
-                     not be a whole number",
-                    m * world
+                     ({m}) × world size ({world}) = {per_step}, so gradient_accumulation_steps \
+                     would not be a whole number"
                 ));
             }
-            (t, m, t / (m * world))
+            (t, m, t / per_step)
         }
         (Some(t), None, Some(g)) => {
-            if t % (g * world) != 0 {
+            let per_micro = product(&[
+                ("gradient_accumulation_steps", g),
+                ("the world size", world),
+            ])?;
+            if t % per_micro != 0 {
                 return err(format!(
                     "train_batch_size ({t}) is not divisible by gradient_accumulation_steps \
-                     ({g}) × world size ({world}) = {}",
-                    g * world
+                     ({g}) × world size ({world}) = {per_micro}"
                 ));
             }
-            (t, t / (g * world), g)
+            (t, t / per_micro, g)
         }
-        (None, Some(m), Some(g)) => (m * g * world, m, g),
+        (None, Some(m), Some(g)) => (mg(m, g)?, m, g),
         (Some(t), None, None) => {
             if t % world != 0 {
                 return err(format!(
@@ -71,16 +82,16 @@ pub fn resolve_batch(
             }
             (t, t / world, 1)
         }
-        (None, Some(m), None) => (m * world, m, 1),
+        (None, Some(m), None) => (mg(m, 1)?, m, 1),
         (None, None, _) => {
             return err("set train_batch_size or train_micro_batch_size_per_gpu (or both)".into());
         }
     };
-    if train != micro * gas * world {
+    let whole = mg(micro, gas)?;
+    if train != whole {
         return err(format!(
             "train_batch_size ({train}) != train_micro_batch_size_per_gpu ({micro}) × \
-             gradient_accumulation_steps ({gas}) × world size ({world}) = {}",
-            micro * gas * world
+             gradient_accumulation_steps ({gas}) × world size ({world}) = {whole}"
         ));
     }
     Ok(BatchSizes {
@@ -89,6 +100,20 @@ pub fn resolve_batch(
         gradient_accumulation_steps: gas,
         world_size: world,
     })
+}
+
+/// The product of the named factors, or an error naming them when it overflows.
+fn product(factors: &[(&str, u64)]) -> Result<u64> {
+    factors
+        .iter()
+        .try_fold(1u64, |acc, (_, v)| acc.checked_mul(*v))
+        .ok_or_else(|| {
+            let named: Vec<String> = factors.iter().map(|(k, v)| format!("{k} ({v})")).collect();
+            DeepSpeedError::BatchSize(format!(
+                "{} overflows a 64-bit batch size",
+                named.join(" × ")
+            ))
+        })
 }
 
 #[cfg(test)]
@@ -127,5 +152,23 @@ mod tests {
         assert!(e.contains("(10)") && e.contains("(4)"), "{e}");
         assert!(resolve_batch(None, None, Some(2), 1).is_err());
         assert!(resolve_batch(Some(0), None, None, 1).is_err());
+    }
+
+    #[test]
+    fn overflowing_products_are_refused_by_name() {
+        let huge = 1u64 << 63;
+        for (t, m, g) in [
+            (None, Some(huge), None),
+            (None, Some(huge), Some(2)),
+            (Some(8), Some(huge), None),
+            (Some(8), None, Some(huge)),
+            (Some(8), Some(huge), Some(huge)),
+        ] {
+            let e = resolve_batch(t, m, g, 2).unwrap_err().to_string();
+            assert!(
+                e.contains("overflows") && e.contains("9223372036854775808"),
+                "{e}"
+            );
+        }
     }
 }

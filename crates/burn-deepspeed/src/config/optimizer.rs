@@ -203,6 +203,28 @@ impl OptimizerConfig {
                 message: format!("must be a finite non-negative number, found {lr}"),
             });
         }
+        // eps > 0 (a zero eps divides by zero where v is 0); the rest finite and >= 0.
+        let checks: [(&str, Option<f64>, bool); 8] = [
+            ("eps", p.eps, true),
+            ("weight_decay", p.weight_decay, false),
+            ("max_coeff", p.max_coeff, false),
+            ("min_coeff", p.min_coeff, false),
+            ("coeff_beta", p.coeff_beta, false),
+            ("factor_max", p.factor_max, false),
+            ("factor_min", p.factor_min, false),
+            ("factor_threshold", p.factor_threshold, false),
+        ];
+        for (key, value, strictly_positive) in checks {
+            let Some(v) = value else { continue };
+            let ok = v.is_finite() && if strictly_positive { v > 0.0 } else { v >= 0.0 };
+            if !ok {
+                let want = if strictly_positive { "> 0" } else { "≥ 0" };
+                return Err(DeepSpeedError::InvalidValue {
+                    path: format!("optimizer.params.{key}"),
+                    message: format!("must be a finite number {want}, found {v}"),
+                });
+            }
+        }
         let (b1, b2) = p.betas.unwrap_or_default();
         if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
             return Err(DeepSpeedError::InvalidValue {

@@ -84,6 +84,20 @@ pub struct SchedulerConfig {
 impl SchedulerConfig {
     /// Checks the parameters the chosen schedule needs.
     pub fn validate(&self) -> Result<()> {
+        let p = &self.params;
+        for (key, v) in [
+            ("warmup_min_lr", p.warmup_min_lr),
+            ("warmup_max_lr", p.warmup_max_lr),
+            ("warmup_min_ratio", p.warmup_min_ratio),
+            ("cos_min_ratio", p.cos_min_ratio),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(DeepSpeedError::InvalidValue {
+                    path: format!("scheduler.params.{key}"),
+                    message: format!("must be a finite number ≥ 0, found {v}"),
+                });
+            }
+        }
         let needs_total = matches!(
             self.kind,
             SchedulerKind::WarmupDecayLR | SchedulerKind::WarmupCosineLR

@@ -19,7 +19,7 @@ use super::memory::ModelStateBytes;
 use super::{StepLoss, StepReport};
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
 use crate::sync::{self, GradSync};
-use crate::{DeepSpeedError, Result};
+use crate::{DeepSpeedError, Result, agreed};
 
 /// Data-parallel training engine with ZeRO (arXiv 1910.02054) stages 0 to 3.
 ///
@@ -45,6 +45,8 @@ pub struct DeepSpeedEngine<M: Module> {
     batch: BatchSizes,
     loss_sum: f64,
     global_step: u64,
+    /// Steps skipped because the gradient norm was not finite (DeepSpeed's `skipped_steps`).
+    skipped_steps: u64,
     fb_time: Duration,
     /// Counters before this step's first micro-batch (stages 2-3 communicate in backward).
     stats_at_step_start: Option<CommStats>,
@@ -78,6 +80,7 @@ where
             batch,
             loss_sum: 0.0,
             global_step: 0,
+            skipped_steps: 0,
             fb_time: Duration::ZERO,
             stats_at_step_start: None,
         })
@@ -101,23 +104,62 @@ where
 
     /// Averages the accumulated gradient over ranks and micro-batches, clips it, and takes
     /// one optimizer step (DeepSpeed's `engine.step` at an accumulation boundary).
+    ///
+    /// The ranks first agree that each of them has a gradient to step (a rank that calls it
+    /// before any `forward_backward` fails every rank, not only itself). When the global
+    /// gradient norm is not finite (NaN or inf anywhere, on any rank) the step is skipped on
+    /// every rank, as DeepSpeed does: parameters, optimizer moments and 1-bit error buffers
+    /// stay as they were, the gradient is dropped, [`skipped_steps`](Self::skipped_steps)
+    /// counts it, the report's `overflow` says so, and the learning-rate schedule does not advance.
     pub fn step(&mut self) -> Result<StepReport> {
+        self.step_agreed(None)
+    }
+
+    /// [`step`](Self::step), after agreeing with the other ranks on `failure` (this rank's
+    /// reason not to step, if any).
+    fn step_agreed(&mut self, failure: Option<String>) -> Result<StepReport> {
         let micro_steps = self.sync.micro_steps();
-        if micro_steps == 0 {
-            return Err(DeepSpeedError::Data(
-                "step() called before any forward_backward()".into(),
-            ));
+        let failure = failure.or_else(|| {
+            (micro_steps == 0).then(|| "step() called before any forward_backward()".to_string())
+        });
+        let local = failure.map_or(Ok(()), |f| Err(DeepSpeedError::Data(f)));
+        if let Err(e) = agreed(self.comm.as_ref(), "step", local) {
+            self.sync.discard();
+            self.loss_sum = 0.0;
+            self.stats_at_step_start = None;
+            return Err(e);
         }
         let before = self
             .stats_at_step_start
             .take()
             .unwrap_or_else(|| self.comm.stats());
-        let lr = self.lr_at(self.global_step);
+        let lr = self.lr_at(self.global_step - self.skipped_steps);
         let start = Instant::now();
         let reduced = self.sync.reduce()?;
         let reduce = start.elapsed();
+        // Ranks that clipped their own gradients (1-bit compression) learn of another rank's
+        // overflow here; a global norm is the same on every rank already.
+        let overflow = match reduced.local_norm_sq {
+            Some(_) if self.comm.world_size() > 1 => {
+                let mut flag = [f32::from(u8::from(reduced.overflow))];
+                self.comm.all_reduce(&mut flag, ReduceOp::Max)?;
+                flag[0] != 0.0
+            }
+            _ => reduced.overflow,
+        };
         let start = Instant::now();
-        self.model = self.sync.step(self.model.clone(), lr)?;
+        if overflow {
+            self.sync.discard();
+            self.skipped_steps += 1;
+            tracing::warn!(
+                step = self.global_step + 1,
+                grad_norm = reduced.norm,
+                skipped_steps = self.skipped_steps,
+                "the gradient norm is not finite: step skipped on every rank"
+            );
+        } else {
+            self.model = self.sync.step(self.model.clone(), lr)?;
+        }
         let optimizer = start.elapsed();
         let mut scalars = [
             (self.loss_sum / micro_steps as f64) as f32,
@@ -138,7 +180,7 @@ where
             loss: scalars[0] as f64,
             lr,
             grad_norm,
-            overflow: reduced.overflow,
+            overflow,
             bytes_sent: moved.total_sent(),
             model_bytes_sent: moved.total_model_sent(),
             compressed: reduced.compressed,
@@ -169,13 +211,11 @@ where
             self.forward_backward(input);
             n += 1;
         }
-        if n as u64 != self.batch.gradient_accumulation_steps {
-            return Err(DeepSpeedError::Data(format!(
-                "train_batch got {n} micro-batches; gradient_accumulation_steps is {}",
-                self.batch.gradient_accumulation_steps
-            )));
-        }
-        self.step()
+        let gas = self.batch.gradient_accumulation_steps;
+        let failure = (n as u64 != gas).then(|| {
+            format!("train_batch got {n} micro-batches; gradient_accumulation_steps is {gas}")
+        });
+        self.step_agreed(failure)
     }
 
     /// Learning rate of optimizer step `step` (0-based).
@@ -188,6 +228,10 @@ where
     /// `progressive_layer_drop` is off. As in DeepSpeed, the model does the dropping: pass θ to
     /// its forward (e.g. in the batch) and keep layer l of L with probability
     /// [`keep_probabilities`](crate::pld::ProgressiveLayerDrop::keep_probabilities)`(θ, L)[l]`.
+    /// Every rank must draw the same layers in a micro-step (seed the draw with the step and
+    /// micro-step, not the rank): at ZeRO stage 3 a dropped layer is not gathered, and ranks
+    /// that dropped different layers would pair different gathers (the communicator's labels
+    /// then refuse the step).
     pub fn pld_theta(&self) -> Option<f64> {
         self.pld.map(|p| p.theta_at(self.global_step))
     }
@@ -217,12 +261,18 @@ where
     /// optimizer state and step. Refuses, with the reason, a checkpoint whose files are
     /// corrupt or whose parameters, optimizer or ZeRO stage differ from this engine's (stages
     /// 1-3 load each other's). The world size may differ from the one that saved it: the
-    /// saved slices are joined and cut again for this world. Every rank calls it (each reads
-    /// the files, so they must be visible to every rank). Returns the step.
+    /// saved slices are joined and cut again for this world. Every rank calls it (rank 0
+    /// reads `latest` and tells the others the tag; each reads the files, so they must be
+    /// visible to every rank). All or nothing: when any rank cannot read or restore the
+    /// checkpoint, every rank returns the error and the engine is left as it was. Returns the
+    /// step.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<u64> {
-        let loaded = checkpoint::load(dir.as_ref(), tag, &self.meta())?;
-        self.model = self.sync.load(self.model.clone(), &loaded)?;
+        let comm = self.comm.clone();
+        let loaded = checkpoint::load(dir.as_ref(), tag, &self.meta(), comm.as_ref())?;
+        let restored = self.sync.load(self.model.clone(), &loaded);
+        self.model = agreed(comm.as_ref(), "checkpoint restore", restored)?;
         self.global_step = loaded.meta.global_step;
+        self.skipped_steps = loaded.meta.skipped_steps;
         self.loss_sum = 0.0;
         Ok(self.global_step)
     }
@@ -234,6 +284,7 @@ where
             format: CHECKPOINT_FORMAT.into(),
             version: CHECKPOINT_VERSION,
             global_step: self.global_step,
+            skipped_steps: self.skipped_steps,
             world_size: self.comm.world_size(),
             zero_stage: self.config.zero_optimization.stage.into(),
             optimizer: format!("{:?}", self.config.optimizer_kind()),
@@ -304,9 +355,13 @@ impl<M: Module> DeepSpeedEngine<M> {
     pub fn comm(&self) -> &Arc<dyn Communicator> {
         &self.comm
     }
-    /// Optimizer steps taken.
+    /// Optimizer steps taken, skipped ones included (DeepSpeed's `global_steps`).
     pub fn global_step(&self) -> u64 {
         self.global_step
+    }
+    /// Steps skipped because the gradient norm was not finite (DeepSpeed's `skipped_steps`).
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped_steps
     }
     /// Number of float parameters.
     pub fn num_params(&self) -> usize {

@@ -35,7 +35,8 @@ pub struct StepReport {
     /// gradients are not all-reduced and each rank clips its own, the root mean square of the
     /// ranks' local norms.
     pub grad_norm: f64,
-    /// The gradient norm was not finite (an inf or NaN in some gradient).
+    /// The gradient norm was not finite (an inf or NaN in some gradient, on some rank): the
+    /// step was skipped on every rank (parameters and optimizer state unchanged).
     pub overflow: bool,
     /// Bytes this rank's transport sent during the step (measured).
     pub bytes_sent: u64,

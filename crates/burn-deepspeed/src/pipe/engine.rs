@@ -500,9 +500,9 @@ where
         let sq = if self.topo.stages > 1 {
             sum_across(self.pipe.as_ref(), local)?
         } else {
-            local as f32
+            local
         };
-        let norm = (sq.max(0.0) as f64).sqrt();
+        let norm = sq.max(0.0).sqrt();
         clip_to(flat, norm, threshold);
         Ok(norm)
     }

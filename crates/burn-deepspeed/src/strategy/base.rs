@@ -64,10 +64,11 @@ impl DeepSpeedStrategy {
     /// one rank). `gradient_clipping`, `reduce_bucket_size` and `prescale_gradients` come
     /// from `config`; the optimizer and schedule are the `Learner`'s; the number of
     /// micro-batches per step is `SupervisedTraining`'s gradient accumulation (default 1).
+    /// `ranks` 0 is refused when training starts.
     pub fn new(config: DeepSpeedConfig, ranks: usize) -> Self {
         Self {
             config,
-            ranks: ranks.max(1),
+            ranks,
             timeout: Duration::from_secs(1800),
         }
     }

@@ -70,7 +70,8 @@ impl DeepSpeedStrategy {
         if self.config.zero_optimization.stage != ZeroStage::Parameters {
             return model;
         }
-        let world = mpirun_world_size().unwrap_or(self.ranks);
+        // 0 ranks is refused when training starts; the plan needs one.
+        let world = mpirun_world_size().unwrap_or(self.ranks).max(1);
         let layout = ParamLayout::of(&model);
         let flat = params_to_flat(&model, &layout);
         let plan = shard_plan(&layout, &SyncOptions::of(&self.config), world);

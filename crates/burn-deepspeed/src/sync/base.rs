@@ -81,6 +81,10 @@ pub trait GradSync<M: Module> {
     /// model (the same on every rank).
     fn step(&mut self, model: M, lr: f64) -> Result<M>;
 
+    /// After [`reduce`](Self::reduce), instead of a step (the norm was not finite): drops the
+    /// accumulated gradient and leaves the parameters and the optimizer state as they are.
+    fn discard(&mut self);
+
     /// After [`reduce`](Self::reduce), for a caller that steps with its own optimizer: the
     /// gradients it steps on this rank (whole tensors at stage 0, this rank's tensors at
     /// stages 1-2, this rank's chunks at stage 3). Clears the buffers.

@@ -102,6 +102,11 @@ impl<M: Module> GradSync<M> for CompressedSync {
         Ok(model)
     }
 
+    fn discard(&mut self) {
+        self.buffer.reset();
+        self.buffer.clear_marks();
+    }
+
     fn reduced_gradients(&mut self, _model: &M) -> Result<GradientsParams> {
         Err(DeepSpeedError::Data(
             "a 1-bit optimizer steps the flat buffers itself; it has no gradients to hand out"

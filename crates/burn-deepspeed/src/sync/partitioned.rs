@@ -309,6 +309,11 @@ impl<M: Module> GradSync<M> for PartitionedSync {
 
     /// The gradients of this rank's tensors (those that had one on any rank), with a
     /// [tensor-aligned](PartitionedSync::for_whole_tensors) partition.
+    fn discard(&mut self) {
+        self.reset();
+        self.present.iter_mut().for_each(|p| *p = 0);
+    }
+
     fn reduced_gradients(&mut self, model: &M) -> Result<GradientsParams> {
         let grads: &[f32] = if self.streams {
             &self.slice

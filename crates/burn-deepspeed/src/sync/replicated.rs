@@ -121,6 +121,11 @@ impl<M: Module> GradSync<M> for ReplicatedSync {
         Ok(model)
     }
 
+    fn discard(&mut self) {
+        self.buffer.reset();
+        self.buffer.clear_marks();
+    }
+
     fn reduced_gradients(&mut self, model: &M) -> Result<GradientsParams> {
         let grads = self.buffer.take(model);
         self.buffer.clear_marks();

@@ -2,7 +2,7 @@
 //! reduction when prescaling) and global-norm clipping, written once.
 
 use burn_deepspeed_strategies::bucket::bucket_ranges;
-use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
+use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp, sum_f64};
 
 use crate::Result;
 
@@ -105,16 +105,13 @@ pub fn clip_across(comm: &dyn Communicator, values: &mut [f32], max_norm: f64) -
 /// The norm of a gradient whose parts' squared sums (`local_sq` on this rank) are summed over
 /// `comm` (one all-reduce of one f32).
 pub fn norm_across(comm: &dyn Communicator, local_sq: f64) -> Result<f64> {
-    Ok((sum_across(comm, local_sq)? as f64).sqrt())
+    Ok(sum_across(comm, local_sq)?.sqrt())
 }
 
-/// `local` summed over `comm` as one f32 (one all-reduce).
-pub fn sum_across(comm: &dyn Communicator, local: f64) -> Result<f32> {
-    let mut sum = [local as f32];
-    if comm.world_size() > 1 {
-        comm.all_reduce(&mut sum, ReduceOp::Sum)?;
-    }
-    Ok(sum[0])
+/// `local` summed over `comm` in f64 (one all-gather of 8 bytes per rank, summed in rank
+/// order: an f32 sum would round, and overflow to inf for large squared norms).
+pub fn sum_across(comm: &dyn Communicator, local: f64) -> Result<f64> {
+    Ok(sum_f64(comm, &[local])?[0])
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ use crate::engine::checkpoint::{Loaded, gather_moments, no_state_to_restore, sav
 use crate::engine::flat::{ParamLayout, for_each_grad, set_param_ids};
 use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
 use crate::zero3::{GatherGroup, GatherStats, shard_module};
-use crate::{DeepSpeedError, Result};
+use crate::{DeepSpeedError, Result, agreed};
 
 /// A rank's stage-3 state: the gather group, its gradient pieces and its optimizer.
 pub struct ShardedSync {
@@ -208,11 +208,12 @@ impl<M: Module> GradSync<M> for ShardedSync {
     /// Ends the accumulation: reports a failed gather, all-reduces the persistent tensors'
     /// gradients, averages over ranks and micro-batches, and clips by the global norm.
     fn reduce(&mut self) -> Result<Reduced> {
-        if let Some(e) = self.group.take_error() {
-            self.reset();
-            return Err(e.into());
-        }
         let comm = self.comm.clone();
+        let gathers = self.group.take_error().map_or(Ok(()), |e| Err(e.into()));
+        if let Err(e) = agreed(comm.as_ref(), "ZeRO-3 gathers", gathers) {
+            self.reset();
+            return Err(e);
+        }
         let rank = comm.rank();
         let refuse = (!self.options.ignore_unused).then_some(&self.layout);
         if let Err(e) = merge_presence(comm.as_ref(), &mut self.present, refuse) {
@@ -262,6 +263,10 @@ impl<M: Module> GradSync<M> for ShardedSync {
         Ok(model)
     }
 
+    fn discard(&mut self) {
+        self.clear();
+    }
+
     fn reduced_gradients(&mut self, model: &M) -> Result<GradientsParams> {
         let out = self.chunk_gradients(model)?;
         self.clear();
@@ -309,17 +314,20 @@ impl<M: Module> GradSync<M> for ShardedSync {
         save_slice(self.optim.as_ref())
     }
 
+    /// Everything fallible (cutting the state, restoring the optimizer) happens before the
+    /// shards are replaced, so a failed load leaves this rank as it was.
     fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
-        let model = self.load_flat(model, &loaded.params);
-        let model = set_param_ids(model, &loaded.meta.param_ids);
         let layout = self.layout.with_ids(&loaded.meta.param_ids);
         let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
         let ranges: Vec<_> = self.segments.iter().map(|s| s.global.clone()).collect();
         let state = loaded.slice_state(&sizes, &ranges)?;
+        // `restore` checks the state before it replaces anything.
         self.optim
             .as_mut()
             .ok_or_else(no_state_to_restore)?
             .restore(state)?;
+        let model = self.load_flat(model, &loaded.params);
+        let model = set_param_ids(model, &loaded.meta.param_ids);
         self.layout = layout;
         self.clear();
         Ok(model)

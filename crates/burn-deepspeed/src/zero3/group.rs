@@ -367,6 +367,7 @@ impl GatherGroup {
             st.stats.all_gathers += 1;
             let _span = tracing::trace_span!("zero3_all_gather", elems = out.len()).entered();
             let rank = self.comm.rank();
+            self.comm.label_next(label("gather", bundle));
             let result = if self.fetch_by_all_reduce {
                 out[rank * per_rank..(rank + 1) * per_rank].copy_from_slice(&input);
                 self.comm.all_reduce(&mut out, ReduceOp::Sum)
@@ -374,7 +375,7 @@ impl GatherGroup {
                 self.comm.all_gather_equal(&input, &mut out)
             };
             if let Err(e) = result {
-                st.error = Some(e);
+                self.fail(st, e);
                 out.iter_mut().for_each(|x| *x = 0.0);
             }
         }
@@ -396,6 +397,16 @@ impl GatherGroup {
         wholes
     }
 
+    /// Records a failed collective, which this rank cannot agree on with its peers (they may
+    /// be inside the next one): the world is aborted, so that they fail at once rather than
+    /// wait, and [`ShardedSync`](crate::sync::ShardedSync)'s reduce reports the error.
+    fn fail(&self, st: &mut State, e: CommError) {
+        if !matches!(e, CommError::PeerFailed { .. }) {
+            self.comm.abort(&format!("a ZeRO-3 collective failed: {e}"));
+        }
+        st.error = Some(e);
+    }
+
     /// This rank's chunk of the sum over ranks of tensor `t`'s whole gradient `grad`.
     pub fn reduce_scatter(&self, t: usize, mut grad: Vec<f32>) -> Vec<f32> {
         let mut st = self.state();
@@ -410,16 +421,28 @@ impl GatherGroup {
         st.stats.peak_live_elems = st.stats.peak_live_elems.max(grad.len() + out.len());
         if st.error.is_none() {
             let _span = tracing::trace_span!("zero3_reduce_scatter", elems = grad.len()).entered();
+            self.comm.label_next(label("reduce", &[t]));
             if let Err(e) = self
                 .comm
                 .reduce_scatter_equal(&grad, &mut out, ReduceOp::Sum)
             {
-                st.error = Some(e);
+                self.fail(&mut st, e);
                 out.iter_mut().for_each(|x| *x = 0.0);
             }
         }
         out
     }
+}
+
+/// A label for the collective that moves `tensors` (a hash of their indices), so that ranks
+/// pairing different tensors of the same shape fail instead of exchanging the wrong data (see
+/// [`Communicator::label_next`]). `DefaultHasher::new` has fixed keys: every rank of one
+/// binary computes the same label.
+fn label(what: &str, tensors: &[usize]) -> u64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut h = DefaultHasher::new();
+    (what, tensors).hash(&mut h);
+    h.finish() | 1
 }
 
 impl Drop for GatherGroup {

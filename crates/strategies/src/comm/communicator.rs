@@ -61,6 +61,22 @@ pub trait Communicator: Send + Sync + Debug {
     fn barrier(&self) -> Result<()>;
     /// This rank's counters since the communicator was created.
     fn stats(&self) -> CommStats;
+    /// Gives up on behalf of this rank, which cannot go on and cannot tell its peers through
+    /// an agreed collective (see [`agree`](super::agree)): every peer waiting in, or later
+    /// calling, an operation of this communicator, of the world it was split from, or of any
+    /// group split from either, fails at once with [`CommError::PeerFailed`](crate::CommError)
+    /// naming this rank and `reason`. Under MPI the job is aborted (`MPI_Abort`, after
+    /// printing the rank and `reason` to stderr), and the call does not return.
+    fn abort(&self, reason: &str);
+    /// Labels this rank's next collective with `key` (for example a hash of the tensors it
+    /// moves). Ranks whose next collectives carry different labels fail with
+    /// [`CommError::Mismatch`](crate::CommError) naming both calls, instead of silently
+    /// pairing different data of the same shape. The thread world always checks; MPI checks
+    /// in debug builds (where every collective carries a sequence number, its kind and its
+    /// length), and release builds ignore the label.
+    fn label_next(&self, key: u64) {
+        let _ = key;
+    }
     /// Splits the world into groups (MPI's `MPI_Comm_split`): ranks that pass the same
     /// `color` form one new communicator, ranked in the order of their rank here. Every
     /// rank must call it (a collective); the groups' traffic is counted in their own stats.

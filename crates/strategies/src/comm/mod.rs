@@ -1,5 +1,6 @@
 //! The communicator: one trait, an in-process thread world and an MPI world.
 
+mod agree;
 mod communicator;
 pub mod conformance;
 mod element;
@@ -8,6 +9,7 @@ mod mpi;
 mod stats;
 mod thread;
 
+pub use agree::*;
 pub use communicator::*;
 pub use element::*;
 #[cfg(feature = "mpi")]

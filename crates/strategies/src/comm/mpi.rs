@@ -7,8 +7,16 @@
 //! Reductions of f16/bf16 run in f32 and of u8 in u32 (MPI has no 16-bit float types and its
 //! u8 sum would overflow before a mean), with the same semantics as the thread world. Data
 //! movement (gather, broadcast, all-to-all, send/recv) travels as raw bytes.
+//!
+//! MPI counts are `i32`: a buffer larger than [`MAX_MESSAGE`] bytes travels in several calls
+//! of at most that size, never as a wrapped count. In debug builds every collective is
+//! preceded by a small all-gather of its sequence number, kind, dtype, length and label, so
+//! ranks that call different collectives fail with [`CommError::Mismatch`] naming both calls
+//! instead of exchanging the wrong data.
 
 use std::mem::ManuallyDrop;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Once};
 
 use half::{bf16, f16};
@@ -20,8 +28,39 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::Communicator as _;
 use mpi::traits::*;
 
-use super::{Buf, BufMut, CommStats, Communicator, OpKind, ReduceOp, op_cost};
+use super::{Buf, BufMut, CommStats, Communicator, DType, OpKind, ReduceOp, op_cost};
 use crate::{CommError, Result};
+
+/// The most bytes one MPI call moves per buffer (well inside `i32` counts). Larger buffers
+/// travel in pieces; `BURN_DEEPSPEED_MPI_MAX_MESSAGE` (bytes) lowers the limit, which the
+/// tests use to split small buffers.
+pub const MAX_MESSAGE: usize = 1 << 30;
+
+fn message_limit() -> usize {
+    std::env::var("BURN_DEEPSPEED_MPI_MAX_MESSAGE")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(MAX_MESSAGE, |v| v.clamp(8, MAX_MESSAGE) / 8 * 8)
+}
+
+/// `0..len` cut into consecutive ranges of at most `limit` (one empty range when `len` is 0,
+/// so that a sender and its receiver always make the same number of calls).
+fn pieces(len: usize, limit: usize) -> Vec<Range<usize>> {
+    if len == 0 {
+        return std::iter::once(0..0).collect();
+    }
+    (0..len)
+        .step_by(limit)
+        .map(|a| a..(a + limit).min(len))
+        .collect()
+}
+
+fn mpi_op(op: ReduceOp) -> SystemOperation {
+    match op {
+        ReduceOp::Max => SystemOperation::max(),
+        ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
+    }
+}
 
 /// The MPI environment of the process: dropping the universe finalizes MPI, so it lives as
 /// long as the last communicator. Its mutex serializes every MPI call of the process.
@@ -54,6 +93,12 @@ pub struct MpiCommunicator {
     env: Arc<Mutex<Env>>,
     rank: usize,
     size: usize,
+    /// Bytes per MPI call at most (see [`MAX_MESSAGE`]).
+    limit: usize,
+    /// Collectives called so far (the debug-build sequence check).
+    seq: AtomicU64,
+    /// The label of the next collective (0: none).
+    key: AtomicU64,
     stats: Mutex<CommStats>,
 }
 
@@ -90,18 +135,66 @@ impl MpiCommunicator {
             )));
         }
         let world = universe.world();
-        let rank = world.rank() as usize;
-        let size = world.size() as usize;
         install_abort_on_panic();
-        Ok(Self {
-            comm: Handle(ManuallyDrop::new(world)),
-            env: Arc::new(Mutex::new(Env {
+        Ok(Self::wrap(
+            world,
+            Arc::new(Mutex::new(Env {
                 _universe: universe,
             })),
+        ))
+    }
+
+    fn wrap(comm: SimpleCommunicator, env: Arc<Mutex<Env>>) -> Self {
+        let (rank, size) = (comm.rank() as usize, comm.size() as usize);
+        Self {
+            comm: Handle(ManuallyDrop::new(comm)),
+            env,
             rank,
             size,
+            limit: message_limit(),
+            seq: AtomicU64::new(0),
+            key: AtomicU64::new(0),
             stats: Mutex::new(CommStats::default()),
-        })
+        }
+    }
+
+    /// In debug builds, checks that every rank's next collective is the same call (kind,
+    /// dtype, total length, root, label) at the same sequence number; a mismatch names both.
+    /// Release builds only consume the label.
+    fn check_call(&self, kind: OpKind, dtype: DType, total: usize, root: usize) -> Result<()> {
+        let key = self.key.swap(0, Ordering::SeqCst);
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        if !cfg!(debug_assertions) || self.size == 1 {
+            return Ok(());
+        }
+        let header = CallHeader {
+            seq,
+            key,
+            total: total as u64,
+            kind: OpKind::ALL.iter().position(|k| *k == kind).unwrap_or(0) as u8,
+            dtype: dtype as u8,
+            root: root as u32,
+        };
+        let mine = header.to_bytes();
+        let mut all = vec![0u8; CallHeader::BYTES * self.size];
+        self.lock().world.all_gather_into(&mine[..], &mut all[..]);
+        for (r, theirs) in all.chunks_exact(CallHeader::BYTES).enumerate() {
+            if theirs != mine {
+                let theirs = CallHeader::from_bytes(theirs);
+                return Err(CommError::Mismatch {
+                    rank: self.rank,
+                    op: kind.name(),
+                    detail: format!(
+                        "this rank's collective #{} is {}, rank {r}'s #{} is {}",
+                        header.seq,
+                        header.describe(),
+                        theirs.seq,
+                        theirs.describe()
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 
     fn lock(&self) -> Locked<'_> {
@@ -152,13 +245,10 @@ impl MpiCommunicator {
     /// buffers, so the result comes back in a new one.
     fn reduce_f32(&self, send: &[f32], op: ReduceOp) -> Vec<f32> {
         let mut out = vec![0.0f32; send.len()];
-        let mpi_op = match op {
-            ReduceOp::Max => SystemOperation::max(),
-            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
-        };
-        self.lock()
-            .world
-            .all_reduce_into(send, &mut out[..], mpi_op);
+        let per = (self.limit / 4).max(1);
+        for (s, o) in send.chunks(per).zip(out.chunks_mut(per)) {
+            self.lock().world.all_reduce_into(s, o, mpi_op(op));
+        }
         if op == ReduceOp::Mean {
             let n = self.size as f32;
             out.iter_mut().for_each(|v| *v /= n);
@@ -177,14 +267,27 @@ impl MpiCommunicator {
             off += c;
         }
         let mut out = vec![0.0f32; max];
-        let mpi_op = match op {
-            ReduceOp::Max => SystemOperation::max(),
-            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
-        };
-        if max > 0 {
-            self.lock()
-                .world
-                .reduce_scatter_block_into(&padded[..], &mut out[..], mpi_op);
+        // Columns of the padded matrix, so that one call posts at most `limit` bytes.
+        let width = (self.limit / (4 * self.size)).max(1);
+        if max * self.size * 4 <= self.limit {
+            if max > 0 {
+                self.lock()
+                    .world
+                    .reduce_scatter_block_into(&padded[..], &mut out[..], mpi_op(op));
+            }
+        } else {
+            for cols in pieces(max, width) {
+                let part: Vec<f32> = (0..self.size)
+                    .flat_map(|r| {
+                        padded[r * max + cols.start..r * max + cols.end]
+                            .iter()
+                            .copied()
+                    })
+                    .collect();
+                self.lock()
+                    .world
+                    .reduce_scatter_block_into(&part[..], &mut out[cols], mpi_op(op));
+            }
         }
         out.truncate(counts[self.rank]);
         if op == ReduceOp::Mean {
@@ -192,6 +295,81 @@ impl MpiCommunicator {
             out.iter_mut().for_each(|v| *v /= n);
         }
         out
+    }
+}
+
+/// Prints why this rank gives up and aborts the whole MPI job (`mpirun` then ends every
+/// process). Does not take the MPI mutex: another thread may be blocked in a call holding it,
+/// and `MPI_Abort` is the one call meant for that state.
+fn abort_job(rank: usize, reason: &str) -> ! {
+    eprintln!("burn-deepspeed: rank {rank} aborts the MPI job: {reason}");
+    SimpleCommunicator::world().abort(1)
+}
+
+/// Byte counts and displacements as MPI's `i32`s (the caller keeps the total under
+/// [`MAX_MESSAGE`]).
+fn counts_and_displs(bytes: &[usize]) -> (Vec<i32>, Vec<i32>) {
+    let counts: Vec<i32> = bytes.iter().map(|&c| c as i32).collect();
+    let displs = counts
+        .iter()
+        .scan(0i32, |acc, &c| {
+            let d = *acc;
+            *acc += c;
+            Some(d)
+        })
+        .collect();
+    (counts, displs)
+}
+
+/// What the debug-build sequence check exchanges about a collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CallHeader {
+    seq: u64,
+    key: u64,
+    total: u64,
+    kind: u8,
+    dtype: u8,
+    root: u32,
+}
+
+impl CallHeader {
+    const BYTES: usize = 30;
+
+    fn to_bytes(self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        b[..8].copy_from_slice(&self.seq.to_le_bytes());
+        b[8..16].copy_from_slice(&self.key.to_le_bytes());
+        b[16..24].copy_from_slice(&self.total.to_le_bytes());
+        b[24] = self.kind;
+        b[25] = self.dtype;
+        b[26..30].copy_from_slice(&self.root.to_le_bytes());
+        b
+    }
+
+    fn from_bytes(b: &[u8]) -> Self {
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        Self {
+            seq: u64_at(0),
+            key: u64_at(8),
+            total: u64_at(16),
+            kind: b[24],
+            dtype: b[25],
+            root: u32::from_le_bytes(b[26..30].try_into().expect("4 bytes")),
+        }
+    }
+
+    fn describe(&self) -> String {
+        let kind = OpKind::ALL
+            .get(self.kind as usize)
+            .map_or("unknown", |k| k.name());
+        let dtype = [DType::F32, DType::F16, DType::BF16, DType::U8]
+            .into_iter()
+            .find(|d| *d as u8 == self.dtype);
+        let mut s = format!("{kind}({dtype:?} x {}, root {}", self.total, self.root);
+        if self.key != 0 {
+            s += &format!(", label {:#x}", self.key);
+        }
+        s + ")"
     }
 }
 
@@ -254,6 +432,7 @@ impl Communicator for MpiCommunicator {
     fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let n = buf.len();
         let elem = buf.dtype().size();
+        self.check_call(OpKind::AllReduce, buf.dtype(), n, 0)?;
         let send = widen(buf.as_buf());
         let values = if buf.dtype() == super::DType::U8 && op == ReduceOp::Mean {
             // Mean of u8 floors the exact sum.
@@ -296,6 +475,7 @@ impl Communicator for MpiCommunicator {
             ));
         }
         let elem = input.dtype().size();
+        self.check_call(OpKind::ReduceScatter, input.dtype(), total, 0)?;
         let values = widen(input);
         let u8_mean = input.dtype() == super::DType::U8 && op == ReduceOp::Mean;
         let reduce_op = if u8_mean { ReduceOp::Sum } else { op };
@@ -335,22 +515,50 @@ impl Communicator for MpiCommunicator {
             ));
         }
         let elem = input.dtype().size();
-        let byte_counts: Vec<i32> = counts.iter().map(|&c| (c * elem) as i32).collect();
-        let displs: Vec<i32> = byte_counts
-            .iter()
-            .scan(0i32, |acc, &c| {
-                let d = *acc;
-                *acc += c;
-                Some(d)
-            })
-            .collect();
-        {
+        self.check_call(OpKind::AllGather, input.dtype(), total, 0)?;
+        let byte_counts: Vec<usize> = counts.iter().map(|&c| c * elem).collect();
+        if total * elem <= self.limit {
+            let (counts32, displs32) = counts_and_displs(&byte_counts);
             let inner = self.lock();
             let mut partition =
-                PartitionMut::new(output.as_bytes_mut(), &byte_counts[..], &displs[..]);
+                PartitionMut::new(output.as_bytes_mut(), &counts32[..], &displs32[..]);
             inner
                 .world
                 .all_gather_varcount_into(input.as_bytes(), &mut partition);
+        } else {
+            // Rounds in which each rank sends the next (at most) `per` bytes of its part.
+            let per = (self.limit / self.size).max(1);
+            let longest = byte_counts.iter().copied().max().unwrap_or(0);
+            let displs: Vec<usize> = byte_counts
+                .iter()
+                .scan(0, |acc, &c| {
+                    let d = *acc;
+                    *acc += c;
+                    Some(d)
+                })
+                .collect();
+            let out = output.as_bytes_mut();
+            for round in pieces(longest, per) {
+                let part = |c: usize| c.clamp(round.start, round.end) - round.start;
+                let sizes: Vec<usize> = byte_counts.iter().map(|&c| part(c)).collect();
+                let mut received = vec![0u8; sizes.iter().sum()];
+                let own = input.as_bytes();
+                let from = round.start.min(own.len());
+                let mine = &own[from..from + sizes[self.rank]];
+                {
+                    let (counts32, displs32) = counts_and_displs(&sizes);
+                    let inner = self.lock();
+                    let mut partition =
+                        PartitionMut::new(&mut received[..], &counts32[..], &displs32[..]);
+                    inner.world.all_gather_varcount_into(mine, &mut partition);
+                }
+                let mut at = 0;
+                for (r, &n) in sizes.iter().enumerate().filter(|(_, n)| **n > 0) {
+                    let dst = displs[r] + round.start;
+                    out[dst..dst + n].copy_from_slice(&received[at..at + n]);
+                    at += n;
+                }
+            }
         }
         let posted = (counts[self.rank] * elem, total * elem);
         self.record(OpKind::AllGather, posted, counts, 0, elem);
@@ -361,12 +569,14 @@ impl Communicator for MpiCommunicator {
         self.check_rank(OpKind::Broadcast.name(), "root", root)?;
         let n = buf.len();
         let elem = buf.dtype().size();
-        {
+        self.check_call(OpKind::Broadcast, buf.dtype(), n, root)?;
+        let bytes = buf.as_bytes_mut();
+        for piece in pieces(bytes.len(), self.limit) {
             let inner = self.lock();
             inner
                 .world
                 .process_at_rank(root as i32)
-                .broadcast_into(buf.as_bytes_mut());
+                .broadcast_into(&mut bytes[piece]);
         }
         let posted = if self.rank == root {
             (n * elem, 0)
@@ -394,11 +604,32 @@ impl Communicator for MpiCommunicator {
         }
         let chunk = input.len() / self.size;
         let elem = input.dtype().size();
-        {
-            let inner = self.lock();
-            inner
-                .world
-                .all_to_all_into(input.as_bytes(), output.as_bytes_mut());
+        self.check_call(OpKind::AllToAll, input.dtype(), input.len(), 0)?;
+        let (send, recv) = (input.as_bytes(), output.as_bytes_mut());
+        if send.len() <= self.limit {
+            self.lock().world.all_to_all_into(send, recv);
+        } else {
+            // Rounds in which each destination gets the next (at most) `per` bytes of its
+            // chunk.
+            let chunk_bytes = chunk * elem;
+            let per = (self.limit / self.size).max(1);
+            for round in pieces(chunk_bytes, per) {
+                let width = round.len();
+                let part: Vec<u8> = (0..self.size)
+                    .flat_map(|j| {
+                        let at = j * chunk_bytes + round.start;
+                        send[at..at + width].iter().copied()
+                    })
+                    .collect();
+                let mut received = vec![0u8; part.len()];
+                self.lock()
+                    .world
+                    .all_to_all_into(&part[..], &mut received[..]);
+                for j in 0..self.size {
+                    let at = j * chunk_bytes + round.start;
+                    recv[at..at + width].copy_from_slice(&received[j * width..(j + 1) * width]);
+                }
+            }
         }
         let bytes = input.len() * elem;
         self.record(
@@ -413,12 +644,13 @@ impl Communicator for MpiCommunicator {
 
     fn send_buf(&self, buf: Buf<'_>, dst: usize, tag: u16) -> Result<()> {
         self.check_rank(OpKind::Send.name(), "destination", dst)?;
-        {
+        let bytes = buf.as_bytes();
+        for piece in pieces(bytes.len(), self.limit) {
             let inner = self.lock();
             inner
                 .world
                 .process_at_rank(dst as i32)
-                .send_with_tag(buf.as_bytes(), tag as i32);
+                .send_with_tag(&bytes[piece], tag as i32);
         }
         let (n, elem) = (buf.len(), buf.dtype().size());
         self.record(OpKind::Send, (n * elem, 0), &[n], 0, elem);
@@ -427,21 +659,28 @@ impl Communicator for MpiCommunicator {
 
     fn recv_buf(&self, mut buf: BufMut<'_>, src: usize, tag: u16) -> Result<()> {
         self.check_rank(OpKind::Recv.name(), "source", src)?;
-        let expected = buf.as_bytes_mut().len();
-        let status = {
-            let inner = self.lock();
-            inner
-                .world
-                .process_at_rank(src as i32)
-                .receive_into_with_tag(buf.as_bytes_mut(), tag as i32)
-        };
-        let got = status.count(u8::equivalent_datatype()) as usize;
-        if got != expected {
-            return Err(CommError::Mismatch {
-                rank: self.rank,
-                op: OpKind::Recv.name(),
-                detail: format!("rank {src} sent {got} bytes, {expected} expected"),
-            });
+        let bytes = buf.as_bytes_mut();
+        let expected = bytes.len();
+        for piece in pieces(expected, self.limit) {
+            let want = piece.len();
+            let status = {
+                let inner = self.lock();
+                inner
+                    .world
+                    .process_at_rank(src as i32)
+                    .receive_into_with_tag(&mut bytes[piece.clone()], tag as i32)
+            };
+            let got = status.count(u8::equivalent_datatype()) as usize;
+            if got != want {
+                return Err(CommError::Mismatch {
+                    rank: self.rank,
+                    op: OpKind::Recv.name(),
+                    detail: format!(
+                        "rank {src} sent {got} bytes where bytes {piece:?} of {expected} \
+                         were expected"
+                    ),
+                });
+            }
         }
         let (n, elem) = (buf.len(), buf.dtype().size());
         self.record(OpKind::Recv, (0, n * elem), &[n], 0, elem);
@@ -449,6 +688,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn barrier(&self) -> Result<()> {
+        self.check_call(OpKind::Barrier, DType::U8, 0, 0)?;
         self.lock().world.barrier();
         self.record(OpKind::Barrier, (0, 0), &[0], 0, 1);
         Ok(())
@@ -456,6 +696,14 @@ impl Communicator for MpiCommunicator {
 
     fn stats(&self) -> CommStats {
         *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn abort(&self, reason: &str) {
+        abort_job(self.rank, reason);
+    }
+
+    fn label_next(&self, key: u64) {
+        self.key.store(key, Ordering::SeqCst);
     }
 
     fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {
@@ -470,13 +718,6 @@ impl Communicator for MpiCommunicator {
             .world
             .split_by_color(Color::with_value(color))
             .ok_or_else(|| CommError::Mpi("MPI_Comm_split returned no communicator".into()))?;
-        let (rank, size) = (sub.rank() as usize, sub.size() as usize);
-        Ok(Arc::new(MpiCommunicator {
-            comm: Handle(ManuallyDrop::new(sub)),
-            env: self.env.clone(),
-            rank,
-            size,
-            stats: Mutex::new(CommStats::default()),
-        }))
+        Ok(Arc::new(MpiCommunicator::wrap(sub, self.env.clone())))
     }
 }

@@ -149,3 +149,75 @@ fn bad_arguments_name_the_problem() {
         "{msg}"
     );
 }
+
+#[test]
+fn an_abort_reaches_every_group_of_the_world_at_once() {
+    // Ranks {0, 1} and {2, 3} form groups. Rank 0 gives up (and keeps its communicators, so
+    // only the abort can tell the others); rank 1 waits for it in their group, rank 3 for
+    // rank 1 in the world, rank 2 for rank 3 in theirs.
+    let start = Instant::now();
+    let options = ThreadWorldOptions {
+        timeout: Duration::from_secs(300),
+    };
+    let results = ThreadWorld::run(4, options, |c| {
+        let group = c.split(c.rank() / 2).expect("split");
+        let mut buf = vec![1.0f32; 4];
+        let outcome = match c.rank() {
+            0 => {
+                std::thread::sleep(Duration::from_millis(200));
+                c.abort("the disk is on fire");
+                std::thread::sleep(Duration::from_secs(4));
+                Ok(())
+            }
+            1 => group.all_reduce(&mut buf, ReduceOp::Sum),
+            2 => group.all_reduce(&mut buf, ReduceOp::Sum),
+            _ => c.recv(&mut buf, 1, 7),
+        };
+        outcome
+            .map(|()| start.elapsed())
+            .map_err(|e| (e, start.elapsed()))
+    });
+    for (rank, r) in results.into_iter().enumerate().skip(1) {
+        match r.expect("no panic") {
+            Err((
+                CommError::PeerFailed {
+                    rank: 0, reason, ..
+                },
+                waited,
+            )) => {
+                assert_eq!(reason, "the disk is on fire", "rank {rank}");
+                // Long before rank 0 wakes up (4 s) or the timeout (300 s).
+                assert!(waited < Duration::from_secs(2), "rank {rank}: {waited:?}");
+            }
+            other => panic!("rank {rank}: expected PeerFailed from rank 0, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn ranks_pairing_differently_labelled_collectives_are_refused() {
+    let results = run(2, |c| {
+        c.label_next(10 + c.rank() as u64);
+        let mut buf = vec![1.0f32; 4];
+        c.all_reduce(&mut buf, ReduceOp::Sum)
+    });
+    for r in results {
+        match r {
+            Err(CommError::Mismatch { detail, .. }) => {
+                assert!(
+                    detail.contains("label 0xa") && detail.contains("label 0xb"),
+                    "{detail}"
+                )
+            }
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+    }
+    // A label applies to one collective only.
+    let results = run(2, |c| {
+        c.label_next(5);
+        let mut buf = vec![1.0f32; 4];
+        c.all_reduce(&mut buf, ReduceOp::Sum)?;
+        c.all_reduce(&mut buf, ReduceOp::Sum)
+    });
+    assert!(results.into_iter().all(|r| r.is_ok()));
+}

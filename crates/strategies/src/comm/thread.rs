@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
@@ -43,18 +43,7 @@ impl ThreadWorld {
     pub fn new(world_size: usize, options: ThreadWorldOptions) -> Self {
         assert!(world_size > 0, "a world needs at least one rank");
         Self {
-            shared: Arc::new(Shared {
-                world: world_size,
-                timeout: options.timeout,
-                state: Mutex::new(State {
-                    rounds: HashMap::new(),
-                    mailboxes: HashMap::new(),
-                    failure: None,
-                    exited: vec![false; world_size],
-                    groups: HashMap::new(),
-                }),
-                cv: Condvar::new(),
-            }),
+            shared: Shared::new((0..world_size).collect(), options.timeout, None),
         }
     }
 
@@ -66,6 +55,7 @@ impl ThreadWorld {
                 shared: self.shared.clone(),
                 seq: AtomicU64::new(0),
                 splits: AtomicU64::new(0),
+                key: AtomicU64::new(0),
                 stats: Mutex::new(CommStats::default()),
             })
             .collect()
@@ -103,9 +93,65 @@ impl ThreadWorld {
 #[derive(Debug)]
 struct Shared {
     world: usize,
+    /// Each rank's rank in the root world (the one no `split` made), which errors name.
+    members: Vec<usize>,
     timeout: Duration,
     state: Mutex<State>,
     cv: Condvar,
+    /// The world this one was split from.
+    parent: Option<Arc<Shared>>,
+    /// The groups split from this world.
+    children: Mutex<Vec<Weak<Shared>>>,
+}
+
+impl Shared {
+    fn new(members: Vec<usize>, timeout: Duration, parent: Option<Arc<Shared>>) -> Arc<Self> {
+        let world = members.len();
+        let shared = Arc::new(Shared {
+            world,
+            members,
+            timeout,
+            state: Mutex::new(State {
+                rounds: HashMap::new(),
+                mailboxes: HashMap::new(),
+                failure: None,
+                exited: vec![false; world],
+                groups: HashMap::new(),
+            }),
+            cv: Condvar::new(),
+            parent,
+            children: Mutex::new(Vec::new()),
+        });
+        if let Some(parent) = &shared.parent {
+            parent
+                .children
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Arc::downgrade(&shared));
+        }
+        shared
+    }
+
+    /// Records that root rank `rank` failed for `reason` in this world, the worlds it was
+    /// split from and every group split from any of them, and wakes every waiting rank.
+    fn fail_family(self: &Arc<Self>, rank: usize, reason: &str) {
+        let mut root = self.clone();
+        while let Some(parent) = root.parent.clone() {
+            root = parent;
+        }
+        let mut pending = vec![root];
+        while let Some(world) = pending.pop() {
+            {
+                let mut state = lock(&world.state);
+                if state.failure.is_none() {
+                    state.failure = Some((rank, reason.to_string()));
+                }
+            }
+            world.cv.notify_all();
+            let children = world.children.lock().unwrap_or_else(|e| e.into_inner());
+            pending.extend(children.iter().filter_map(Weak::upgrade));
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -128,6 +174,8 @@ struct Round {
 
 #[derive(Debug, Clone, PartialEq)]
 struct Header {
+    /// The caller's label (see [`Communicator::label_next`]); 0 when none.
+    key: u64,
     kind: OpKind,
     dtype: DType,
     len: usize,
@@ -201,6 +249,8 @@ pub struct ThreadCommunicator {
     shared: Arc<Shared>,
     seq: AtomicU64,
     splits: AtomicU64,
+    /// The label of the next collective (0: none).
+    key: AtomicU64,
     stats: Mutex<CommStats>,
 }
 
@@ -209,6 +259,12 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 }
 
 impl ThreadCommunicator {
+    /// Marks this rank failed in its world's whole family (see [`Shared::fail_family`]).
+    fn fail(&self, reason: &str) {
+        self.shared
+            .fail_family(self.shared.members[self.rank], reason);
+    }
+
     fn invalid(&self, op: &'static str, detail: String) -> CommError {
         CommError::InvalidArgument {
             rank: self.rank,
@@ -280,7 +336,8 @@ impl ThreadCommunicator {
 
     /// Deposits this rank's contribution to the next round and returns every rank's, in rank
     /// order, once all have arrived.
-    fn rendezvous(&self, header: Header, data: Owned) -> Result<Vec<Arc<Contribution>>> {
+    fn rendezvous(&self, mut header: Header, data: Owned) -> Result<Vec<Arc<Contribution>>> {
+        header.key = self.key.swap(0, Ordering::SeqCst);
         let op = header.kind.name();
         let world = self.shared.world;
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
@@ -311,18 +368,17 @@ impl ThreadCommunicator {
                 .collect();
             if let Some(&gone) = missing.iter().find(|&&r| state.exited[r]) {
                 return Err(CommError::PeerFailed {
-                    rank: gone,
+                    rank: self.shared.members[gone],
                     op,
                     reason: "it left the world without joining this operation".into(),
                 });
             }
             let now = Instant::now();
             if now >= deadline {
-                state.failure = Some((
-                    self.rank,
-                    format!("it timed out in `{op}` waiting for rank(s) {missing:?}"),
+                drop(state);
+                self.fail(&format!(
+                    "it timed out in `{op}` waiting for rank(s) {missing:?}"
                 ));
-                self.shared.cv.notify_all();
                 return Err(CommError::Timeout {
                     rank: self.rank,
                     op,
@@ -355,8 +411,9 @@ impl ThreadCommunicator {
                     rank: self.rank,
                     op,
                     detail: format!(
-                        "this rank called {:?}, rank {r} called {:?}",
-                        mine, c.header
+                        "this rank's call #{seq} is {}, rank {r}'s is {}",
+                        mine.describe(),
+                        c.header.describe()
                     ),
                 });
             }
@@ -365,11 +422,32 @@ impl ThreadCommunicator {
     }
 }
 
+impl Header {
+    /// The call, for a mismatch error.
+    fn describe(&self) -> String {
+        let mut s = format!("{}({:?} x {}", self.kind.name(), self.dtype, self.len);
+        if !self.counts.is_empty() {
+            s += &format!(", counts {:?}", self.counts);
+        }
+        if self.kind == OpKind::Broadcast {
+            s += &format!(", root {}", self.root);
+        }
+        if let Some(op) = self.op {
+            s += &format!(", {op:?}");
+        }
+        if self.key != 0 {
+            s += &format!(", label {:#x}", self.key);
+        }
+        s + ")"
+    }
+}
+
 /// Two ranks' calls match when everything but the per-rank length agrees (the length is
 /// per-rank for uneven all-gathers; the ops check lengths against `counts` themselves).
 fn compatible(a: &Header, b: &Header) -> bool {
     let same_len_required = !matches!(a.kind, OpKind::AllGather);
     a.kind == b.kind
+        && a.key == b.key
         && a.dtype == b.dtype
         && a.counts == b.counts
         && a.root == b.root
@@ -393,6 +471,7 @@ impl Communicator for ThreadCommunicator {
     fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let n = buf.len();
         let header = Header {
+            key: 0,
             kind: OpKind::AllReduce,
             dtype: buf.dtype(),
             len: n,
@@ -437,6 +516,7 @@ impl Communicator for ThreadCommunicator {
             return Err(self.invalid(name, "input and output dtypes differ".into()));
         }
         let header = Header {
+            key: 0,
             kind: OpKind::ReduceScatter,
             dtype: input.dtype(),
             len: total,
@@ -490,6 +570,7 @@ impl Communicator for ThreadCommunicator {
             return Err(self.invalid(name, "input and output dtypes differ".into()));
         }
         let header = Header {
+            key: 0,
             kind: OpKind::AllGather,
             dtype: input.dtype(),
             len: input.len(),
@@ -522,6 +603,7 @@ impl Communicator for ThreadCommunicator {
         let name = OpKind::Broadcast.name();
         self.check_rank(name, "root", root)?;
         let header = Header {
+            key: 0,
             kind: OpKind::Broadcast,
             dtype: buf.dtype(),
             len: buf.len(),
@@ -566,6 +648,7 @@ impl Communicator for ThreadCommunicator {
         }
         let chunk = input.len() / world;
         let header = Header {
+            key: 0,
             kind: OpKind::AllToAll,
             dtype: input.dtype(),
             len: input.len(),
@@ -630,18 +713,15 @@ impl Communicator for ThreadCommunicator {
             }
             if state.exited[src] {
                 return Err(CommError::PeerFailed {
-                    rank: src,
+                    rank: self.shared.members[src],
                     op: name,
                     reason: format!("it left the world without sending the message (tag {tag})"),
                 });
             }
             let now = Instant::now();
             if now >= deadline {
-                state.failure = Some((
-                    self.rank,
-                    format!("it timed out in `recv` waiting for rank {src}"),
-                ));
-                self.shared.cv.notify_all();
+                drop(state);
+                self.fail(&format!("it timed out in `recv` waiting for rank {src}"));
                 return Err(CommError::Timeout {
                     rank: self.rank,
                     op: name,
@@ -685,6 +765,7 @@ impl Communicator for ThreadCommunicator {
 
     fn barrier(&self) -> Result<()> {
         let header = Header {
+            key: 0,
             kind: OpKind::Barrier,
             dtype: DType::U8,
             len: 0,
@@ -699,6 +780,14 @@ impl Communicator for ThreadCommunicator {
 
     fn stats(&self) -> CommStats {
         *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn abort(&self, reason: &str) {
+        self.fail(reason);
+    }
+
+    fn label_next(&self, key: u64) {
+        self.key.store(key, Ordering::SeqCst);
     }
 
     fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {
@@ -720,13 +809,9 @@ impl Communicator for ThreadCommunicator {
             let mut state = lock(&self.shared.state);
             let key = (split, color);
             let entry = state.groups.entry(key).or_insert_with(|| {
-                let group = ThreadWorld::new(
-                    members.len(),
-                    ThreadWorldOptions {
-                        timeout: self.shared.timeout,
-                    },
-                );
-                (group.shared, members.len())
+                let roots = members.iter().map(|&r| self.shared.members[r]).collect();
+                let group = Shared::new(roots, self.shared.timeout, Some(self.shared.clone()));
+                (group, members.len())
             });
             let shared = entry.0.clone();
             entry.1 -= 1;
@@ -740,6 +825,7 @@ impl Communicator for ThreadCommunicator {
             shared,
             seq: AtomicU64::new(0),
             splits: AtomicU64::new(0),
+            key: AtomicU64::new(0),
             stats: Mutex::new(CommStats::default()),
         }))
     }
@@ -747,10 +833,10 @@ impl Communicator for ThreadCommunicator {
 
 impl Drop for ThreadCommunicator {
     fn drop(&mut self) {
-        let mut state = lock(&self.shared.state);
-        if std::thread::panicking() && state.failure.is_none() {
-            state.failure = Some((self.rank, "it panicked".into()));
+        if std::thread::panicking() {
+            self.fail("it panicked");
         }
+        let mut state = lock(&self.shared.state);
         state.exited[self.rank] = true;
         drop(state);
         self.shared.cv.notify_all();

@@ -4,7 +4,8 @@
 //!
 //! Layout of `DIR`:
 //! - `DIR/TAG/meta.json`: format, version, step, world size, ZeRO stage, optimizer, the
-//!   parameter ids and shapes, and for each file its length and FNV-1a 64 checksum;
+//!   parameter ids and shapes, and for each file its length and SHA-256;
+//! - `DIR/TAG/meta.sha256`: the SHA-256 of `meta.json` itself;
 //! - `DIR/TAG/model.bin`: the parameters, f32 little-endian, in layout order;
 //! - `DIR/TAG/optim.bin`: the optimizer state (Burn's burnpack bytes, or the 1-bit state);
 //! - `DIR/latest`: the tag of the newest complete checkpoint (DeepSpeed's `latest` file).
@@ -12,24 +13,42 @@
 //! At ZeRO stage 0 every rank holds the same state, so rank 0 writes it and any world size can
 //! load it. At stages 1 and 2 each rank also writes its slice of the optimizer state,
 //! `DIR/TAG/zero_pp_rank_R_optim_states.bin` (DeepSpeed's name); the slices are contiguous
-//! pieces of one flat state, so a load at another world size re-cuts them. A checkpoint is
-//! first written to a hidden directory and renamed into place, and
-//! `latest` is replaced by a rename too: a crash leaves the previous checkpoint intact.
+//! pieces of one flat state, so a load at another world size re-cuts them.
+//!
+//! Saving is atomic under a crash at any point (`kill -9` included): a checkpoint is written
+//! into a hidden staging directory with a name no other job uses, every file and the
+//! directory are synced, and it is moved into place in one step: a rename, or, when the tag
+//! exists already, an atomic exchange of the two directories (Linux `renameat2`
+//! `RENAME_EXCHANGE`), so `DIR/TAG` is always either the old or the new complete checkpoint.
+//! `latest` is replaced by a rename afterwards. A crash leaves at most a hidden staging
+//! directory behind, which no load reads.
+//!
+//! Reading trusts nothing on disk: `latest`, the tag and every file name must be plain names
+//! inside `DIR`; the tag directory and the files must be a real directory and regular files
+//! (no symbolic links or devices); `meta.json` is read only up to [`MAX_META_BYTES`] and must
+//! match `meta.sha256`; each file's length is checked against `meta.json` before it is read,
+//! and its SHA-256 after.
 
+use std::collections::HashSet;
 use std::fs::{self, File};
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use burn_deepspeed_strategies::onebit::OneBitState;
 use burn_deepspeed_strategies::zero::PartitionState;
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use crate::{DeepSpeedError, Result};
 
 /// Name of the format in `meta.json`.
 pub const CHECKPOINT_FORMAT: &str = "burn-deepspeed-checkpoint";
-/// Version of the format written.
-pub const CHECKPOINT_VERSION: u32 = 1;
+/// Version of the format written (2: SHA-256 checksums, `meta.sha256`, `skipped_steps`).
+pub const CHECKPOINT_VERSION: u32 = 2;
+/// The largest `meta.json` a load reads.
+pub const MAX_META_BYTES: u64 = 64 << 20;
+/// The largest `latest` file a load reads.
+const MAX_LATEST_BYTES: u64 = 4096;
 
 /// One state file of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,8 +57,8 @@ pub struct CheckpointFile {
     pub name: String,
     /// Length in bytes.
     pub bytes: u64,
-    /// FNV-1a 64 checksum, hex.
-    pub fnv64: String,
+    /// SHA-256 of the contents, hex.
+    pub sha256: String,
 }
 
 /// `meta.json`: what a checkpoint holds and what it needs to be loaded.
@@ -49,8 +68,11 @@ pub struct CheckpointMeta {
     pub format: String,
     /// [`CHECKPOINT_VERSION`] when written.
     pub version: u32,
-    /// Optimizer steps taken.
+    /// Optimizer steps taken (skipped ones included).
     pub global_step: u64,
+    /// Steps skipped because the gradient norm was not finite.
+    #[serde(default)]
+    pub skipped_steps: u64,
     /// World size that wrote it.
     pub world_size: usize,
     /// ZeRO stage that wrote it.
@@ -68,11 +90,16 @@ pub struct CheckpointMeta {
     pub files: Vec<CheckpointFile>,
 }
 
-/// FNV-1a, 64 bits.
-pub fn fnv64(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+/// SHA-256 of `bytes`, as lowercase hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn refuse(path: &Path, why: impl std::fmt::Display) -> DeepSpeedError {
+    DeepSpeedError::Checkpoint(format!("{}: {why}", path.display()))
 }
 
 fn io_err(path: &Path, e: std::io::Error) -> DeepSpeedError {
@@ -85,21 +112,58 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().map_err(|e| io_err(path, e))
 }
 
-/// Refuses a tag that is not a plain directory name.
-pub fn check_tag(tag: &str) -> Result<()> {
-    if tag.is_empty() || tag.starts_with('.') || tag.contains(['/', '\\']) {
-        return Err(DeepSpeedError::Checkpoint(format!(
-            "tag `{tag}` must be a plain, non-hidden directory name"
-        )));
-    }
-    Ok(())
+/// Syncs a directory, so that the entries created or renamed in it survive a crash.
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io_err(dir, e))
 }
 
-/// The hidden directory checkpoint `tag` is staged in before it is renamed into place.
-/// `writer` tells concurrent writers apart (one process: its id; ranks that write together
-/// must agree on it).
-pub fn staging_dir(dir: &Path, tag: &str, writer: &str) -> PathBuf {
-    dir.join(format!(".{tag}.partial-{writer}"))
+/// Why `name` is not a plain, visible name of an entry of one directory: empty, `.` or
+/// `..`-like (hidden), with a path separator or a drive colon, with a NUL or other control
+/// character, or longer than 255 bytes. Tags and file names must pass, so that nothing is
+/// read or written outside the checkpoint directory.
+fn name_problem(what: &str, name: &str) -> Option<String> {
+    let bad = name.is_empty()
+        || name.len() > 255
+        || name.starts_with('.')
+        || name
+            .chars()
+            .any(|c| c.is_control() || matches!(c, '/' | '\\' | ':'));
+    bad.then(|| {
+        format!(
+            "{what} `{}` must be a plain, non-hidden name inside the checkpoint directory",
+            name.escape_debug()
+        )
+    })
+}
+
+/// Refuses a name that is not a plain, visible directory entry (see [`name_problem`]).
+pub fn check_name(what: &str, name: &str) -> Result<()> {
+    name_problem(what, name).map_or(Ok(()), |why| Err(DeepSpeedError::Checkpoint(why)))
+}
+
+/// Refuses a tag that is not a plain directory name (see [`check_name`]).
+pub fn check_tag(tag: &str) -> Result<()> {
+    check_name("tag", tag)
+}
+
+/// A name for a staging directory that no other writer uses: this process's id, the time and
+/// a counter. Ranks that write one checkpoint together use rank 0's.
+pub fn unique_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    (u64::from(std::process::id()) << 32) ^ nanos ^ n.rotate_left(48)
+}
+
+/// The hidden directory checkpoint `tag` is staged in before it is moved into place;
+/// `suffix` (see [`unique_suffix`]) keeps concurrent writers apart.
+pub fn staging_dir(dir: &Path, tag: &str, suffix: u64) -> PathBuf {
+    dir.join(format!(".{tag}.partial-{suffix:016x}"))
 }
 
 /// Creates an empty staging directory (removing a stale one).
@@ -119,38 +183,88 @@ pub fn write_state_file(staging: &Path, name: &str, bytes: &[u8]) -> Result<Chec
     Ok(CheckpointFile {
         name: name.to_string(),
         bytes: bytes.len() as u64,
-        fnv64: format!("{:016x}", fnv64(bytes)),
+        sha256: sha256_hex(bytes),
     })
 }
 
-/// Writes `meta.json` into the staging directory, renames it to `dir/tag` (replacing an older
-/// checkpoint of that tag) and points `latest` at it.
+/// Writes `meta.json` and `meta.sha256` into the staging directory, syncs it, moves it to
+/// `dir/tag` in one atomic step (replacing an older checkpoint of that tag), and points
+/// `latest` at it.
 pub fn commit_checkpoint(
     dir: &Path,
     tag: &str,
     staging: &Path,
     meta: &CheckpointMeta,
 ) -> Result<PathBuf> {
-    let json = serde_json::to_vec_pretty(meta).expect("metadata serializes");
+    check_tag(tag)?;
+    let json = serde_json::to_vec_pretty(meta)
+        .map_err(|e| DeepSpeedError::Checkpoint(format!("metadata: {e}")))?;
     write_synced(&staging.join("meta.json"), &json)?;
+    write_synced(&staging.join("meta.sha256"), sha256_hex(&json).as_bytes())?;
+    sync_dir(staging)?;
     let target = dir.join(tag);
-    if target.exists() {
-        let old = dir.join(format!(".{tag}.old-{}", std::process::id()));
-        fs::rename(&target, &old).map_err(|e| io_err(&target, e))?;
-        fs::rename(staging, &target).map_err(|e| io_err(staging, e))?;
-        fs::remove_dir_all(&old).map_err(|e| io_err(&old, e))?;
+    if fs::symlink_metadata(&target).is_ok() {
+        replace_dir(staging, &target)?;
     } else {
         fs::rename(staging, &target).map_err(|e| io_err(staging, e))?;
     }
-    let latest_tmp = dir.join(format!(".latest.partial-{}", std::process::id()));
+    sync_dir(dir)?;
+    let latest_tmp = dir.join(format!(".latest.partial-{:016x}", unique_suffix()));
     write_synced(&latest_tmp, tag.as_bytes())?;
     let latest = dir.join("latest");
     fs::rename(&latest_tmp, &latest).map_err(|e| io_err(&latest, e))?;
-    if let Ok(d) = File::open(dir) {
-        // Make the renames durable where the platform allows syncing a directory.
-        let _ = d.sync_all();
-    }
+    sync_dir(dir)?;
     Ok(target)
+}
+
+/// Puts the complete directory `new` at `target`, which holds an older one, so that `target`
+/// is at every instant one of the two: an atomic exchange, then the old one (now at `new`'s
+/// path) is removed. Where the file system cannot exchange, the old one is first moved aside
+/// (a crash between the two renames leaves `target` missing and the old checkpoint under a
+/// hidden name).
+fn replace_dir(new: &Path, target: &Path) -> Result<()> {
+    if exchange(new, target).is_ok() {
+        sync_dir(target.parent().unwrap_or(Path::new(".")))?;
+        return fs::remove_dir_all(new).map_err(|e| io_err(new, e));
+    }
+    let old = new.with_extension("old");
+    fs::rename(target, &old).map_err(|e| io_err(target, e))?;
+    fs::rename(new, target).map_err(|e| io_err(new, e))?;
+    fs::remove_dir_all(&old).map_err(|e| io_err(&old, e))
+}
+
+/// Atomically exchanges two directory entries (Linux `renameat2` with `RENAME_EXCHANGE`).
+#[cfg(target_os = "linux")]
+fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        CString::new(p.as_os_str().as_bytes())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
+    };
+    let (a, b) = (c(a)?, c(b)?);
+    // SAFETY: both paths are valid NUL-terminated strings that outlive the call; the call
+    // only reads them.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Elsewhere there is no atomic exchange: [`replace_dir`] falls back to two renames.
+#[cfg(not(target_os = "linux"))]
+fn exchange(_a: &Path, _b: &Path) -> std::io::Result<()> {
+    Err(std::io::ErrorKind::Unsupported.into())
 }
 
 /// Writes `files` and `meta` as checkpoint `tag` under `dir` and points `latest` at it (one
@@ -162,7 +276,7 @@ pub fn write_checkpoint(
     files: &[(&str, Vec<u8>)],
 ) -> Result<PathBuf> {
     check_tag(tag)?;
-    let staging = staging_dir(dir, tag, &std::process::id().to_string());
+    let staging = staging_dir(dir, tag, unique_suffix());
     create_staging(&staging)?;
     meta.files.clear();
     for (name, bytes) in files {
@@ -171,55 +285,153 @@ pub fn write_checkpoint(
     commit_checkpoint(dir, tag, &staging, &meta)
 }
 
-/// Reads checkpoint `tag` (or the one `latest` names) under `dir`: its metadata and its files
-/// in the order listed, each checked against its recorded length and checksum.
-pub fn read_checkpoint(dir: &Path, tag: Option<&str>) -> Result<(CheckpointMeta, Vec<Vec<u8>>)> {
-    let tag = match tag {
-        Some(t) => t.to_string(),
-        None => {
-            let latest = dir.join("latest");
-            fs::read_to_string(&latest)
-                .map_err(|e| io_err(&latest, e))?
-                .trim()
-                .to_string()
-        }
-    };
-    let root = dir.join(&tag);
-    let meta_path = root.join("meta.json");
-    let text = fs::read(&meta_path).map_err(|e| io_err(&meta_path, e))?;
-    let meta: CheckpointMeta = serde_json::from_slice(&text).map_err(|e| {
-        DeepSpeedError::Checkpoint(format!(
-            "{} is not valid metadata: {e}",
-            meta_path.display()
-        ))
-    })?;
-    if meta.format != CHECKPOINT_FORMAT || meta.version != CHECKPOINT_VERSION {
-        return Err(DeepSpeedError::Checkpoint(format!(
-            "{}: format `{}` version {}; this build reads `{CHECKPOINT_FORMAT}` version \
-             {CHECKPOINT_VERSION}",
-            meta_path.display(),
-            meta.format,
-            meta.version
-        )));
+/// The tag `dir/latest` names, checked to be a plain name.
+pub fn read_latest(dir: &Path) -> Result<String> {
+    let latest = dir.join("latest");
+    let bytes = read_capped(&latest, MAX_LATEST_BYTES)?;
+    let tag = String::from_utf8(bytes)
+        .map_err(|_| refuse(&latest, "is not UTF-8"))?
+        .trim()
+        .to_string();
+    match name_problem("the tag it names", &tag) {
+        Some(why) => Err(refuse(&latest, why)),
+        None => Ok(tag),
     }
+}
+
+/// Opens `path` for reading when it is a regular file (not a symbolic link, a directory or a
+/// device) and returns it with its length.
+fn open_regular(path: &Path) -> Result<(File, u64)> {
+    let info = fs::symlink_metadata(path).map_err(|e| io_err(path, e))?;
+    if !info.file_type().is_file() {
+        return Err(refuse(path, "is not a regular file"));
+    }
+    let file = File::open(path).map_err(|e| io_err(path, e))?;
+    Ok((file, info.len()))
+}
+
+/// The contents of the regular file `path`, refused when longer than `cap` bytes.
+fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
+    let (file, len) = open_regular(path)?;
+    if len > cap {
+        return Err(refuse(path, format!("{len} bytes; at most {cap} are read")));
+    }
+    let mut out = Vec::with_capacity(len as usize);
+    file.take(cap + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| io_err(path, e))?;
+    if out.len() as u64 > cap {
+        return Err(refuse(path, format!("grew past {cap} bytes while read")));
+    }
+    Ok(out)
+}
+
+/// Reads checkpoint `tag` under `dir`: its metadata (checked against `meta.sha256`) and its
+/// files in the order listed, each checked for its name, its recorded length (before it is
+/// read) and its SHA-256.
+pub fn read_checkpoint(dir: &Path, tag: &str) -> Result<(CheckpointMeta, Vec<Vec<u8>>)> {
+    check_tag(tag)?;
+    let root = dir.join(tag);
+    let info = fs::symlink_metadata(&root).map_err(|e| io_err(&root, e))?;
+    if !info.file_type().is_dir() {
+        return Err(refuse(&root, "is not a directory"));
+    }
+    let meta_path = root.join("meta.json");
+    let text = read_capped(&meta_path, MAX_META_BYTES)?;
+    let sum_path = root.join("meta.sha256");
+    let recorded = read_capped(&sum_path, 128)?;
+    let sum = sha256_hex(&text);
+    if String::from_utf8_lossy(&recorded).trim() != sum {
+        return Err(refuse(
+            &meta_path,
+            format!("is corrupt: its SHA-256 {sum} differs from the one in meta.sha256"),
+        ));
+    }
+    let meta: CheckpointMeta = serde_json::from_slice(&text)
+        .map_err(|e| refuse(&meta_path, format!("is not valid metadata: {e}")))?;
+    if meta.format != CHECKPOINT_FORMAT || meta.version != CHECKPOINT_VERSION {
+        return Err(refuse(
+            &meta_path,
+            format!(
+                "format `{}` version {}; this build reads `{CHECKPOINT_FORMAT}` version \
+                 {CHECKPOINT_VERSION}",
+                meta.format, meta.version
+            ),
+        ));
+    }
+    check_meta(&meta).map_err(|e| refuse(&meta_path, e))?;
     let mut out = Vec::with_capacity(meta.files.len());
     for f in &meta.files {
         let path = root.join(&f.name);
-        let bytes = fs::read(&path).map_err(|e| io_err(&path, e))?;
-        let sum = format!("{:016x}", fnv64(&bytes));
-        if bytes.len() as u64 != f.bytes || sum != f.fnv64 {
-            return Err(DeepSpeedError::Checkpoint(format!(
-                "{} is corrupt: {} bytes with checksum {sum}, the metadata records {} bytes \
-                 with checksum {}",
-                path.display(),
-                bytes.len(),
-                f.bytes,
-                f.fnv64
-            )));
+        let (file, len) = open_regular(&path)?;
+        if len != f.bytes {
+            return Err(refuse(
+                &path,
+                format!(
+                    "is corrupt: {len} bytes, the metadata records {} (truncated or \
+                     replaced)",
+                    f.bytes
+                ),
+            ));
+        }
+        let mut bytes = Vec::with_capacity(len as usize);
+        file.take(len)
+            .read_to_end(&mut bytes)
+            .map_err(|e| io_err(&path, e))?;
+        let sum = sha256_hex(&bytes);
+        if bytes.len() as u64 != f.bytes || sum != f.sha256 {
+            return Err(refuse(
+                &path,
+                format!(
+                    "is corrupt: {} bytes with SHA-256 {sum}, the metadata records {} bytes \
+                     with SHA-256 {}",
+                    bytes.len(),
+                    f.bytes,
+                    f.sha256
+                ),
+            ));
         }
         out.push(bytes);
     }
     Ok((meta, out))
+}
+
+/// Checks what `meta.json` says about itself: plain and distinct file names, distinct
+/// parameter ids, one shape per id, and element counts that fit in memory.
+fn check_meta(meta: &CheckpointMeta) -> std::result::Result<(), String> {
+    let mut names = HashSet::new();
+    for f in &meta.files {
+        if let Some(why) = name_problem("file name", &f.name) {
+            return Err(why);
+        }
+        if !names.insert(f.name.as_str()) {
+            return Err(format!("lists the file `{}` twice", f.name));
+        }
+    }
+    let mut ids = HashSet::new();
+    if let Some(dup) = meta.param_ids.iter().find(|id| !ids.insert(**id)) {
+        return Err(format!("lists the parameter id {dup} twice"));
+    }
+    if meta.param_ids.len() != meta.shapes.len() {
+        return Err(format!(
+            "lists {} parameter ids for {} shapes",
+            meta.param_ids.len(),
+            meta.shapes.len()
+        ));
+    }
+    if meta.world_size == 0 {
+        return Err("records a world size of 0".into());
+    }
+    numel_of(&meta.shapes).ok_or_else(|| "its shapes overflow the element count".to_string())?;
+    Ok(())
+}
+
+/// The total element count of `shapes`, `None` when it overflows.
+pub fn numel_of(shapes: &[Vec<usize>]) -> Option<usize> {
+    shapes.iter().try_fold(0usize, |acc, s| {
+        let n = s.iter().try_fold(1usize, |p, &d| p.checked_mul(d))?;
+        acc.checked_add(n)
+    })
 }
 
 /// f32 values as little-endian bytes.
@@ -261,8 +473,9 @@ pub fn one_bit_state_from_bytes(bytes: &[u8]) -> Result<OneBitState> {
     let truncated = || DeepSpeedError::Checkpoint("1-bit optimizer state is truncated".into());
     let mut at = 0usize;
     let mut take = |n: usize| -> Result<&[u8]> {
-        let s = bytes.get(at..at + n).ok_or_else(truncated)?;
-        at += n;
+        let end = at.checked_add(n).ok_or_else(truncated)?;
+        let s = bytes.get(at..end).ok_or_else(truncated)?;
+        at = end;
         Ok(s)
     };
     let u64_of = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
@@ -303,22 +516,24 @@ pub fn partition_state_from_bytes(bytes: &[u8], what: &str) -> Result<PartitionS
             .try_into()
             .expect("4 bytes"),
     ) as usize;
-    let steps_end = 4 + 4 * count;
+    let steps_end = count
+        .checked_mul(4)
+        .and_then(|n| n.checked_add(4))
+        .ok_or_else(|| bad("the step count overflows"))?;
     let steps: Vec<u32> = bytes
         .get(4..steps_end)
         .ok_or_else(|| bad("truncated step counts"))?
         .chunks_exact(4)
         .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
         .collect();
-    let len = u64::from_le_bytes(
-        bytes
-            .get(steps_end..steps_end + 8)
-            .ok_or_else(|| bad("truncated"))?
-            .try_into()
-            .expect("8 bytes"),
-    ) as usize;
+    let len_bytes = bytes
+        .get(steps_end..)
+        .and_then(|rest| rest.get(..8))
+        .ok_or_else(|| bad("truncated"))?;
+    let len = usize::try_from(u64::from_le_bytes(len_bytes.try_into().expect("8 bytes")))
+        .map_err(|_| bad("the slice length overflows"))?;
     let body = &bytes[steps_end + 8..];
-    if body.len() != 8 * len {
+    if len.checked_mul(8) != Some(body.len()) {
         return Err(bad(&format!(
             "{} bytes of moments for a slice of {len} elements",
             body.len()
@@ -340,6 +555,7 @@ mod tests {
             format: CHECKPOINT_FORMAT.into(),
             version: CHECKPOINT_VERSION,
             global_step: 7,
+            skipped_steps: 0,
             world_size: 2,
             zero_stage: 0,
             optimizer: "AdamW".into(),
@@ -355,7 +571,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let files = [("model.bin", f32_bytes(&[1.0, 2.0, 3.0]))];
         write_checkpoint(dir.path(), "step_7", meta(), &files).expect("write");
-        let (m, data) = read_checkpoint(dir.path(), None).expect("read");
+        let (m, data) =
+            read_checkpoint(dir.path(), &read_latest(dir.path()).expect("latest")).expect("read");
         assert_eq!(m.global_step, 7);
         assert_eq!(m.files[0].bytes, 12);
         assert_eq!(
@@ -379,19 +596,15 @@ mod tests {
         let mut bytes = fs::read(root.join("model.bin")).expect("read");
         bytes[3] ^= 0x40;
         fs::write(root.join("model.bin"), &bytes).expect("corrupt");
-        let err = read_checkpoint(dir.path(), Some("a"))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("model.bin is corrupt"), "{err}");
+        let err = read_checkpoint(dir.path(), "a").unwrap_err().to_string();
+        assert!(err.contains("model.bin: is corrupt"), "{err}");
 
         let mut other = meta();
         other.version = 99;
         write_checkpoint(dir.path(), "b", other, &files).expect("write");
-        let err = read_checkpoint(dir.path(), Some("b"))
-            .unwrap_err()
-            .to_string();
+        let err = read_checkpoint(dir.path(), "b").unwrap_err().to_string();
         assert!(err.contains("version 99"), "{err}");
-        let err = read_checkpoint(dir.path(), Some("missing"))
+        let err = read_checkpoint(dir.path(), "missing")
             .unwrap_err()
             .to_string();
         assert!(err.contains("missing"), "{err}");

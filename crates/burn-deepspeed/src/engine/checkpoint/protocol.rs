@@ -8,8 +8,12 @@
 //!   (which every rank must see): rank 0 creates it and says so, each rank writes its slice
 //!   `zero_pp_rank_R_optim_states.bin` and reports its length and checksum (one all-gather),
 //!   and rank 0 adds `model.bin` (at stage 3 gathered by every rank first) and commits.
-//! - Every rank learns whether rank 0's commit succeeded (one broadcast).
-//! - On load, every rank reads the files; the slices are joined into one whole state
+//! - Every rank learns whether rank 0's commit succeeded (one broadcast). Every fallible
+//!   local phase (serializing the state, creating the staging directory, writing a slice)
+//!   ends in an agreement before the next collective, so a rank's failure fails every rank.
+//! - On load, rank 0 decides the tag (the one asked for, or the one `latest` names) and
+//!   broadcasts it; every rank reads the files, and the ranks agree that every read
+//!   succeeded before anything changes; the slices are joined into one whole state
 //!   (contiguous pieces at stages 1-2, each rank's pieces of every tensor at stage 3) and cut
 //!   again for this rank.
 
@@ -22,11 +26,11 @@ use burn_deepspeed_strategies::zero::{PartitionState, PartitionedOptimizer, Shar
 
 use super::format::{
     CheckpointFile, CheckpointMeta, check_tag, commit_checkpoint, create_staging, f32_bytes,
-    f32_values, partition_state_bytes, partition_state_from_bytes, read_checkpoint, staging_dir,
-    write_checkpoint, write_state_file,
+    f32_values, numel_of, partition_state_bytes, partition_state_from_bytes, read_checkpoint,
+    read_latest, staging_dir, unique_suffix, write_checkpoint, write_state_file,
 };
 use crate::sync::{GradSync, SavedState};
-use crate::{DeepSpeedError, Result};
+use crate::{DeepSpeedError, Result, agreed};
 
 /// The name of rank `rank`'s optimizer slice in a partitioned checkpoint.
 pub fn partition_file(rank: usize) -> String {
@@ -77,11 +81,12 @@ pub fn save<M: Module>(
     model: &M,
     meta: CheckpointMeta,
 ) -> Result<PathBuf> {
-    check_tag(tag)?;
+    agreed(comm, "checkpoint tag", check_tag(tag))?;
     let root = comm.rank() == 0;
     // At stage 3 every rank takes part in gathering the whole parameters; rank 0 writes them.
     let params = sync.whole_params(model, root)?;
-    let written = match sync.save(root)? {
+    let state = agreed(comm, "checkpoint state", sync.save(root))?;
+    let written = match state {
         SavedState::Replicated(Some(optim)) => {
             let params = f32_bytes(&params.unwrap_or_default());
             let files = [("model.bin", params), ("optim.bin", optim)];
@@ -111,56 +116,83 @@ fn write_slices(
     params: Option<Vec<f32>>,
     mut meta: CheckpointMeta,
 ) -> Result<PathBuf> {
-    let staging = staging_dir(dir, tag, "ranks");
-    let mut ok = [u8::from(
-        comm.rank() != 0 || create_staging(&staging).is_ok(),
-    )];
-    comm.broadcast(&mut ok, 0)?;
-    if ok[0] == 0 {
-        return Err(DeepSpeedError::Checkpoint(format!(
-            "rank 0 could not create {}",
-            staging.display()
-        )));
-    }
-    let mine = write_state_file(&staging, &partition_file(comm.rank()), state);
-    // Each rank reports [ok, length, checksum] so that rank 0 can list every file.
-    let mut record = [0u8; 17];
-    if let Ok(f) = &mine {
-        record[0] = 1;
-        record[1..9].copy_from_slice(&f.bytes.to_le_bytes());
-        let sum = u64::from_str_radix(&f.fnv64, 16).unwrap_or_default();
-        record[9..].copy_from_slice(&sum.to_le_bytes());
-    }
-    let mut all = vec![0u8; 17 * comm.world_size()];
+    // Rank 0's name for the staging directory, unique to this save.
+    let mut suffix = unique_suffix().to_le_bytes();
+    comm.broadcast(&mut suffix, 0)?;
+    let staging = staging_dir(dir, tag, u64::from_le_bytes(suffix));
+    let created = if comm.rank() == 0 {
+        create_staging(&staging)
+    } else {
+        Ok(())
+    };
+    agreed(comm, "checkpoint staging", created)?;
+    let mine = agreed(
+        comm,
+        "checkpoint slice",
+        write_state_file(&staging, &partition_file(comm.rank()), state),
+    )?;
+    // Each rank reports its file's length and SHA-256 so that rank 0 can list every file.
+    const RECORD: usize = 8 + 64;
+    let mut record = [0u8; RECORD];
+    record[..8].copy_from_slice(&mine.bytes.to_le_bytes());
+    record[8..].copy_from_slice(mine.sha256.as_bytes());
+    let mut all = vec![0u8; RECORD * comm.world_size()];
     comm.all_gather_equal(&record, &mut all)?;
-    mine?;
-    if let Some(r) = all.chunks(17).position(|c| c[0] == 0) {
-        return Err(DeepSpeedError::Checkpoint(format!(
-            "rank {r} could not write its optimizer slice into {}",
-            staging.display()
-        )));
-    }
     if comm.rank() != 0 {
         return Ok(dir.join(tag));
     }
     let params = f32_bytes(&params.unwrap_or_default());
     meta.files = vec![write_state_file(&staging, "model.bin", &params)?];
-    for (r, c) in all.chunks(17).enumerate() {
-        let word = |at: usize| u64::from_le_bytes(c[at..at + 8].try_into().expect("8 bytes"));
+    for (r, c) in all.chunks(RECORD).enumerate() {
         meta.files.push(CheckpointFile {
             name: partition_file(r),
-            bytes: word(1),
-            fnv64: format!("{:016x}", word(9)),
+            bytes: u64::from_le_bytes(c[..8].try_into().expect("8 bytes")),
+            sha256: String::from_utf8_lossy(&c[8..]).into_owned(),
         });
     }
     commit_checkpoint(dir, tag, &staging, &meta)
 }
 
-/// Reads checkpoint `tag` (default: the one `dir/latest` names) and checks it against the
-/// engine `expected` describes: a ZeRO stage it can load (stages 1-3 load each other's), the
-/// same optimizer, and the same parameter shapes. Every rank calls it (each reads the files,
-/// so they must be visible to every rank).
-pub fn load(dir: &Path, tag: Option<&str>, expected: &CheckpointMeta) -> Result<Loaded> {
+/// Reads checkpoint `tag` (default: the one `dir/latest` names, read by rank 0 and broadcast)
+/// and checks it against the engine `expected` describes: a ZeRO stage it can load (stages
+/// 1-3 load each other's), the same optimizer, and the same parameter shapes. A collective:
+/// every rank reads the files (they must be visible to every rank), and every rank fails when
+/// one rank's read fails.
+pub fn load(
+    dir: &Path,
+    tag: Option<&str>,
+    expected: &CheckpointMeta,
+    comm: &dyn Communicator,
+) -> Result<Loaded> {
+    let tag = decide_tag(dir, tag, comm)?;
+    agreed(comm, "checkpoint read", read_and_check(dir, &tag, expected))
+}
+
+/// Rank 0's tag: `tag`, or the one `dir/latest` names; every rank gets it.
+fn decide_tag(dir: &Path, tag: Option<&str>, comm: &dyn Communicator) -> Result<String> {
+    let mine = if comm.rank() == 0 {
+        match tag {
+            Some(t) => check_tag(t).map(|()| t.to_string()),
+            None => read_latest(dir),
+        }
+    } else {
+        Ok(String::new())
+    };
+    let mine = agreed(comm, "checkpoint tag", mine)?;
+    if comm.world_size() == 1 {
+        return Ok(mine);
+    }
+    let mut len = (mine.len() as u64).to_le_bytes();
+    comm.broadcast(&mut len, 0)?;
+    let mut bytes = mine.into_bytes();
+    bytes.resize(u64::from_le_bytes(len) as usize, 0);
+    comm.broadcast(&mut bytes, 0)?;
+    String::from_utf8(bytes)
+        .map_err(|_| DeepSpeedError::Checkpoint("rank 0 sent a tag that is not UTF-8".into()))
+}
+
+/// This rank's read of checkpoint `tag`, checked against `expected`.
+fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta) -> Result<Loaded> {
     let (meta, files) = read_checkpoint(dir, tag)?;
     let refuse = |what: String| Err(DeepSpeedError::Checkpoint(what));
     let stage = expected.zero_stage;
@@ -179,7 +211,7 @@ pub fn load(dir: &Path, tag: Option<&str>, expected: &CheckpointMeta) -> Result<
     }
     let shapes = &expected.shapes;
     if &meta.shapes != shapes || meta.param_ids.len() != shapes.len() {
-        let count = |s: &[Vec<usize>]| s.iter().map(|s| s.iter().product::<usize>()).sum::<usize>();
+        let count = |s: &[Vec<usize>]| numel_of(s).map_or("too many".into(), |n| n.to_string());
         return refuse(format!(
             "it holds {} parameters in {} tensors; this model has {} in {} (or the shapes \
              differ)",
@@ -191,7 +223,7 @@ pub fn load(dir: &Path, tag: Option<&str>, expected: &CheckpointMeta) -> Result<
     }
     let mut files = files.into_iter();
     let params = f32_values(&files.next().unwrap_or_default(), "model.bin")?;
-    let numel: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+    let numel = numel_of(shapes).unwrap_or(usize::MAX);
     if params.len() != numel {
         return refuse(format!(
             "model.bin holds {} values; the model has {numel}",
@@ -266,10 +298,24 @@ pub fn join_slices(
     world: usize,
 ) -> Result<PartitionState> {
     let numel: usize = sizes.iter().sum();
-    let steps = slices.first().map(|s| s.steps.clone()).unwrap_or_default();
-    if steps.len() != sizes.len() || slices.iter().any(|s| s.steps != steps) {
+    if let Some((r, s)) = slices
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.steps.len() != sizes.len())
+    {
         return Err(DeepSpeedError::Checkpoint(format!(
-            "the optimizer slices disagree on the step counts of {} tensors",
+            "{} holds the state of {} tensors; this model has {} (a slice of another model?)",
+            partition_file(r),
+            s.steps.len(),
+            sizes.len()
+        )));
+    }
+    let steps = slices.first().map(|s| s.steps.clone()).unwrap_or_default();
+    if let Some(r) = slices.iter().position(|s| s.steps != steps) {
+        return Err(DeepSpeedError::Checkpoint(format!(
+            "{} and {} disagree on the step counts of {} tensors",
+            partition_file(0),
+            partition_file(r),
             sizes.len()
         )));
     }
@@ -362,6 +408,8 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("disagree"), "{err}");
+        let err = join_slices(vec![state(4, vec![0.0; 5])], &[5], 1, 1).unwrap_err();
+        assert!(err.to_string().contains("state of 2 tensors"), "{err}");
         let err = join_slices(vec![state(4, vec![0.0; 4])], &sizes, 1, 1).unwrap_err();
         assert!(err.to_string().contains("hold 4 elements"), "{err}");
     }

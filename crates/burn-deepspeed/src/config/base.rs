@@ -389,24 +389,10 @@ fn closest(key: &str, known: &[&str]) -> Option<String> {
     let key_l = key.to_ascii_lowercase();
     known
         .iter()
-        .map(|k| (edit_distance(&key_l, &k.to_ascii_lowercase()), *k))
+        .map(|k| (strsim::levenshtein(&key_l, &k.to_ascii_lowercase()), *k))
         .filter(|(d, k)| *d <= (k.len().max(key.len()) / 3).max(2))
         .min_by_key(|(d, _)| *d)
         .map(|(_, k)| k.to_string())
-}
-
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let sub = prev[j] + usize::from(ca != *cb);
-            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
 }
 
 #[cfg(test)]

@@ -135,22 +135,46 @@ impl Shared {
     /// Records that root rank `rank` failed for `reason` in this world, the worlds it was
     /// split from and every group split from any of them, and wakes every waiting rank.
     fn fail_family(self: &Arc<Self>, rank: usize, reason: &str) {
+        // Mark every world before waking anyone: a rank woken in one world must not leave
+        // (and so fail a peer in another world for leaving) before that world is marked.
+        let family = self.root().family();
+        for world in &family {
+            let mut state = lock(&world.state);
+            if state.failure.is_none() {
+                state.failure = Some((rank, reason.to_string()));
+            }
+        }
+        for world in &family {
+            world.cv.notify_all();
+        }
+    }
+
+    /// The world no `split` made, that this one descends from.
+    fn root(self: &Arc<Self>) -> Arc<Self> {
         let mut root = self.clone();
         while let Some(parent) = root.parent.clone() {
             root = parent;
         }
-        let mut pending = vec![root];
-        while let Some(world) = pending.pop() {
-            {
-                let mut state = lock(&world.state);
-                if state.failure.is_none() {
-                    state.failure = Some((rank, reason.to_string()));
-                }
-            }
-            world.cv.notify_all();
-            let children = world.children.lock().unwrap_or_else(|e| e.into_inner());
-            pending.extend(children.iter().filter_map(Weak::upgrade));
+        root
+    }
+
+    /// This world and every group split from it, at any depth.
+    fn family(self: Arc<Self>) -> Vec<Arc<Self>> {
+        let mut out = vec![self];
+        let mut at = 0;
+        while at < out.len() {
+            let children = out[at].children.lock().unwrap_or_else(|e| e.into_inner());
+            let live: Vec<Arc<Self>> = children.iter().filter_map(Weak::upgrade).collect();
+            drop(children);
+            out.extend(live);
+            at += 1;
         }
+        out
+    }
+
+    /// The failure recorded in the root world, which every failure of the family reaches.
+    fn family_failure(self: &Arc<Self>) -> Option<(usize, String)> {
+        lock(&self.root().state).failure.clone()
     }
 }
 
@@ -367,6 +391,11 @@ impl ThreadCommunicator {
                 .filter(|&r| round.contribs[r].is_none())
                 .collect();
             if let Some(&gone) = missing.iter().find(|&&r| state.exited[r]) {
+                drop(state);
+                // It may have left because of a failure elsewhere in the family: name that.
+                if let Some((rank, reason)) = self.shared.family_failure() {
+                    return Err(CommError::PeerFailed { rank, op, reason });
+                }
                 return Err(CommError::PeerFailed {
                     rank: self.shared.members[gone],
                     op,
@@ -712,6 +741,14 @@ impl Communicator for ThreadCommunicator {
                 return Err(e);
             }
             if state.exited[src] {
+                drop(state);
+                if let Some((rank, reason)) = self.shared.family_failure() {
+                    return Err(CommError::PeerFailed {
+                        rank,
+                        op: name,
+                        reason,
+                    });
+                }
                 return Err(CommError::PeerFailed {
                     rank: self.shared.members[src],
                     op: name,

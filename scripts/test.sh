@@ -34,7 +34,14 @@ binary() {
 }
 
 # Every crate's tests (threads at world sizes 1-4; MPI conformance as a world of one).
-cargo test --workspace --features "$FEATURES"
+cargo test --workspace --features "$FEATURES" 2>&1 | tee "$out/cargo-test.log"
+# One line per fault-injection group (issue 16's suite), from the harnesses' own counts.
+awk '
+    /^ *Running / { group = $2; sub(/^.*\//, "", group); sub(/\.rs$/, "", group) }
+    /^test result:/ && group ~ /^(faults|checkpoint_faults|crash|config_fuzz|soak|consolidate|learner_strategy)$/ {
+        passed = $4; failed = $6; sub(/;/, "", passed); sub(/;/, "", failed)
+        printf "fault group %s: %s passed, %s failed\n", group, passed, failed
+    }' "$out/cargo-test.log"
 
 # The communicator conformance suite over MPI at 2 and 3 ranks.
 conformance=$(binary mpi_conformance)
@@ -131,6 +138,26 @@ print(f"gpt bytes sent by rank 0 (measured, ring model): threads {sent[0]}, mpir
 bytes_ok = all(abs(m / model - 1) < 0.01 for m, model in sent) and sent[0][1] == sent[1][1]
 ok = len(a["losses"]) == len(b["losses"]) == 4 and worst <= 1e-4 and bytes_ok
 print("mpi gpt parity: 1 passed, 0 failed" if ok else "mpi gpt parity: 0 passed, 1 failed")
+sys.exit(0 if ok else 1)
+PY
+
+# A stage-2 checkpoint written by mpirun -n 2 becomes one safetensors file with the CLI
+# (plain Burn loading it is tested in tests/tests/consolidate.rs).
+cli=$(binary burn-deepspeed)
+mpirun -n 2 "$gpt" --config examples/gpt/configs/zero2.json --steps 2 --seed 7 \
+    --save-dir "$out/ckpt" > /dev/null
+"$cli" checkpoint consolidate "$out/ckpt" --out "$out/model.safetensors"
+python3 - "$out/model.safetensors" <<'PY'
+import json, struct, sys
+data = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", data[:8])[0]
+header = json.loads(data[8:8 + n])
+meta = header.pop("__metadata__")
+size = sum(4 * eval("*".join(map(str, t["shape"])) or "1") for t in header.values())
+ok = meta["world_size"] == "2" and meta["zero_stage"] == "2" and len(header) > 0 \
+    and all(t["dtype"] == "F32" for t in header.values()) and 8 + n + size == len(data)
+print(f"consolidated: {len(header)} f32 tensors, {size} bytes of weights, metadata {meta}")
+print("checkpoint consolidate: 1 passed, 0 failed" if ok else "checkpoint consolidate: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
 

@@ -141,3 +141,17 @@ pub fn crash_spec(stage: u8, steps: u64) -> burn_deepspeed_example_gpt::run::Run
     };
     burn_deepspeed_example_gpt::run::RunSpec::on_embedded_corpus(config, shape, steps, 4, 9)
 }
+
+/// The GPT example's loss on `sequences` held-out windows of the embedded corpus (seed 99).
+pub fn gpt_eval_loss(
+    model: &burn_deepspeed_example_gpt::model::Gpt,
+    seq_len: usize,
+    sequences: usize,
+) -> f64 {
+    use burn::train::InferenceStep;
+    use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
+    let corpus = ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 99);
+    let batch = corpus.batch(0, 0, sequences, seq_len, &Device::flex());
+    let out = InferenceStep::step(model, batch);
+    out.loss.into_scalar::<f32>() as f64
+}

@@ -63,7 +63,7 @@ fn train(
             losses,
             overflows,
             skipped: engine.skipped_steps(),
-            params: engine.try_flat_params()?,
+            params: engine.flat_params()?,
         })
     })
     .expect("training runs");

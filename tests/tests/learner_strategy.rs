@@ -2,17 +2,21 @@
 //! GPT example through the Learner API, at ZeRO stages 0 to 3.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataset::InMemDataset;
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder, DataLoaderIterator, Progress};
+use burn::data::dataset::{DatasetError, InMemDataset};
 use burn::optim::AdamWConfig;
 use burn::tensor::Device;
-use burn::train::{InferenceStep, Learner, SupervisedTraining, TrainingStrategy};
-use burn_deepspeed::DeepSpeedConfig;
+use burn::train::{Learner, SupervisedTraining, TrainingError, TrainingStrategy};
 use burn_deepspeed::engine::flat::{ParamLayout, params_to_flat};
+use burn_deepspeed::launch::launch;
 use burn_deepspeed::strategy::DeepSpeedStrategy;
-use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS, WindowBatcher, windows};
-use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
+use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
+use burn_deepspeed_example_gpt::data::{EMBEDDED_CORPUS, WindowBatcher, windows};
+use burn_deepspeed_example_gpt::model::{Gpt, GptBatch, GptShape};
+use burn_deepspeed_tests::gpt_eval_loss;
 
 const SHAPE: GptShape = GptShape {
     d_model: 64,
@@ -22,10 +26,7 @@ const SHAPE: GptShape = GptShape {
 };
 
 fn eval_loss(model: &Gpt) -> f64 {
-    let corpus = ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 99);
-    let batch = corpus.batch(0, 0, 16, SHAPE.seq_len, &Device::flex());
-    let out = InferenceStep::step(model, batch);
-    out.loss.into_scalar::<f32>() as f64
+    gpt_eval_loss(model, SHAPE.seq_len, 16)
 }
 
 /// The Learner's AdamW on 2 ranks for `epochs`, at ZeRO `stage`.
@@ -98,39 +99,61 @@ fn zero_stages_in_the_strategy_match_stage_0() {
     }
 }
 
-/// Launches a short training of an unprepared model on 2 ranks with `config` (panics where
-/// the strategy refuses it).
-fn launch_unprepared(config: &str, checkpointers: bool) {
+/// A short training of an unprepared model on 2 ranks with `config` and the Learner's own
+/// AdamW; returns the error the strategy reported, if any.
+fn launch_unprepared(config: &str, checkpointers: bool) -> Option<String> {
+    launch_with(config, checkpointers, 4, 16, None, |_, model| {
+        Ok(Learner::new(model, AdamWConfig::new().init(), 3e-3))
+    })
+}
+
+/// Trains the GPT on `items` windows in loader batches of `batch` for one epoch on 2 ranks,
+/// with the Learner `learner` builds; returns the reported error, if any.
+fn launch_with(
+    config: &str,
+    checkpointers: bool,
+    batch: usize,
+    items: usize,
+    grad_accumulation: Option<usize>,
+    learner: impl FnOnce(&DeepSpeedStrategy, Gpt) -> burn_deepspeed::Result<Learner<Gpt>>,
+) -> Option<String> {
     let device = Device::flex().autodiff();
-    let data = windows(&EMBEDDED_CORPUS[..33 * 16], SHAPE.seq_len);
+    let data = windows(&EMBEDDED_CORPUS[..33 * items], SHAPE.seq_len);
     let loader = || {
         DataLoaderBuilder::new(WindowBatcher)
-            .batch_size(4)
+            .batch_size(batch)
             .set_device(Device::flex())
             .build(InMemDataset::new(data.clone()))
     };
     let (config, _) = DeepSpeedConfig::from_json_str(config).expect("valid config");
+    let strategy = DeepSpeedStrategy::new(config, 2);
+    let learner = learner(&strategy, Gpt::new(SHAPE, 5, &device)).expect("a learner");
     let dir = tempfile::tempdir().expect("temp dir");
     let mut training = SupervisedTraining::new(dir.path(), loader(), loader())
-        .with_training_strategy(TrainingStrategy::Custom(Arc::new(DeepSpeedStrategy::new(
-            config, 2,
-        ))))
+        .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
         .num_epochs(1);
+    if let Some(g) = grad_accumulation {
+        training = training.grads_accumulation(g);
+    }
     if checkpointers {
         training = training.with_default_checkpointers();
     }
-    let _ = training.launch(Learner::new(
-        Gpt::new(SHAPE, 5, &device),
-        AdamWConfig::new().init(),
-        3e-3,
-    ));
+    let result = training.launch(learner);
+    result.error.map(|e| e.to_string())
+}
+
+/// Asserts that `error` was reported and mentions `needle`.
+fn assert_refused(error: Option<String>, needle: &str) {
+    let error = error.unwrap_or_else(|| panic!("expected an error mentioning {needle}"));
+    assert!(error.contains(needle), "{error}");
+    println!("refused: {error}");
 }
 
 /// Stage 3 needs the model prepared before the Learner is built.
 #[test]
-#[should_panic(expected = "DeepSpeedStrategy::prepare_model")]
 fn stage_3_without_prepare_model_is_refused() {
-    launch_unprepared(r#"{"zero_optimization": {"stage": 3}}"#, false);
+    let e = launch_unprepared(r#"{"zero_optimization": {"stage": 3}}"#, false);
+    assert_refused(e, "DeepSpeedStrategy::prepare_model");
 }
 
 #[test]
@@ -144,7 +167,239 @@ fn supervised_training_with_two_ranks_learns() {
 /// At stages 1-3 the Learner's checkpointer would save rank 0's optimizer partition as if it
 /// were the whole state: refused, with the engine's checkpoints named instead.
 #[test]
-#[should_panic(expected = "DeepSpeedEngine::save_checkpoint")]
 fn learner_checkpoints_at_stage_2_are_refused() {
-    launch_unprepared(r#"{"zero_optimization": {"stage": 2}}"#, true);
+    let e = launch_unprepared(r#"{"zero_optimization": {"stage": 2}}"#, true);
+    assert_refused(e, "DeepSpeedEngine::save_checkpoint");
+}
+
+/// Every key is honoured or refused: the config's batch numbers must match the loader and
+/// `SupervisedTraining`, and its optimizer and schedule need a Learner built from them.
+#[test]
+fn config_keys_the_strategy_cannot_honour_are_refused() {
+    let own = |_: &DeepSpeedStrategy, model: Gpt| {
+        Ok(Learner::new(model, AdamWConfig::new().init(), 3e-3))
+    };
+    let cases: &[(&str, usize, Option<usize>, &str)] = &[
+        // The loader's batches hold 4 items; the config wants 8 per rank.
+        (
+            r#"{"train_batch_size": 16}"#,
+            4,
+            None,
+            "train_micro_batch_size_per_gpu is 8",
+        ),
+        // 2 micro-batches per step from the config, 3 from SupervisedTraining.
+        (
+            r#"{"gradient_accumulation_steps": 2}"#,
+            4,
+            Some(3),
+            "grad_accumulation is 3",
+        ),
+        (
+            r#"{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}"#,
+            4,
+            None,
+            "`optimizer`",
+        ),
+        (
+            r#"{"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}"#,
+            4,
+            None,
+            "`scheduler`",
+        ),
+        (r#"{"gradient_clipping": -1}"#, 4, None, "gradient_clipping"),
+        (r#"{"bf16": {"enabled": true}}"#, 4, None, "bf16.enabled"),
+    ];
+    for (config, batch, accumulation, needle) in cases {
+        let e = launch_with(config, false, *batch, 16, *accumulation, own);
+        assert_refused(e, needle);
+    }
+    // A batch size that agrees trains.
+    let e = launch_with(r#"{"train_batch_size": 8}"#, false, 4, 16, None, own);
+    assert!(e.is_none(), "{e:?}");
+}
+
+/// Fewer training items than ranks, or too few for one step, is an error, not 0 steps.
+#[test]
+fn too_little_data_is_an_error() {
+    let own = |_: &DeepSpeedStrategy, model: Gpt| {
+        Ok(Learner::new(model, AdamWConfig::new().init(), 3e-3))
+    };
+    assert_refused(
+        launch_with("{}", false, 4, 1, None, own),
+        "1 items for 2 ranks",
+    );
+    // 2 items per rank, in batches of 2: one micro-batch, where a step needs 3.
+    let e = launch_with(
+        r#"{"gradient_accumulation_steps": 3}"#,
+        false,
+        2,
+        4,
+        None,
+        own,
+    );
+    assert_refused(e, "took no optimizer step");
+}
+
+/// A loader's error stops every rank and comes back as Burn's dataset error.
+#[test]
+fn a_loader_error_is_an_error_not_the_end_of_the_data() {
+    let device = Device::flex().autodiff();
+    let data = windows(&EMBEDDED_CORPUS[..33 * 16], SHAPE.seq_len);
+    let failing = Arc::new(FailingLoader {
+        inner: DataLoaderBuilder::new(WindowBatcher)
+            .batch_size(2)
+            .set_device(Device::flex())
+            .build(InMemDataset::new(data.clone())),
+        fail_at: 2,
+    });
+    let valid = DataLoaderBuilder::new(WindowBatcher)
+        .batch_size(2)
+        .set_device(Device::flex())
+        .build(InMemDataset::new(data));
+    let (config, _) = DeepSpeedConfig::from_json_str("{}").expect("valid config");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let result = SupervisedTraining::new(dir.path(), failing, valid)
+        .with_training_strategy(TrainingStrategy::Custom(Arc::new(DeepSpeedStrategy::new(
+            config, 2,
+        ))))
+        .num_epochs(1)
+        .launch(Learner::new(
+            Gpt::new(SHAPE, 5, &device),
+            AdamWConfig::new().init(),
+            3e-3,
+        ));
+    let error = result.error.expect("the loader's error is reported");
+    assert!(
+        matches!(*error, TrainingError::Dataset(_)),
+        "a dataset error: {error}"
+    );
+    assert!(error.to_string().contains("disk went away"), "{error}");
+}
+
+/// A training loader whose every slice fails at its `fail_at`-th batch.
+struct FailingLoader {
+    inner: Arc<dyn DataLoader<GptBatch>>,
+    fail_at: usize,
+}
+
+struct FailingIter<'a> {
+    inner: Box<dyn DataLoaderIterator<GptBatch> + 'a>,
+    left: usize,
+}
+
+impl Iterator for FailingIter<'_> {
+    type Item = Result<GptBatch, DatasetError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.left == 0 {
+            return Some(Err(DatasetError::new(std::io::Error::other(
+                "disk went away",
+            ))));
+        }
+        self.left -= 1;
+        self.inner.next()
+    }
+}
+
+impl DataLoaderIterator<GptBatch> for FailingIter<'_> {
+    fn progress(&self) -> Progress {
+        self.inner.progress()
+    }
+}
+
+impl DataLoader<GptBatch> for FailingLoader {
+    fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<GptBatch> + 'a> {
+        Box::new(FailingIter {
+            inner: self.inner.iter(),
+            left: self.fail_at,
+        })
+    }
+
+    fn num_items(&self) -> usize {
+        self.inner.num_items()
+    }
+
+    fn to_device(&self, device: &Device) -> Arc<dyn DataLoader<GptBatch>> {
+        Arc::new(Self {
+            inner: self.inner.to_device(device),
+            fail_at: self.fail_at,
+        })
+    }
+
+    fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<GptBatch>> {
+        Arc::new(Self {
+            inner: self.inner.slice(start, end),
+            fail_at: self.fail_at,
+        })
+    }
+}
+
+/// The config's optimizer and schedule, through `DeepSpeedStrategy::learner`, step what
+/// `DeepSpeedEngine` steps: on the same config and the same micro-batches, the Learner
+/// strategy and the engine end with the same parameters (and a warm-up changes them).
+#[test]
+fn the_configs_optimizer_and_schedule_match_the_engine() {
+    let text = r#"{"train_batch_size": 8, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0,
+            "warmup_max_lr": 3e-3, "warmup_num_steps": 3, "total_num_steps": 10}}}"#;
+    let (config, _) = DeepSpeedConfig::from_json_str(text).expect("valid config");
+    let data = windows(&EMBEDDED_CORPUS[..33 * 80], SHAPE.seq_len);
+    let flat = |m: &Gpt| params_to_flat(m, &ParamLayout::of(m));
+
+    // The Learner strategy: 80 items, 40 per rank, batches of 4: 10 steps.
+    let device = Device::flex().autodiff();
+    let strategy = DeepSpeedStrategy::new(config.clone(), 2);
+    let learner = strategy
+        .learner(Gpt::new(SHAPE, 5, &device))
+        .expect("a learner");
+    let loader = |items: Vec<Vec<u8>>| {
+        DataLoaderBuilder::new(WindowBatcher)
+            .batch_size(4)
+            .set_device(Device::flex())
+            .build(InMemDataset::new(items))
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let result =
+        SupervisedTraining::new(dir.path(), loader(data.clone()), loader(data[..8].to_vec()))
+            .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
+            .num_epochs(1)
+            .launch(learner);
+    assert!(result.error.is_none(), "{:?}", result.error);
+    let via_learner = flat(&result.model);
+
+    // The engine on each rank's slice, in the same order.
+    let engine_run = |config: DeepSpeedConfig| {
+        let (_, params) = launch(2, Duration::from_secs(120), |comm| {
+            let rank = comm.rank();
+            let device = Device::flex().autodiff();
+            let mut engine =
+                DeepSpeedEngine::new(Gpt::new(SHAPE, 5, &device), config.clone(), comm)?;
+            for step in 0..10 {
+                let at = rank * 40 + step * 4;
+                let batch = WindowBatcher.batch(data[at..at + 4].to_vec(), &Device::flex());
+                engine.train_batch([batch])?;
+            }
+            engine.flat_params()
+        })
+        .expect("the engine trains");
+        params.into_iter().next().expect("rank 0's parameters")
+    };
+    let via_engine = engine_run(config.clone());
+    let diff = max_diff(&via_learner, &via_engine);
+    println!("Learner strategy vs engine: max parameter difference {diff:e}");
+    assert!(diff <= 1e-5, "{diff}");
+    // The schedule matters: without the warm-up the parameters differ.
+    let mut constant = config;
+    constant.scheduler = None;
+    let apart = max_diff(&via_learner, &engine_run(constant));
+    assert!(apart > 1e-4, "{apart}");
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }

@@ -123,7 +123,7 @@ where
             "the number of ranks must be at least 1".into(),
         ));
     }
-    let world = ThreadWorld::new(threads, ThreadWorldOptions { timeout });
+    let world = ThreadWorld::new(threads, ThreadWorldOptions { timeout })?;
     let mut comms = world.communicators().into_iter();
     let leader = leader.map(|l| (l, comms.next().expect("a world has rank 0")));
     let first_follower = usize::from(leader.is_some());

@@ -259,6 +259,12 @@ mod cube {
         }
     }
 
+    /// A kernel's result after the public function checked its arguments: the buffers are
+    /// the tensors' own, of the sizes their shapes give.
+    fn checked<T>(result: Result<T, KernelError>) -> T {
+        result.unwrap_or_else(|e| panic!("{e} (after the tensor checks; a bug in this crate)"))
+    }
+
     fn len(t: &CubeTensor) -> usize {
         t.shape().num_elements()
     }
@@ -291,12 +297,13 @@ mod cube {
             let n = len(&p);
             let handles = [&p.handle, &g.handle, &m.handle, &v.handle];
             let client = &p.client;
-            match p.dtype {
+            let launched = match p.dtype {
                 DType::F32 => adam::adam_step::<f32>(client, &params, step, n, handles),
                 DType::BF16 => adam::adam_step::<half::bf16>(client, &params, step, n, handles),
                 DType::F16 => adam::adam_step::<half::f16>(client, &params, step, n, handles),
                 other => unreachable!("checked by fused_adam: {other:?}"),
-            }
+            };
+            checked(launched);
             (p, m, v)
         }
 
@@ -310,13 +317,13 @@ mod cube {
         ) -> (CubeTensor, CubeTensor, CubeTensor) {
             let (p, g, m, v) = (owned(p), into_contiguous(g), owned(m), owned(v));
             let n = len(&p);
-            lamb::lamb_step(
+            checked(lamb::lamb_step(
                 &p.client,
                 &params,
                 step,
                 n,
                 [&p.handle, &g.handle, &m.handle, &v.handle],
-            );
+            ));
             (p, m, v)
         }
 
@@ -326,12 +333,13 @@ mod cube {
         ) -> (CubeTensor, CubeTensor, CubeTensor) {
             let x = into_contiguous(x);
             let n = len(&x);
-            let q = quantize::quantize(&x.client, &quantizer, &x.handle, n);
+            let q = checked(quantize::quantize(&x.client, &quantizer, &x.handle, n));
             let groups = n.div_ceil(quantizer.group());
+            let (codes, steps, offsets) = q.into_parts();
             (
-                new_like(&x, q.codes, quantizer.bits().words_for(n), DType::U32),
-                new_like(&x, q.steps, groups, DType::F32),
-                new_like(&x, q.offsets, groups, DType::F32),
+                new_like(&x, codes, quantizer.bits().words_for(n), DType::U32),
+                new_like(&x, steps, groups, DType::F32),
+                new_like(&x, offsets, groups, DType::F32),
             )
         }
 
@@ -343,13 +351,13 @@ mod cube {
             len: usize,
         ) -> CubeTensor {
             let codes = into_contiguous(codes);
-            let q = quantize::DeviceQuantized {
+            let q = checked(quantize::DeviceQuantized::from_parts(
                 quantizer,
                 len,
-                codes: codes.handle.clone(),
-                steps: into_contiguous(steps).handle,
-                offsets: into_contiguous(offsets).handle,
-            };
+                codes.handle.clone(),
+                into_contiguous(steps).handle,
+                into_contiguous(offsets).handle,
+            ));
             let out = q.dequantize(&codes.client);
             new_like(&codes, out, len, DType::F32)
         }
@@ -362,7 +370,13 @@ mod cube {
             let n = len(&x);
             let nw = sign::sign_words(n);
             let packed = x.client.empty(nw.max(1) * 4);
-            let scale = sign::onebit_compress(&x.client, n, &x.handle, &error.handle, &packed);
+            let scale = checked(sign::onebit_compress(
+                &x.client,
+                n,
+                &x.handle,
+                &error.handle,
+                &packed,
+            ));
             let scale = crate::cube::upload(&x.client, &[scale]);
             (
                 new_like(&x, packed, nw, DType::U32),
@@ -374,7 +388,13 @@ mod cube {
         fn unpack_signs(packed: CubeTensor, scale: f32, len: usize) -> CubeTensor {
             let packed = into_contiguous(packed);
             let out = packed.client.empty(len.max(1) * 4);
-            sign::unpack_signs(&packed.client, len, &packed.handle, scale, &out);
+            checked(sign::unpack_signs(
+                &packed.client,
+                len,
+                &packed.handle,
+                scale,
+                &out,
+            ));
             new_like(&packed, out, len, DType::F32)
         }
     }
@@ -638,13 +658,44 @@ pub fn quantize_groups(
 
 impl QuantizedTensor {
     /// The dequantized values.
-    pub fn dequantize(&self) -> Tensor<1> {
-        Tensor::from_dispatch(<Dispatch as FusedOps>::dequantize_groups(
-            self.codes.clone().into_dispatch(),
-            self.steps.clone().into_dispatch(),
-            self.offsets.clone().into_dispatch(),
-            self.quantizer,
-            self.len,
+    ///
+    /// # Errors
+    /// [`KernelError::Arguments`] when the fields do not fit together: fewer code words than
+    /// `len` values need, or fewer steps or offsets than groups.
+    pub fn dequantize(&self) -> Result<Tensor<1>, KernelError> {
+        let groups = self.len.div_ceil(self.quantizer.group());
+        let words = self.quantizer.bits().words_for(self.len);
+        let (have_codes, have_steps, have_offsets) = (
+            self.codes.shape().num_elements(),
+            self.steps.shape().num_elements(),
+            self.offsets.shape().num_elements(),
+        );
+        check(
+            have_codes >= words && have_steps >= groups && have_offsets >= groups,
+            "dequantize",
+            || {
+                format!(
+                    "{} values need {words} code words and {groups} steps and offsets; got \
+                     {have_codes}, {have_steps} and {have_offsets}",
+                    self.len
+                )
+            },
+        )?;
+        check(
+            self.codes.dtype() == DType::U32
+                && self.steps.dtype() == DType::F32
+                && self.offsets.dtype() == DType::F32,
+            "dequantize",
+            || "codes must be u32 words, steps and offsets f32".into(),
+        )?;
+        Ok(Tensor::from_dispatch(
+            <Dispatch as FusedOps>::dequantize_groups(
+                self.codes.clone().into_dispatch(),
+                self.steps.clone().into_dispatch(),
+                self.offsets.clone().into_dispatch(),
+                self.quantizer,
+                self.len,
+            ),
         ))
     }
 }
@@ -685,10 +736,29 @@ pub fn onebit_compress(
 }
 
 /// `len` values of ±`scale` from sign words.
-pub fn unpack_signs(packed: Tensor<1, Int>, scale: f32, len: usize) -> Tensor<1> {
-    Tensor::from_dispatch(<Dispatch as FusedOps>::unpack_signs(
+///
+/// # Errors
+/// [`KernelError::Arguments`] when `packed` has fewer than `⌈len/32⌉` words.
+pub fn unpack_signs(
+    packed: Tensor<1, Int>,
+    scale: f32,
+    len: usize,
+) -> Result<Tensor<1>, KernelError> {
+    let words = packed.shape().num_elements();
+    check(
+        words >= len.div_ceil(32) && packed.dtype() == DType::U32,
+        "unpack_signs",
+        || {
+            format!(
+                "{len} signs need {} u32 words; got {words} of {:?}",
+                len.div_ceil(32),
+                packed.dtype()
+            )
+        },
+    )?;
+    Ok(Tensor::from_dispatch(<Dispatch as FusedOps>::unpack_signs(
         packed.into_dispatch(),
         scale,
         len,
-    ))
+    )))
 }

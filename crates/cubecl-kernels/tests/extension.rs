@@ -112,7 +112,7 @@ fn quantize_on(device: &Device) {
                 "{bits:?} {scheme:?}: {differ} code bytes differ"
             );
             assert_eq!(floats(dq.steps.clone()), cpu.steps, "{bits:?} {scheme:?}");
-            let y = floats(dq.dequantize());
+            let y = floats(dq.dequantize().expect("consistent fields"));
             let expected = cpu.dequantize();
             let step_max = cpu.steps.iter().cloned().fold(0.0f32, f32::max) as f64;
             let worst = y
@@ -121,6 +121,11 @@ fn quantize_on(device: &Device) {
                 .map(|(a, b)| (a - b).abs() as f64)
                 .fold(0.0, f64::max);
             assert!(worst <= step_max * 1.0001, "{bits:?} {scheme:?}: {worst}");
+            // Fields that do not fit together are refused.
+            let mut longer = dq.clone();
+            longer.len = N * 2;
+            let e = longer.dequantize().expect_err("too few codes");
+            assert!(e.to_string().contains("code words"), "{e}");
         }
     }
 }
@@ -139,7 +144,15 @@ fn onebit_on(device: &Device) {
     );
     assert_eq!(bytes(&words(packed.clone()), sign::packed_len(N)), cpacked);
     assert!(max_rel(&floats(error), &ce) <= 1e-5);
-    let y = floats(unpack_signs(packed, scale, N));
+    // More signs than the words hold are refused, not read past the buffer.
+    let e = unpack_signs(
+        packed.clone(),
+        scale,
+        32 * packed.shape().num_elements() + 1,
+    )
+    .expect_err("too few words");
+    assert!(e.to_string().contains("u32 words"), "{e}");
+    let y = floats(unpack_signs(packed, scale, N).expect("enough words"));
     let mut cy = vec![0.0; N];
     sign::unpack_signs(&cpacked, scale, &mut cy);
     assert_eq!(y, cy);

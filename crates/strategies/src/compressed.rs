@@ -15,8 +15,8 @@
 use burn_deepspeed_compress::onebit::compress;
 use burn_deepspeed_cubecl_kernels::sign::unpack_signs;
 
-use crate::Result;
 use crate::comm::{Communicator, CommunicatorExt};
+use crate::{CommError, Result};
 
 /// Elements after padding `n` for a world of `world` ranks: a multiple of world·lcm(world, 8).
 pub fn padded_len(n: usize, world: usize) -> usize {
@@ -59,8 +59,21 @@ pub fn compressed_all_reduce(
 ) -> Result<()> {
     let world = comm.world_size();
     let padded = padded_len(buf.len(), world);
-    assert_eq!(errors.worker.len(), padded, "worker error length");
-    assert_eq!(errors.server.len(), padded / world, "server error length");
+    if errors.worker.len() != padded || errors.server.len() != padded / world {
+        return Err(CommError::InvalidArgument {
+            rank: comm.rank(),
+            op: "compressed_all_reduce",
+            detail: format!(
+                "the error buffers hold {} (worker) and {} (server) values, where {} elements \
+                 over {world} ranks need {padded} and {}: size them with \
+                 CompressionErrors::new",
+                errors.worker.len(),
+                errors.server.len(),
+                buf.len(),
+                padded / world
+            ),
+        });
+    }
     let chunk = padded / world;
     let _span = tracing::debug_span!("compressed_all_reduce", elems = buf.len()).entered();
 
@@ -163,6 +176,20 @@ mod tests {
     use super::reference::Dense;
     use super::*;
     use crate::comm::{ThreadWorld, ThreadWorldOptions};
+
+    /// Error buffers sized for another length or world are refused on every rank, before
+    /// any exchange.
+    #[test]
+    fn error_buffers_of_the_wrong_size_are_refused() {
+        let results = ThreadWorld::run(2, ThreadWorldOptions::default(), |c| {
+            let mut errors = CompressionErrors::new(10, 4);
+            compressed_all_reduce(&c, &mut vec![1.0; 100], &mut errors)
+        });
+        for r in results {
+            let e = r.expect("no panic").expect_err("wrong sizes").to_string();
+            assert!(e.contains("CompressionErrors::new"), "{e}");
+        }
+    }
 
     fn input(rank: usize, n: usize, round: usize) -> Vec<f32> {
         (0..n)

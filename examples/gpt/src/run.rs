@@ -274,7 +274,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         bubble_fraction: None,
         peak_live_activations_per_stage: None,
         gather_stats: engine.gather_stats(),
-        final_params: FlatParams(engine.try_flat_params()?),
+        final_params: FlatParams(engine.flat_params()?),
         final_moments: moments,
     })
 }

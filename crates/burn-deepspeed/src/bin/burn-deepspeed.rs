@@ -5,10 +5,15 @@
 //!
 //! `burn-deepspeed estimate-memory --params N --world W --stage S` prints the per-rank model
 //! state ZeRO's formulas predict, like DeepSpeed's `estimate_zero*_model_states_mem_needs`.
+//!
+//! `burn-deepspeed checkpoint consolidate DIR --out FILE [--tag TAG]` writes a checkpoint of
+//! any ZeRO stage and world size as one safetensors file of whole fp32 weights that plain
+//! Burn loads, like DeepSpeed's `zero_to_fp32.py`.
 
 use std::process::ExitCode;
 
 use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed::engine::checkpoint::consolidate;
 use burn_deepspeed::engine::{StatePrecision, estimate_model_states};
 use burn_deepspeed_strategies::pipe::{PipeInstruction, TrainSchedule};
 use clap::{Parser, Subcommand};
@@ -47,6 +52,27 @@ enum Command {
     /// Per-rank model-state memory at a ZeRO stage (ZeRO paper §5), plus this
     /// implementation's in-step overheads.
     EstimateMemory(EstimateArgs),
+    /// Work with engine checkpoints.
+    Checkpoint {
+        #[command(subcommand)]
+        command: CheckpointCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum CheckpointCommand {
+    /// Write a checkpoint (any ZeRO stage and world size) as one safetensors file of whole
+    /// fp32 weights named by module path, which plain Burn loads with burn-store.
+    Consolidate {
+        /// The checkpoint directory (the one `save_checkpoint` was given).
+        dir: std::path::PathBuf,
+        /// The safetensors file to write (replaced atomically if it exists).
+        #[arg(long)]
+        out: std::path::PathBuf,
+        /// The checkpoint's tag (default: the one `DIR/latest` names).
+        #[arg(long)]
+        tag: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -195,6 +221,26 @@ fn main() -> ExitCode {
             micro_batches,
             json,
         } => print_schedule(stages, micro_batches, json),
+        Command::Checkpoint {
+            command: CheckpointCommand::Consolidate { dir, out, tag },
+        } => match consolidate(&dir, tag.as_deref(), &out) {
+            Ok(c) => {
+                println!(
+                    "{}: checkpoint `{}` (step {}): {} tensors, {} values, {} bytes",
+                    out.display(),
+                    c.tag,
+                    c.global_step,
+                    c.tensors,
+                    c.values,
+                    c.bytes
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Config {
             command: ConfigCommand::Check { file, world },
         } => {

@@ -238,9 +238,17 @@ impl DeepSpeedConfig {
         self.train_batch_size = Some(batch.train_batch_size);
         self.train_micro_batch_size_per_gpu = Some(batch.train_micro_batch_size_per_gpu);
         self.gradient_accumulation_steps = Some(batch.gradient_accumulation_steps);
-        self.optimizer
-            .get_or_insert_with(OptimizerConfig::default)
-            .resolve()?;
+        self.optimizer.get_or_insert_with(OptimizerConfig::default);
+        self.resolve_values()?;
+        Ok(batch)
+    }
+
+    /// [`resolve`](Self::resolve) without the batch numbers: fills the optimizer's defaults
+    /// (when it has a section) and validates every other value.
+    pub(crate) fn resolve_values(&mut self) -> Result<()> {
+        if let Some(o) = &mut self.optimizer {
+            o.resolve()?;
+        }
         if let Some(s) = &self.scheduler {
             s.validate()?;
         }
@@ -287,7 +295,7 @@ impl DeepSpeedConfig {
                 message: "fp16 and bf16 cannot both be enabled".into(),
             });
         }
-        Ok(batch)
+        Ok(())
     }
 
     /// The config as pretty JSON, in DeepSpeed's key names.

@@ -15,6 +15,7 @@ use burn_deepspeed_strategies::zero::PartitionState;
 
 use super::checkpoint::{self, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta};
 use super::estimate::{StatePrecision, estimate_model_states};
+use super::flat::param_paths;
 use super::memory::ModelStateBytes;
 use super::{StepLoss, StepReport};
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
@@ -291,6 +292,7 @@ where
             compressing: self.sync.one_bit().map(|o| o.compressing()),
             param_ids: layout.slots.iter().map(|s| s.id.val()).collect(),
             shapes: layout.slots.iter().map(|s| s.shape.clone()).collect(),
+            paths: param_paths(&self.model, layout),
             files: Vec::new(),
         }
     }
@@ -304,17 +306,9 @@ impl<M: Module> DeepSpeedEngine<M> {
         &self.model
     }
     /// The whole parameters, flat in layout order (the order the module visits them). At
-    /// ZeRO stage 3 a collective: every rank calls it.
-    ///
-    /// # Panics
-    /// At stage 3, when a rank fails to take part in the gather (see
-    /// [`try_flat_params`](Self::try_flat_params)).
-    pub fn flat_params(&self) -> Vec<f32> {
-        self.try_flat_params()
-            .unwrap_or_else(|e| panic!("gathering the ZeRO-3 parameters failed: {e}"))
-    }
-    /// [`flat_params`](Self::flat_params), with the gather's failure as an error.
-    pub fn try_flat_params(&self) -> Result<Vec<f32>> {
+    /// ZeRO stage 3 a collective: every rank calls it, and a rank that fails to take part in
+    /// the gather fails it on every rank.
+    pub fn flat_params(&self) -> Result<Vec<f32>> {
         Ok(self
             .sync
             .whole_params(&self.model, true)?
@@ -322,15 +316,7 @@ impl<M: Module> DeepSpeedEngine<M> {
     }
     /// Consumes the engine and returns the model with whole parameters. At ZeRO stage 3 a
     /// collective (every rank calls it); the returned model's parameters read as stored.
-    ///
-    /// # Panics
-    /// At stage 3, when the gather fails (see [`try_into_model`](Self::try_into_model)).
-    pub fn into_model(self) -> M {
-        self.try_into_model()
-            .unwrap_or_else(|e| panic!("gathering the ZeRO-3 parameters failed: {e}"))
-    }
-    /// [`into_model`](Self::into_model), with the gather's failure as an error.
-    pub fn try_into_model(self) -> Result<M> {
+    pub fn into_model(self) -> Result<M> {
         self.sync.release_whole(self.model)
     }
     /// The whole optimizer state (steps, m and v in layout order), joined from every rank's

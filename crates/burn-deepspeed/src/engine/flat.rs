@@ -282,3 +282,38 @@ pub fn params_range<M: Module>(module: &M, layout: &ParamLayout, range: Range<us
     module.visit(&mut v);
     v.out
 }
+
+/// The module paths of `module`'s float parameters in `layout`'s order (`blocks.0.attn.weight`:
+/// the names Burn's stores give them), or none when the module's parameters are not the
+/// layout's.
+pub fn param_paths<M: Module>(module: &M, layout: &ParamLayout) -> Vec<String> {
+    struct V {
+        stack: Vec<String>,
+        found: Vec<(ParamId, String)>,
+    }
+    impl ModuleVisitor for V {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.found.push((param.id, self.stack.join(".")));
+        }
+    }
+    let mut v = V {
+        stack: Vec::new(),
+        found: Vec::new(),
+    };
+    module.visit(&mut v);
+    let same = v.found.len() == layout.slots.len()
+        && v.found
+            .iter()
+            .zip(&layout.slots)
+            .all(|((id, _), s)| *id == s.id);
+    if !same {
+        return Vec::new();
+    }
+    v.found.into_iter().map(|(_, path)| path).collect()
+}

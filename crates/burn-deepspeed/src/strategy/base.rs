@@ -33,21 +33,26 @@
 //! state (its partition) as if it were all of it. Checkpoint those stages with
 //! [`DeepSpeedEngine`](crate::DeepSpeedEngine), whose checkpoints hold every rank's part.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use burn::data::dataloader::{DataLoaderIterator, Progress};
+use burn::data::dataset::DatasetError;
 use burn::train::InferenceStep;
+use burn::train::train::WorkerFailure;
 use burn::train::{
     EventProcessorTraining, Learner, LearnerEvent, LearnerModel, SupervisedLearningStrategy,
-    SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingItem, ValidLoader,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingError, TrainingItem,
+    ValidLoader,
 };
-use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
+use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp, agree};
 
-use super::prepare::{Prepared, take_prepared};
+use super::prepare::{Prepared, take_built, take_prepared};
+use super::settings::{Settings, Surroundings, resolve_settings};
 use crate::DeepSpeedConfig;
-use crate::config::{EntryPoint, ZeroStage, check_supported};
+use crate::config::ZeroStage;
 use crate::engine::flat::ParamLayout;
-use crate::launch::{launch_with_leader, launched_by_mpirun};
+use crate::launch::{launch_with_leader, launched_by_mpirun, mpirun_world_size};
 use crate::sync::{self, GradSync, ShardedSync, SyncOptions, broadcast_params};
 use crate::zero3::GatherGroup;
 
@@ -61,10 +66,11 @@ pub struct DeepSpeedStrategy {
 
 impl DeepSpeedStrategy {
     /// `ranks` data-parallel ranks as threads (ignored under `mpirun`, where each process is
-    /// one rank). `gradient_clipping`, `reduce_bucket_size` and `prescale_gradients` come
-    /// from `config`; the optimizer and schedule are the `Learner`'s; the number of
-    /// micro-batches per step is `SupervisedTraining`'s gradient accumulation (default 1).
-    /// `ranks` 0 is refused when training starts.
+    /// one rank). The config is resolved and checked when training starts, and each key is
+    /// honoured or refused by name: the batch keys set the micro-batches per step and the
+    /// loader's batch size, `optimizer` and `scheduler` need a `Learner` built by
+    /// [`learner`](Self::learner), and the rest is validated as in the engine. `ranks` 0 is
+    /// refused then too.
     pub fn new(config: DeepSpeedConfig, ranks: usize) -> Self {
         Self {
             config,
@@ -93,10 +99,11 @@ struct RankRun<'a, M: LearnerModel> {
     comm: Arc<dyn Communicator>,
     learner: Learner<M>,
     train: TrainLoader<M>,
-    grad_accumulation: usize,
-    config: &'a DeepSpeedConfig,
+    settings: &'a Settings,
     /// Stage 3: the whole parameters the model was prepared from, dropped once loaded.
     prepared: Option<Arc<Prepared>>,
+    /// Where a rank leaves its loader's error, for `fit` to report as Burn's dataset error.
+    loader_error: &'a Mutex<Option<DatasetError>>,
 }
 
 impl<M: LearnerModel> RankRun<'_, M> {
@@ -112,7 +119,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
     /// from rank 0's parameters. At stage 3 this rank's gather group answers the prepared
     /// model's keys until the returned guard drops.
     fn build_sync(&mut self) -> crate::Result<(Box<dyn GradSync<M>>, Option<Answering>)> {
-        let options = SyncOptions::of(self.config);
+        let options = SyncOptions::of(&self.settings.config);
         if options.stage == ZeroStage::Parameters {
             let (sync, answering) = self.load_chunks(&options)?;
             return Ok((Box::new(sync), Some(answering)));
@@ -155,39 +162,62 @@ impl<M: LearnerModel> RankRun<'_, M> {
     ) -> crate::Result<M> {
         let shard = self.shard();
         let (mut sync, _answering) = self.build_sync()?;
+        let per_step = self.settings.grad_accumulation;
         for epoch in epochs {
             if !on_epoch(EpochEvent::Start(epoch, shard.num_items())) {
                 break;
             }
-            let mut iter = shard.iter();
+            let mut reader = StepReader::new(shard.iter(), self.settings.micro_batch);
             let mut iteration = 0;
+            let mut steps = 0u64;
+            let mut stopped;
             loop {
-                let mut micro = Vec::with_capacity(self.grad_accumulation);
-                while micro.len() < self.grad_accumulation {
-                    match iter.next() {
-                        Some(Ok(item)) => micro.push(item),
-                        _ => break,
+                let (micro, failure) = match reader.next_step(per_step) {
+                    Read::Step(micro) => (Some(micro), None),
+                    Read::End => (None, None),
+                    Read::Failed(reason, error) => {
+                        if let Some(error) = error {
+                            let mut slot =
+                                self.loader_error.lock().unwrap_or_else(|e| e.into_inner());
+                            slot.get_or_insert(error);
+                        }
+                        (None, Some(reason))
                     }
-                }
+                };
+                agree(self.comm.as_ref(), "training data", failure.as_deref())?;
                 // Every rank must take part in every step: stop the epoch when any rank ran
                 // out of data or was asked to stop.
-                let stop = micro.len() < self.grad_accumulation || on_epoch(EpochEvent::ShouldStop);
-                let mut flag = [u8::from(stop)];
+                // 0: go on; 1: a rank's data ran out; 2: rank 0 was asked to stop.
+                let asked = on_epoch(EpochEvent::ShouldStop);
+                let mut flag = [if asked {
+                    2u8
+                } else {
+                    u8::from(micro.is_none())
+                }];
                 self.comm.all_reduce(&mut flag, ReduceOp::Max)?;
-                if flag[0] != 0 {
+                stopped = flag[0];
+                let Some(micro) = micro.filter(|_| stopped == 0) else {
                     break;
-                }
+                };
                 let outputs = self.step(sync.as_mut(), micro)?;
+                steps += 1;
                 for item in outputs {
                     iteration += 1;
-                    let progress = iter.progress();
                     on_epoch(EpochEvent::Item(TrainingItem::new(
                         item,
-                        progress,
+                        reader.progress(),
                         Some(iteration),
                         Some(self.learner.lr_current()),
                     )));
                 }
+            }
+            // The ranks stopped together, after the same number of steps.
+            if steps == 0 && stopped == 1 {
+                return Err(crate::DeepSpeedError::Data(format!(
+                    "epoch {epoch} took no optimizer step: each rank's {} items of training \
+                     data gave fewer than {per_step} micro-batch(es) of the configured size",
+                    shard.num_items()
+                )));
             }
             let whole = sync.whole_model(&self.learner.model())?;
             if !on_epoch(EpochEvent::End(epoch, &self.learner, whole)) {
@@ -213,7 +243,17 @@ impl<M: LearnerModel> RankRun<'_, M> {
             sync.accumulate(&model, &out.grads);
             outputs.push(out.item);
         }
-        sync.reduce()?;
+        let reduced = sync.reduce()?;
+        if reduced.overflow {
+            // As the engine: a non-finite gradient norm skips the step on every rank (the
+            // norm is global), and the schedule does not advance.
+            sync.discard();
+            tracing::warn!(
+                grad_norm = reduced.norm,
+                "the gradient norm is not finite: step skipped on every rank"
+            );
+            return Ok(outputs);
+        }
         let grads = sync.reduced_gradients(&model)?;
         self.learner.lr_step();
         self.learner.optimizer_step(grads);
@@ -221,6 +261,81 @@ impl<M: LearnerModel> RankRun<'_, M> {
             self.learner.load_model(updated.into_record());
         }
         Ok(outputs)
+    }
+}
+
+/// One optimizer step's micro-batches at a time from a rank's loader, each checked against
+/// the configured micro-batch size (Burn's loaders report their progress in items, so each
+/// batch's size is the progress it adds).
+struct StepReader<'a, O> {
+    iter: Box<dyn DataLoaderIterator<O> + 'a>,
+    micro_batch: Option<usize>,
+    /// Items the loader had given before the batch being read.
+    seen: usize,
+    /// A batch read ahead, to tell the epoch's last batch from one in the middle.
+    ahead: Option<Option<Result<O, DatasetError>>>,
+}
+
+/// What [`StepReader::next_step`] read.
+enum Read<O> {
+    /// One step's micro-batches.
+    Step(Vec<O>),
+    /// The epoch's data ended (an incomplete last step, or a shorter last batch, is dropped).
+    End,
+    /// The loader failed (its error, when it gave one), or gave a batch of the wrong size.
+    Failed(String, Option<DatasetError>),
+}
+
+impl<'a, O> StepReader<'a, O> {
+    fn new(iter: Box<dyn DataLoaderIterator<O> + 'a>, micro_batch: Option<usize>) -> Self {
+        Self {
+            iter,
+            micro_batch,
+            seen: 0,
+            ahead: None,
+        }
+    }
+
+    fn progress(&self) -> Progress {
+        self.iter.progress()
+    }
+
+    fn next_step(&mut self, per_step: usize) -> Read<O> {
+        let mut micro = Vec::with_capacity(per_step);
+        while micro.len() < per_step {
+            let item = match self.ahead.take().unwrap_or_else(|| self.iter.next()) {
+                None => return Read::End,
+                Some(Err(e)) => {
+                    return Read::Failed(format!("the training data loader failed: {e}"), Some(e));
+                }
+                Some(Ok(item)) => item,
+            };
+            let now = self.iter.progress().items_processed;
+            let size = now.saturating_sub(self.seen);
+            self.seen = now;
+            if let Some(want) = self.micro_batch
+                && size != want
+            {
+                if size < want {
+                    let next = self.iter.next();
+                    let last = next.is_none();
+                    self.ahead = Some(next);
+                    if last {
+                        return Read::End;
+                    }
+                }
+                return Read::Failed(
+                    format!(
+                        "train_micro_batch_size_per_gpu is {want}, but the training loader \
+                         gave a batch of {size} items; build its DataLoader with \
+                         batch_size({want}), or change the key"
+                    ),
+                    None,
+                );
+            }
+            micro.push(item);
+        }
+        Read::Step(micro)
     }
 }
 
@@ -280,7 +395,16 @@ impl<M: LearnerModel> LeaderEvents<M> {
         let model = whole.valid();
         let mut it = self.valid.iter();
         let mut iteration = 0;
-        while let Some(Ok(item)) = it.next() {
+        while let Some(item) = it.next() {
+            let item = match item {
+                Ok(item) => item,
+                Err(e) => {
+                    // Rank 0 alone validates: the error stops every rank at the next step's
+                    // agreement, and `fit` reports it.
+                    interrupter.fail(e);
+                    break;
+                }
+            };
             iteration += 1;
             let out = InferenceStep::step(&model, item);
             let item = TrainingItem::new(out, it.progress(), Some(iteration), None);
@@ -291,6 +415,10 @@ impl<M: LearnerModel> LeaderEvents<M> {
 }
 
 impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
+    /// Trains on every rank. An error (a refused config, a rank's failure, a loader's error)
+    /// stops every rank and is reported as Burn's strategies report theirs: in the
+    /// `LearningResult`'s `error` (a loader's own error as `TrainingError::Dataset`), with the
+    /// model as it was given.
     fn fit(
         &self,
         components: TrainingComponents<M>,
@@ -299,24 +427,47 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
         valid: ValidLoader<M>,
         starting_epoch: usize,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
-        let mut config = self.config.clone();
-        let checkpointer = components.checkpointer.is_some();
-        if let Err(e) = check_supported(&config, EntryPoint::Strategy { checkpointer }) {
-            panic!("burn-deepspeed: {e}");
+        let interrupter = components.interrupter.clone();
+        let given = learner.model();
+        let loader_error = Mutex::new(None);
+        let (result, processor) = self.try_fit(
+            components,
+            learner,
+            train,
+            valid,
+            starting_epoch,
+            &loader_error,
+        );
+        match result {
+            Ok(model) => (model, processor),
+            Err(e) => {
+                tracing::error!(error = %e, "burn-deepspeed: training failed");
+                let loader = loader_error.into_inner().unwrap_or_else(|e| e.into_inner());
+                match loader {
+                    Some(dataset) => interrupter.fail(TrainingError::Dataset(dataset)),
+                    None => interrupter.fail(TrainingError::Workers(vec![WorkerFailure {
+                        device_id: 0,
+                        message: format!("burn-deepspeed: {e}"),
+                    }])),
+                }
+                (given, processor)
+            }
         }
-        let prepared = match self.prepared_for(&learner) {
-            Ok(p) => p,
-            Err(e) => panic!("burn-deepspeed: {e}"),
-        };
-        config.gradient_accumulation_steps = None;
-        let grad_accumulation = components.grad_accumulation.unwrap_or(1).max(1);
-        let epochs = starting_epoch..=components.num_epochs;
-        let device = learner
-            .model()
-            .devices()
-            .into_iter()
-            .next()
-            .unwrap_or_default();
+    }
+}
+
+impl DeepSpeedStrategy {
+    /// [`fit`](SupervisedLearningStrategy::fit), with its error.
+    #[allow(clippy::type_complexity)]
+    fn try_fit<M: LearnerModel>(
+        &self,
+        components: TrainingComponents<M>,
+        learner: Learner<M>,
+        train: TrainLoader<M>,
+        valid: ValidLoader<M>,
+        starting_epoch: usize,
+        loader_error: &Mutex<Option<DatasetError>>,
+    ) -> (crate::Result<M>, SupervisedTrainingEventProcessor<M>) {
         let mut leader_events = LeaderEvents {
             processor: components.event_processor,
             interrupter: components.interrupter.clone(),
@@ -324,12 +475,47 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
             event_store: components.event_store.clone(),
             valid,
         };
+        let world = mpirun_world_size().unwrap_or(self.ranks);
+        let settings = resolve_settings(
+            &self.config,
+            Surroundings {
+                world,
+                learner_accumulation: components.grad_accumulation,
+                checkpointer: leader_events.checkpointer.is_some(),
+                learner_from_config: take_built(&learner.model()),
+            },
+        )
+        .and_then(|settings| {
+            if train.num_items() < world {
+                return Err(crate::DeepSpeedError::Data(format!(
+                    "the training set has {} items for {world} ranks: each rank needs at least \
+                     one",
+                    train.num_items()
+                )));
+            }
+            Ok(settings)
+        });
+        let settings = match settings {
+            Ok(s) => s,
+            Err(e) => return (Err(e), leader_events.processor),
+        };
+        let prepared = match self.prepared_for(&learner) {
+            Ok(p) => p,
+            Err(e) => return (Err(e), leader_events.processor),
+        };
+        let epochs = starting_epoch..=components.num_epochs;
+        let device = learner
+            .model()
+            .devices()
+            .into_iter()
+            .next()
+            .unwrap_or_default();
         let mut rank0_events = |event: EpochEvent<'_, M>| leader_events.on(event);
 
         // Each rank trains its own copy of the Learner (forked onto the device, in the thread
         // world) with its own communicator.
         let mpi = launched_by_mpirun();
-        let config = &config;
+        let settings = &settings;
         let rank_run = |comm: Arc<dyn Communicator>, mut learner: Learner<M>| {
             if let Some(p) = &prepared
                 && p.world != comm.world_size()
@@ -343,9 +529,9 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
                 comm,
                 learner,
                 train: train.clone(),
-                grad_accumulation,
-                config,
+                settings,
                 prepared: prepared.clone(),
+                loader_error,
             })
         };
         let follower = || {
@@ -360,14 +546,9 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DeepSpeedStrategy {
         let leader =
             |comm| rank_run(comm, learner.clone())?.run_epochs(epochs.clone(), &mut rank0_events);
         let result = launch_with_leader(self.ranks, self.timeout, leader, follower);
-        match result {
-            Ok((_, model)) => (model, leader_events.processor),
-            Err(e) => panic!("burn-deepspeed: {e}"),
-        }
+        (result.map(|(_, model)| model), leader_events.processor)
     }
-}
 
-impl DeepSpeedStrategy {
     /// Stage 3: the whole parameters the `Learner`'s model was prepared from.
     fn prepared_for<M: LearnerModel>(
         &self,

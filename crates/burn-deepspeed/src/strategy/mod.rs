@@ -2,5 +2,8 @@
 
 mod base;
 mod prepare;
+mod schedule;
+mod settings;
 
 pub use base::*;
+pub use schedule::*;

@@ -11,10 +11,13 @@
 
 use std::sync::{Arc, LazyLock, Mutex};
 
-use burn::module::Module;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use burn::module::{Module, ParamId};
+use burn::train::{Learner, LearnerModel};
 
-use super::DeepSpeedStrategy;
-use crate::config::ZeroStage;
+use super::{ConfigSchedule, DeepSpeedStrategy};
+use crate::config::{OptimizerConfig, ZeroStage};
+use crate::engine::build_optimizer;
 use crate::engine::flat::{ParamLayout, params_to_flat};
 use crate::launch::mpirun_world_size;
 use crate::sync::{SyncOptions, shard_plan};
@@ -38,6 +41,23 @@ fn waiting() -> std::sync::MutexGuard<'static, Vec<Arc<Prepared>>> {
     WAITING.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The first parameter of each model whose `Learner` [`DeepSpeedStrategy::learner`] built.
+fn built() -> std::sync::MutexGuard<'static, Vec<ParamId>> {
+    static BUILT: LazyLock<Mutex<Vec<ParamId>>> = LazyLock::new(|| Mutex::new(Vec::new()));
+    BUILT.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether `model`'s `Learner` was built by [`DeepSpeedStrategy::learner`] (once: the mark is
+/// taken).
+pub(crate) fn take_built<M: Module>(model: &M) -> bool {
+    let Some(first) = ParamLayout::of(model).slots.first().map(|s| s.id) else {
+        return false;
+    };
+    let mut built = built();
+    let at = built.iter().position(|id| *id == first);
+    at.map(|at| built.remove(at)).is_some()
+}
+
 /// Takes the prepared entry of `model` (matched by parameter ids), if it was prepared.
 pub(crate) fn take_prepared<M: Module>(model: &M) -> Option<Arc<Prepared>> {
     let layout = ParamLayout::of(model);
@@ -50,6 +70,28 @@ pub(crate) fn take_prepared<M: Module>(model: &M) -> Option<Arc<Prepared>> {
 }
 
 impl DeepSpeedStrategy {
+    /// The `Learner` for `model` with the config's optimizer and learning-rate schedule, as
+    /// `deepspeed.initialize` builds them: the `optimizer` section (AdamW with DeepSpeed's
+    /// defaults without one; Adam, AdamW or Lamb) and the `scheduler` section (constant at
+    /// the optimizer's `lr` without one), stepping the same rates as
+    /// [`DeepSpeedEngine`](crate::DeepSpeedEngine). The model is prepared as by
+    /// [`prepare_model`](Self::prepare_model). A `Learner` built any other way keeps its own
+    /// optimizer and schedule, and the strategy then refuses a config that has either section.
+    pub fn learner<M: LearnerModel>(&self, model: M) -> crate::Result<Learner<M>> {
+        let mut config = self.config.clone();
+        config
+            .optimizer
+            .get_or_insert_with(OptimizerConfig::default);
+        config.resolve_values()?;
+        let optimizer = build_optimizer(config.optimizer.get_or_insert_with(Default::default))?;
+        let schedule = ModuleLrScheduler::new(ConfigSchedule::new(config));
+        let model = self.prepare_model(model);
+        if let Some(first) = ParamLayout::of(&model).slots.first() {
+            built().push(first.id);
+        }
+        Ok(Learner::new(model, optimizer, schedule))
+    }
+
     /// Prepares `model` for this strategy; call it before `Learner::new` at ZeRO stage 3
     /// (at stages 0-2 the model comes back unchanged).
     ///

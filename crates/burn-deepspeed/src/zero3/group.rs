@@ -303,19 +303,24 @@ impl GatherGroup {
         if phase == Phase::Forward && !st.recording {
             self.plan_prefetch(&st, t, &mut bundle);
         }
+        // A traced tensor without a registered shard (the same on every rank) is not
+        // prefetched; it is gathered when read.
         let mut shards: Vec<Vec<f32>> = Vec::with_capacity(bundle.len());
         shards.push(shard);
+        let mut fetched = vec![t];
         for &j in &bundle[1..] {
-            let values = st.shards[j]
-                .clone()
-                .map(|s| {
-                    s.into_data_as::<f32>()
-                        .try_into_vec::<f32>()
-                        .expect("f32 shard data")
-                })
-                .expect("a prefetched tensor has a registered shard");
-            shards.push(values);
+            if let Some(values) = st
+                .shards
+                .get(j)
+                .cloned()
+                .flatten()
+                .and_then(|s| s.into_data_as::<f32>().try_into_vec::<f32>().ok())
+            {
+                fetched.push(j);
+                shards.push(values);
+            }
         }
+        let bundle = fetched;
         let mut wholes = self.all_gather(&mut st, &bundle, &shards);
         let first = wholes.remove(0);
         for (&j, values) in bundle[1..].iter().zip(wholes) {

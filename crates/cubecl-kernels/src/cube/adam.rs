@@ -9,7 +9,8 @@ use cubecl::client::Client;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::grid::{UNITS, arg, cover};
+use super::grid::{UNITS, arg, cover, holds};
+use crate::KernelError;
 use crate::adam::{AdamParams, Coefficients};
 
 /// One Adam update of element `i`: moments in f32, the parameter in its own type.
@@ -105,15 +106,21 @@ impl AdamParams {
 
 /// One fused Adam step (the `step`-th, from 1) on `n` elements: `p` and `g` hold `P`
 /// (f32, `half::bf16` or `half::f16`), `m` and `v` hold f32; all four are updated in place.
+///
+/// # Errors
+/// [`KernelError::Arguments`] when a buffer holds fewer than `n` values of its type (a
+/// handle is untyped bytes: reading f32 bytes as `P` gives wrong values, never an access
+/// outside the buffers).
 pub fn adam_step<P: Float + CubeElement>(
     client: &Client,
     h: &AdamParams,
     step: u32,
     n: usize,
     [p, g, m, v]: [&Handle; 4],
-) {
+) -> Result<(), KernelError> {
+    params_and_moments::<P>("adam_step", n, [p, g, m, v])?;
     if n == 0 {
-        return;
+        return Ok(());
     }
     let c = h.coefficients(step);
     let (count, dim, _) = cover(client, n, UNITS);
@@ -132,31 +139,51 @@ pub fn adam_step<P: Float + CubeElement>(
             c.bc2,
         );
     }
+    Ok(())
+}
+
+/// Refuses `p` and `g` with fewer than `n` values of `P`, or `m` and `v` with fewer than `n`
+/// f32 values.
+pub(crate) fn params_and_moments<P>(
+    op: &'static str,
+    n: usize,
+    [p, g, m, v]: [&Handle; 4],
+) -> Result<(), KernelError> {
+    holds::<P>(op, "p", p, n)?;
+    holds::<P>(op, "g", g, n)?;
+    holds::<f32>(op, "m", m, n)?;
+    holds::<f32>(op, "v", v, n)
 }
 
 /// One fused Adam step over many tensors stored end to end in one buffer, in a single
 /// launch: `segments` lists each tensor's length and step number, in order.
 ///
-/// # Panics
-/// When the segments do not add up to `n`, or `n` does not fit in 32 bits.
+/// # Errors
+/// [`KernelError::Arguments`] when the segments do not add up to `n`, `n` does not fit in 32
+/// bits, or a buffer is too small (as [`adam_step`]).
 pub fn adam_step_multi<P: Float + CubeElement>(
     client: &Client,
     h: &AdamParams,
     segments: &[(usize, u32)],
     n: usize,
     [p, g, m, v]: [&Handle; 4],
-) {
-    let total: usize = segments.iter().map(|s| s.0).sum();
-    assert_eq!(
-        total, n,
-        "adam_step_multi: segments cover {total} of {n} values"
-    );
-    assert!(
-        u32::try_from(n).is_ok(),
-        "adam_step_multi: {n} values exceed u32 offsets"
-    );
+) -> Result<(), KernelError> {
+    let total = segments
+        .iter()
+        .try_fold(0usize, |acc, s| acc.checked_add(s.0));
+    if total != Some(n) || u32::try_from(n).is_err() {
+        return Err(KernelError::Arguments {
+            op: "adam_step_multi",
+            detail: format!(
+                "the segments must cover the {n} values exactly, in fewer than 2^32 values; \
+                 they cover {}",
+                total.map_or("more than usize::MAX".to_string(), |t| t.to_string())
+            ),
+        });
+    }
+    params_and_moments::<P>("adam_step_multi", n, [p, g, m, v])?;
     if n == 0 {
-        return;
+        return Ok(());
     }
     let mut ends = Vec::with_capacity(segments.len());
     let mut corrections = Vec::with_capacity(2 * segments.len());
@@ -169,7 +196,10 @@ pub fn adam_step_multi<P: Float + CubeElement>(
         corrections.extend([c.bc1, c.bc2]);
         first.get_or_insert(c);
     }
-    let scalars = h.scalars(&first.expect("n > 0, so there is a segment"));
+    let Some(first) = first else {
+        return Ok(());
+    };
+    let scalars = h.scalars(&first);
     let ends_handle = super::grid::upload(client, &ends);
     let corrections_handle = super::grid::upload(client, &corrections);
     let (count, dim, _) = cover(client, n, UNITS);
@@ -188,6 +218,7 @@ pub fn adam_step_multi<P: Float + CubeElement>(
             scalars,
         );
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -242,7 +273,8 @@ mod tests {
                         step,
                         n,
                         [&handles[0], &gh, &handles[2], &handles[3]],
-                    );
+                    )
+                    .expect("buffers of n values");
                     cpu::adam_step(&h, step, &mut cp, &g, &mut cm, &mut cv);
                     let gr: Vec<f64> = g.iter().map(|x| ParamElement::to_f32(*x) as f64).collect();
                     reference_in::<P>(&h, step, &mut rp, &gr, &mut rm, &mut rv);
@@ -311,7 +343,8 @@ mod tests {
                 &segments,
                 n,
                 [&handles[0], &handles[1], &handles[2], &handles[3]],
-            );
+            )
+            .expect("buffers of n values");
             let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
             let mut tensors = Vec::new();
             let (mut pr, mut gr, mut mr, mut vr) = (&mut p[..], &g[..], &mut m[..], &mut v[..]);

@@ -5,7 +5,8 @@ use cubecl::client::Client;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::grid::{UNITS, arg, cover};
+use super::grid::{UNITS, arg, cover, holds};
+use crate::KernelError;
 
 #[cube(launch_unchecked)]
 fn copy_kernel(src: &[f32], dst: &mut [f32]) {
@@ -15,15 +16,21 @@ fn copy_kernel(src: &[f32], dst: &mut [f32]) {
 }
 
 /// Copies `n` f32 values from `src` to `dst` (reads 4 and writes 4 bytes per value).
-pub fn copy(client: &Client, n: usize, src: &Handle, dst: &Handle) {
+///
+/// # Errors
+/// [`KernelError::Arguments`] when a buffer holds fewer than `n` f32 values.
+pub fn copy(client: &Client, n: usize, src: &Handle, dst: &Handle) -> Result<(), KernelError> {
+    holds::<f32>("copy", "src", src, n)?;
+    holds::<f32>("copy", "dst", dst, n)?;
     if n == 0 {
-        return;
+        return Ok(());
     }
     let (count, dim, _) = cover(client, n, UNITS);
-    // SAFETY: the kernel guards every index against `n`.
+    // SAFETY: the kernel guards every index against `n`, and both buffers hold `n` values.
     unsafe {
         copy_kernel::launch_unchecked(client, count, dim, arg(src, n), arg(dst, n));
     }
+    Ok(())
 }
 
 /// Waits until every kernel launched on `client` has finished.
@@ -68,7 +75,7 @@ mod tests {
             for n in [1usize, 7, 65537] {
                 let x: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
                 let (src, dst) = (upload(&client, &x), client.empty(n * 4));
-                copy(&client, n, &src, &dst);
+                copy(&client, n, &src, &dst).expect("n values each");
                 wait(&client);
                 assert_eq!(download::<f32>(&client, &dst), x, "{name} n {n}");
             }

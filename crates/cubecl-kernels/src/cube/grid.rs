@@ -5,6 +5,8 @@ use cubecl::client::Client;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use crate::KernelError;
+
 /// Units per cube of the element-wise kernels (WebGPU guarantees 256).
 pub(crate) const UNITS: u32 = 256;
 
@@ -31,10 +33,34 @@ pub(crate) fn cover(client: &Client, n: usize, units: u32) -> (CubeCount, CubeDi
     (count, dim, cubes)
 }
 
+/// Refuses `handle` (argument `name` of `op`) when it holds fewer than `len` elements of
+/// `T`. A handle is untyped bytes: this is what makes every access of a kernel that guards
+/// its indices against `len` fall inside the buffer.
+pub(crate) fn holds<T>(
+    op: &'static str,
+    name: &str,
+    handle: &Handle,
+    len: usize,
+) -> Result<(), KernelError> {
+    let need = (len as u64).checked_mul(size_of::<T>() as u64);
+    let have = handle.size_in_used();
+    match need {
+        Some(need) if need <= have => Ok(()),
+        _ => Err(KernelError::Arguments {
+            op,
+            detail: format!(
+                "`{name}` holds {have} bytes; {len} values of {} need {}",
+                std::any::type_name::<T>(),
+                need.map_or("more than 2^64".to_string(), |b| b.to_string())
+            ),
+        }),
+    }
+}
+
 /// A buffer argument over `len` elements of `handle`.
 pub(crate) fn arg(handle: &Handle, len: usize) -> BufferArg {
-    // SAFETY: every kernel here guards its indices against `len`, which callers take from the
-    // buffer they created.
+    // SAFETY: every kernel here guards its indices against `len`, and every public function
+    // checks with `holds` that the buffer has `len` elements before it launches.
     unsafe { BufferArg::from_raw_parts(handle.clone(), len) }
 }
 

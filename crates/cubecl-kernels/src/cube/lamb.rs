@@ -8,8 +8,10 @@ use cubecl::client::Client;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use super::adam::params_and_moments;
 use super::grid::{UNITS, arg, cover, download, reduce_units};
 use super::reduce::cube_sum;
+use crate::KernelError;
 use crate::lamb::{LambNorms, LambParams, trust_ratio};
 
 /// The LAMB update direction of one element.
@@ -79,16 +81,20 @@ fn lamb_apply_kernel(
 }
 
 /// Phase 1 on the device: updates `m` and `v` from `g` and returns the tensor's squared
-/// norms (each cube's partial sums, added on the host in f64).
+/// norms (each cube's partial sums, added on the host in f64). All four buffers hold f32.
+///
+/// # Errors
+/// [`KernelError::Arguments`] when a buffer holds fewer than `n` f32 values.
 pub fn lamb_moments(
     client: &Client,
     h: &LambParams,
     step: u32,
     n: usize,
     [p, g, m, v]: [&Handle; 4],
-) -> LambNorms {
+) -> Result<LambNorms, KernelError> {
+    params_and_moments::<f32>("lamb_moments", n, [p, g, m, v])?;
     if n == 0 {
-        return LambNorms::default();
+        return Ok(LambNorms::default());
     }
     let (bc1, bc2) = h.corrections(step);
     let units = reduce_units(client);
@@ -115,17 +121,20 @@ pub fn lamb_moments(
         );
     }
     let sums: Vec<f32> = download(client, &partial);
-    sums[..2 * cubes]
+    Ok(sums[..2 * cubes]
         .chunks(2)
         .fold(LambNorms::default(), |acc, pair| {
             acc + LambNorms {
                 param_sq: pair[0] as f64,
                 update_sq: pair[1] as f64,
             }
-        })
+        }))
 }
 
 /// Phase 3 on the device: `p ← p − lr·(ratio·u)`, u recomputed from the moments.
+///
+/// # Errors
+/// [`KernelError::Arguments`] when a buffer holds fewer than `n` f32 values.
 pub fn lamb_apply(
     client: &Client,
     h: &LambParams,
@@ -133,9 +142,10 @@ pub fn lamb_apply(
     ratio: f32,
     n: usize,
     [p, m, v]: [&Handle; 3],
-) {
+) -> Result<(), KernelError> {
+    params_and_moments::<f32>("lamb_apply", n, [p, p, m, v])?;
     if n == 0 {
-        return;
+        return Ok(());
     }
     let (bc1, bc2) = h.corrections(step);
     let (count, dim, _) = cover(client, n, UNITS);
@@ -156,20 +166,24 @@ pub fn lamb_apply(
             bc2,
         );
     }
+    Ok(())
 }
 
 /// One whole-tensor LAMB step on the device; returns the trust ratio.
+///
+/// # Errors
+/// [`KernelError::Arguments`] when a buffer holds fewer than `n` f32 values.
 pub fn lamb_step(
     client: &Client,
     h: &LambParams,
     step: u32,
     n: usize,
     [p, g, m, v]: [&Handle; 4],
-) -> f32 {
-    let norms = lamb_moments(client, h, step, n, [p, g, m, v]);
+) -> Result<f32, KernelError> {
+    let norms = lamb_moments(client, h, step, n, [p, g, m, v])?;
     let ratio = trust_ratio(h, norms);
-    lamb_apply(client, h, step, ratio, n, [p, m, v]);
-    ratio
+    lamb_apply(client, h, step, ratio, n, [p, m, v])?;
+    Ok(ratio)
 }
 
 #[cfg(test)]
@@ -205,7 +219,7 @@ mod tests {
                         let g = values(n, 50 + step as u64);
                         let gh = upload(&client, &g);
                         let hs = [&handles[0], &gh, &handles[2], &handles[3]];
-                        let r = lamb_step(&client, &h, step, n, hs);
+                        let r = lamb_step(&client, &h, step, n, hs).expect("buffers of n values");
                         let rc = cpu::lamb_step(&h, step, &mut cp, &g, &mut cm, &mut cv);
                         let gr: Vec<f64> = g.iter().map(|&x| x as f64).collect();
                         let rr = lamb_reference(&h, step, &mut rp, &gr, &mut rm, &mut rv);

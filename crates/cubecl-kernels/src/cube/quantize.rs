@@ -11,8 +11,9 @@ use cubecl::client::Client;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::grid::{UNITS, arg, cover, download, reduce_units};
+use super::grid::{UNITS, arg, cover, download, holds, reduce_units};
 use super::reduce::cube_max;
+use crate::KernelError;
 use crate::quantize::{Bits, Quantized, Quantizer, Scheme};
 use crate::words::to_bytes;
 
@@ -134,23 +135,28 @@ fn dequantize_kernel(
 }
 
 /// Quantized values on a device: the codes (in 32-bit words) and each group's step and
-/// offset (zero offsets when symmetric).
+/// offset (zero offsets when symmetric). Built by [`quantize`], or from parts by
+/// [`DeviceQuantized::from_parts`], which checks the buffers' sizes.
 #[derive(Debug, Clone)]
 pub struct DeviceQuantized {
-    /// The quantizer that produced them.
-    pub quantizer: Quantizer,
-    /// Number of values.
-    pub len: usize,
-    /// Codes, [`Bits::words_for`] 32-bit words.
-    pub codes: Handle,
-    /// Per group, `1/scale`.
-    pub steps: Handle,
-    /// Per group, the offset.
-    pub offsets: Handle,
+    quantizer: Quantizer,
+    len: usize,
+    codes: Handle,
+    steps: Handle,
+    offsets: Handle,
 }
 
 /// Quantizes the `n` f32 values of `x` on the device.
-pub fn quantize(client: &Client, q: &Quantizer, x: &Handle, n: usize) -> DeviceQuantized {
+///
+/// # Errors
+/// [`KernelError::Arguments`] when `x` holds fewer than `n` f32 values.
+pub fn quantize(
+    client: &Client,
+    q: &Quantizer,
+    x: &Handle,
+    n: usize,
+) -> Result<DeviceQuantized, KernelError> {
+    holds::<f32>("quantize", "x", x, n)?;
     let groups = n.div_ceil(q.group());
     let int4 = q.bits() == Bits::Int4;
     let asymmetric = q.scheme() == Scheme::Asymmetric;
@@ -197,16 +203,66 @@ pub fn quantize(client: &Client, q: &Quantizer, x: &Handle, n: usize) -> DeviceQ
             );
         }
     }
-    DeviceQuantized {
+    Ok(DeviceQuantized {
         quantizer: *q,
         len: n,
         codes,
         steps,
         offsets,
-    }
+    })
 }
 
 impl DeviceQuantized {
+    /// Quantized values from their buffers: `codes` of [`Bits::words_for`]`(len)` u32 words,
+    /// and `steps` and `offsets` of one f32 per group.
+    ///
+    /// # Errors
+    /// [`KernelError::Arguments`] when a buffer is smaller than that.
+    pub fn from_parts(
+        quantizer: Quantizer,
+        len: usize,
+        codes: Handle,
+        steps: Handle,
+        offsets: Handle,
+    ) -> Result<Self, KernelError> {
+        let groups = len.div_ceil(quantizer.group());
+        holds::<u32>(
+            "DeviceQuantized",
+            "codes",
+            &codes,
+            quantizer.bits().words_for(len),
+        )?;
+        holds::<f32>("DeviceQuantized", "steps", &steps, groups)?;
+        holds::<f32>("DeviceQuantized", "offsets", &offsets, groups)?;
+        Ok(Self {
+            quantizer,
+            len,
+            codes,
+            steps,
+            offsets,
+        })
+    }
+
+    /// The quantizer that produced them.
+    pub fn quantizer(&self) -> Quantizer {
+        self.quantizer
+    }
+
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The buffers: codes (u32 words), per-group steps (`1/scale`) and offsets (f32).
+    pub fn into_parts(self) -> (Handle, Handle, Handle) {
+        (self.codes, self.steps, self.offsets)
+    }
+
     /// Dequantizes into a new device buffer of `len` f32 values.
     pub fn dequantize(&self, client: &Client) -> Handle {
         let n = self.len;
@@ -277,7 +333,7 @@ mod tests {
                             let ctx = format!("{name} n {n} {bits:?} {scheme:?} group {group}");
                             let cpu = q.quantize(&x);
                             let xh = upload(&client, &x);
-                            let dev = quantize(&client, &q, &xh, n);
+                            let dev = quantize(&client, &q, &xh, n).expect("n values");
                             let host = dev.to_host(&client);
                             // The CPU path is itself checked against the f64 reference
                             // (crate::quantize's tests); here the device must agree with

@@ -11,8 +11,9 @@ use cubecl::client::Client;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use super::grid::{UNITS, arg, cover, download, reduce_units};
+use super::grid::{UNITS, arg, cover, download, holds, reduce_units};
 use super::reduce::cube_sum;
+use crate::KernelError;
 
 /// 32-bit words that hold `n` signs.
 pub fn sign_words(n: usize) -> usize {
@@ -84,22 +85,46 @@ fn unpack_kernel(packed: &[u32], out: &mut [f32], scale: f32) {
 }
 
 /// Packs the signs of the `n` values of `x` into `packed` ([`sign_words`]`(n)` words).
-pub fn pack_signs(client: &Client, n: usize, x: &Handle, packed: &Handle) {
+///
+/// # Errors
+/// [`KernelError::Arguments`] when `x` holds fewer than `n` f32 values or `packed` fewer
+/// than [`sign_words`]`(n)` words.
+pub fn pack_signs(
+    client: &Client,
+    n: usize,
+    x: &Handle,
+    packed: &Handle,
+) -> Result<(), KernelError> {
     let nw = sign_words(n);
+    holds::<f32>("pack_signs", "x", x, n)?;
+    holds::<u32>("pack_signs", "packed", packed, nw)?;
     if nw == 0 {
-        return;
+        return Ok(());
     }
     let (count, dim, _) = cover(client, nw, UNITS);
     // SAFETY: unit `w < words` reads values below `n` and writes word `w`.
     unsafe {
         pack_kernel::launch_unchecked(client, count, dim, arg(x, n), arg(packed, nw));
     }
+    Ok(())
 }
 
 /// Writes `scale` or `-scale` for each of the `n` signs in `packed` into `out`.
-pub fn unpack_signs(client: &Client, n: usize, packed: &Handle, scale: f32, out: &Handle) {
+///
+/// # Errors
+/// [`KernelError::Arguments`] when `packed` holds fewer than [`sign_words`]`(n)` words or
+/// `out` fewer than `n` f32 values.
+pub fn unpack_signs(
+    client: &Client,
+    n: usize,
+    packed: &Handle,
+    scale: f32,
+    out: &Handle,
+) -> Result<(), KernelError> {
+    holds::<u32>("unpack_signs", "packed", packed, sign_words(n))?;
+    holds::<f32>("unpack_signs", "out", out, n)?;
     if n == 0 {
-        return;
+        return Ok(());
     }
     let (count, dim, _) = cover(client, n, UNITS);
     // SAFETY: unit `i < n` reads word `i/32` and writes value `i`.
@@ -113,20 +138,28 @@ pub fn unpack_signs(client: &Client, n: usize, packed: &Handle, scale: f32, out:
             scale,
         );
     }
+    Ok(())
 }
 
 /// Error-feedback 1-bit compression of the `n` values of `x` with the running `error`
 /// (updated in place), signs into `packed`; returns the scale `‖x + error‖ / √n`.
+///
+/// # Errors
+/// [`KernelError::Arguments`] when `x` or `error` holds fewer than `n` f32 values, or
+/// `packed` fewer than [`sign_words`]`(n)` words.
 pub fn onebit_compress(
     client: &Client,
     n: usize,
     x: &Handle,
     error: &Handle,
     packed: &Handle,
-) -> f32 {
+) -> Result<f32, KernelError> {
     let nw = sign_words(n);
+    holds::<f32>("onebit_compress", "x", x, n)?;
+    holds::<f32>("onebit_compress", "error", error, n)?;
+    holds::<u32>("onebit_compress", "packed", packed, nw)?;
     if nw == 0 {
-        return 0.0;
+        return Ok(0.0);
     }
     let units = reduce_units(client);
     let (count, dim, cubes) = cover(client, nw, units);
@@ -153,7 +186,7 @@ pub fn onebit_compress(
     unsafe {
         feedback_kernel::launch_unchecked(client, count, dim, arg(error, n), scale);
     }
-    scale
+    Ok(scale)
 }
 
 #[cfg(test)]
@@ -186,7 +219,7 @@ mod tests {
                         .map(|(&a, &e)| a as f64 + e as f64)
                         .collect();
                     let scale_ref = (c.iter().map(|v| v * v).sum::<f64>() / n as f64).sqrt();
-                    let scale = onebit_compress(&client, n, &xh, &eh, &ph);
+                    let scale = onebit_compress(&client, n, &xh, &eh, &ph).expect("sized buffers");
                     let cpu_scale = cpu::onebit_compress(&x, &mut error, &mut packed);
                     assert!(
                         (scale as f64 - scale_ref).abs() <= 1e-6 * scale_ref,
@@ -220,13 +253,13 @@ mod tests {
                 x[0] = 0.0;
                 let xh = upload(&client, &x);
                 let ph = client.empty(sign_words(n) * 4);
-                pack_signs(&client, n, &xh, &ph);
+                pack_signs(&client, n, &xh, &ph).expect("sized buffers");
                 let mut packed = vec![0u8; packed_len(n)];
                 cpu::pack_signs(&x, &mut packed);
                 let words: Vec<u32> = download(&client, &ph);
                 assert_eq!(bytes(&words, n), packed, "{name} n {n}");
                 let out = client.empty(n * 4);
-                unpack_signs(&client, n, &ph, 0.5, &out);
+                unpack_signs(&client, n, &ph, 0.5, &out).expect("sized buffers");
                 let y: Vec<f32> = download(&client, &out);
                 for (i, (&a, &b)) in x.iter().zip(&y).enumerate() {
                     assert_eq!(

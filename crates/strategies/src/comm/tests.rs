@@ -221,3 +221,11 @@ fn ranks_pairing_differently_labelled_collectives_are_refused() {
     });
     assert!(results.into_iter().all(|r| r.is_ok()));
 }
+
+/// A world of no ranks is an error, not a panic; running one runs nothing.
+#[test]
+fn a_world_of_zero_ranks_is_refused() {
+    let e = ThreadWorld::new(0, ThreadWorldOptions::default()).expect_err("0 ranks");
+    assert!(e.to_string().contains("at least one rank"), "{e}");
+    assert!(ThreadWorld::run(0, ThreadWorldOptions::default(), |c| c.rank()).is_empty());
+}

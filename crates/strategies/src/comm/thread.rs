@@ -39,12 +39,18 @@ pub struct ThreadWorld {
 }
 
 impl ThreadWorld {
-    /// A world of `world_size` ranks.
-    pub fn new(world_size: usize, options: ThreadWorldOptions) -> Self {
-        assert!(world_size > 0, "a world needs at least one rank");
-        Self {
-            shared: Shared::new((0..world_size).collect(), options.timeout, None),
+    /// A world of `world_size` ranks; 0 is refused.
+    pub fn new(world_size: usize, options: ThreadWorldOptions) -> Result<Self> {
+        if world_size == 0 {
+            return Err(CommError::InvalidArgument {
+                rank: 0,
+                op: "ThreadWorld::new",
+                detail: "a world needs at least one rank, found 0".into(),
+            });
         }
+        Ok(Self {
+            shared: Shared::new((0..world_size).collect(), options.timeout, None),
+        })
     }
 
     /// The communicator of every rank, in rank order. Hand each to one thread.
@@ -62,7 +68,8 @@ impl ThreadWorld {
     }
 
     /// Runs `f` on `world_size` threads, one per rank, and returns each rank's result (an
-    /// `Err` holds the panic payload of a rank that panicked).
+    /// `Err` holds the panic payload of a rank that panicked). A world of 0 ranks runs
+    /// nothing and returns no results.
     pub fn run<R, F>(
         world_size: usize,
         options: ThreadWorldOptions,
@@ -72,7 +79,9 @@ impl ThreadWorld {
         R: Send,
         F: Fn(ThreadCommunicator) -> R + Sync,
     {
-        let world = ThreadWorld::new(world_size, options);
+        let Ok(world) = ThreadWorld::new(world_size, options) else {
+            return Vec::new();
+        };
         let f = &f;
         std::thread::scope(|scope| {
             let handles: Vec<_> = world

@@ -544,6 +544,7 @@ mod tests {
         };
         let mut opt = OneBitLamb::new(&LENGTHS, 1, c);
         let comm = ThreadWorld::new(1, ThreadWorldOptions::default())
+            .expect("one rank")
             .communicators()
             .remove(0);
         let mut p = init();

@@ -86,6 +86,10 @@ pub struct CheckpointMeta {
     pub param_ids: Vec<u64>,
     /// Parameter shapes in layout order.
     pub shapes: Vec<Vec<usize>>,
+    /// Module paths of the parameters in layout order (`blocks.0.attn.weight`, the names
+    /// Burn's stores use), for `burn-deepspeed checkpoint consolidate`.
+    #[serde(default)]
+    pub paths: Vec<String>,
     /// The state files.
     pub files: Vec<CheckpointFile>,
 }
@@ -98,11 +102,11 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
         .collect()
 }
 
-fn refuse(path: &Path, why: impl std::fmt::Display) -> DeepSpeedError {
+pub(crate) fn refuse(path: &Path, why: impl std::fmt::Display) -> DeepSpeedError {
     DeepSpeedError::Checkpoint(format!("{}: {why}", path.display()))
 }
 
-fn io_err(path: &Path, e: std::io::Error) -> DeepSpeedError {
+pub(crate) fn io_err(path: &Path, e: std::io::Error) -> DeepSpeedError {
     DeepSpeedError::Checkpoint(format!("{}: {e}", path.display()))
 }
 
@@ -113,7 +117,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Syncs a directory, so that the entries created or renamed in it survive a crash.
-fn sync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| io_err(dir, e))
@@ -422,6 +426,19 @@ fn check_meta(meta: &CheckpointMeta) -> std::result::Result<(), String> {
     if meta.world_size == 0 {
         return Err("records a world size of 0".into());
     }
+    if !meta.paths.is_empty() {
+        if meta.paths.len() != meta.param_ids.len() {
+            return Err(format!(
+                "lists {} module paths for {} parameters",
+                meta.paths.len(),
+                meta.param_ids.len()
+            ));
+        }
+        let mut seen = HashSet::new();
+        if let Some(dup) = meta.paths.iter().find(|p| !seen.insert(p.as_str())) {
+            return Err(format!("lists the module path `{dup}` twice"));
+        }
+    }
     numel_of(&meta.shapes).ok_or_else(|| "its shapes overflow the element count".to_string())?;
     Ok(())
 }
@@ -562,6 +579,7 @@ mod tests {
             compressing: None,
             param_ids: vec![1, 2],
             shapes: vec![vec![2], vec![1]],
+            paths: vec!["layer.weight".into(), "layer.bias".into()],
             files: Vec::new(),
         }
     }

@@ -1,0 +1,191 @@
+//! One consolidated weights file from a checkpoint, as DeepSpeed's `zero_to_fp32.py` makes
+//! one: whatever the ZeRO stage and the world size that wrote it, the whole fp32 parameters
+//! go into one safetensors file, each tensor named by its module path
+//! (`blocks.0.attn.weight`) with its shape, so that plain Burn loads it with burn-store's
+//! `SafetensorsStore` (no burn-deepspeed needed). The optimizer state (moments, 1-bit error
+//! buffers) stays behind: the file is the model only.
+//!
+//! The checkpoint is read with every check a load makes (plain names, sizes, SHA-256). The
+//! file is written beside `out` under a temporary name, synced, and renamed into place, so
+//! `out` is either absent, the old file, or the complete new one.
+//!
+//! burn-store writes safetensors only from a live module; this command has no model, so it
+//! writes the file with the `safetensors` crate (the one burn-store reads it with).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::Path;
+
+use safetensors::Dtype;
+use safetensors::tensor::TensorView;
+
+use super::format::{
+    CheckpointMeta, check_tag, io_err, read_checkpoint, read_latest, refuse, sync_dir,
+};
+use crate::{DeepSpeedError, Result};
+
+/// What [`consolidate`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Consolidated {
+    /// The checkpoint's tag.
+    pub tag: String,
+    /// Its optimizer step.
+    pub global_step: u64,
+    /// Tensors written.
+    pub tensors: usize,
+    /// Values written (f32).
+    pub values: usize,
+    /// Size of the file, in bytes.
+    pub bytes: u64,
+}
+
+/// Writes checkpoint `tag` of `dir` (default: the one `dir/latest` names) as one safetensors
+/// file at `out` (see the module docs).
+pub fn consolidate(dir: &Path, tag: Option<&str>, out: &Path) -> Result<Consolidated> {
+    let tag = match tag {
+        Some(t) => {
+            check_tag(t)?;
+            t.to_string()
+        }
+        None => read_latest(dir)?,
+    };
+    let (meta, contents) = read_checkpoint(dir, &tag)?;
+    let root = dir.join(&tag);
+    let at = meta
+        .files
+        .iter()
+        .position(|f| f.name == "model.bin")
+        .ok_or_else(|| refuse(&root, "has no model.bin to consolidate"))?;
+    let model = &contents[at];
+    let tensors = named_tensors(&meta, model).map_err(|why| refuse(&root, why))?;
+    let values = model.len() / 4;
+    let mut info = HashMap::new();
+    info.insert("format".to_string(), "pt".to_string());
+    info.insert("producer".to_string(), "burn-deepspeed".to_string());
+    info.insert("checkpoint_tag".to_string(), tag.clone());
+    info.insert("global_step".to_string(), meta.global_step.to_string());
+    info.insert("zero_stage".to_string(), meta.zero_stage.to_string());
+    info.insert("world_size".to_string(), meta.world_size.to_string());
+    let count = tensors.len();
+    write_atomically(out, tensors, info)?;
+    let bytes = std::fs::metadata(out).map_err(|e| io_err(out, e))?.len();
+    Ok(Consolidated {
+        tag,
+        global_step: meta.global_step,
+        tensors: count,
+        values,
+        bytes,
+    })
+}
+
+/// The parameters of `model.bin` (f32 little-endian, layout order) cut by the recorded shapes
+/// and named by the recorded module paths.
+fn named_tensors<'a>(
+    meta: &CheckpointMeta,
+    model: &'a [u8],
+) -> std::result::Result<Vec<(String, TensorView<'a>)>, String> {
+    if meta.paths.is_empty() {
+        return Err(
+            "records no module paths (written before they were recorded): load it into a \
+             DeepSpeedEngine and save it again"
+                .into(),
+        );
+    }
+    let mut out = Vec::with_capacity(meta.shapes.len());
+    let mut at = 0usize;
+    for (path, shape) in meta.paths.iter().zip(&meta.shapes) {
+        // The shapes' total was checked against overflow when the meta was read.
+        let len = 4 * shape.iter().product::<usize>();
+        let bytes = model
+            .get(at..at + len)
+            .ok_or_else(|| format!("model.bin ends before `{path}`"))?;
+        let view = TensorView::new(Dtype::F32, shape.clone(), bytes)
+            .map_err(|e| format!("`{path}`: {e}"))?;
+        out.push((path.clone(), view));
+        at += len;
+    }
+    if at != model.len() {
+        return Err(format!(
+            "model.bin holds {} bytes where the shapes take {at}",
+            model.len()
+        ));
+    }
+    Ok(out)
+}
+
+/// Writes the file under a temporary name beside `out`, syncs it, and renames it into place.
+fn write_atomically(
+    out: &Path,
+    tensors: Vec<(String, TensorView<'_>)>,
+    info: HashMap<String, String>,
+) -> Result<()> {
+    let name = out
+        .file_name()
+        .ok_or_else(|| refuse(out, "is not a file path"))?
+        .to_string_lossy()
+        .into_owned();
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => Path::new(".").to_path_buf(),
+    };
+    let scratch = parent.join(format!(".{name}.{}.tmp", std::process::id()));
+    let written = safetensors::serialize_to_file(tensors, Some(info), &scratch)
+        .map_err(|e| DeepSpeedError::Checkpoint(format!("{}: {e}", scratch.display())))
+        .and_then(|()| {
+            File::open(&scratch)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| io_err(&scratch, e))
+        })
+        .and_then(|()| std::fs::rename(&scratch, out).map_err(|e| io_err(out, e)));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&scratch);
+    }
+    written?;
+    sync_dir(&parent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::format::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION, f32_bytes};
+    use super::*;
+
+    fn meta(paths: &[&str]) -> CheckpointMeta {
+        CheckpointMeta {
+            format: CHECKPOINT_FORMAT.into(),
+            version: CHECKPOINT_VERSION,
+            global_step: 3,
+            skipped_steps: 0,
+            world_size: 2,
+            zero_stage: 2,
+            optimizer: "AdamW".into(),
+            compressing: None,
+            param_ids: vec![1, 2],
+            shapes: vec![vec![2, 3], vec![3]],
+            paths: paths.iter().map(|p| p.to_string()).collect(),
+            files: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn cuts_the_flat_parameters_by_shape_and_names_them() {
+        let values: Vec<f32> = (0..9).map(|i| i as f32).collect();
+        let bytes = f32_bytes(&values);
+        let tensors = named_tensors(&meta(&["fc.weight", "fc.bias"]), &bytes).expect("fits");
+        let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["fc.weight", "fc.bias"]);
+        assert_eq!(tensors[0].1.shape(), [2, 3]);
+        assert_eq!(tensors[1].1.data(), &bytes[24..]);
+    }
+
+    #[test]
+    fn refuses_what_does_not_fit() {
+        let bytes = f32_bytes(&[0.0; 9]);
+        let e = named_tensors(&meta(&[]), &bytes).expect_err("no paths");
+        assert!(e.contains("module paths"), "{e}");
+        let e = named_tensors(&meta(&["a", "b"]), &bytes[..32]).expect_err("short");
+        assert!(e.contains("ends before `b`"), "{e}");
+        let long = f32_bytes(&[0.0; 10]);
+        let e = named_tensors(&meta(&["a", "b"]), &long).expect_err("long");
+        assert!(e.contains("40 bytes"), "{e}");
+    }
+}

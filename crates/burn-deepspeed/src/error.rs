@@ -62,6 +62,10 @@ pub enum DeepSpeedError {
     /// The training data cannot feed the configured batch.
     #[error("data: {0}")]
     Data(String),
+    /// fp16 training cannot go on: the loss scale cannot shrink below its minimum, or a saved
+    /// scaler state is not valid.
+    #[error("loss scale: {0}")]
+    LossScale(String),
 }
 
 /// Result type of the burn-deepspeed crate.

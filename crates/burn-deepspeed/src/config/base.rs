@@ -249,6 +249,9 @@ impl DeepSpeedConfig {
         if let Some(o) = &mut self.optimizer {
             o.resolve()?;
         }
+        if self.fp16.enabled {
+            crate::precision::validate(&self.fp16)?;
+        }
         if let Some(s) = &self.scheduler {
             s.validate()?;
         }

@@ -222,6 +222,90 @@ pub fn adam_step_multi<P: ParamElement>(h: &AdamParams, tensors: &mut [AdamTenso
         .for_each(|(c, p, g, m, v)| adam_chunk(h, c, p, g, m, v));
 }
 
+/// One mixed-precision element: the gradient (of a loss multiplied by the loss scale) is
+/// widened and multiplied by `inv_scale`, the fp32 master `p` and the moments take an Adam
+/// step, and the working copy gets the new master rounded to `P`.
+#[allow(clippy::too_many_arguments)]
+fn adam_mixed_chunk<P: ParamElement>(
+    h: &AdamParams,
+    c: Coefficients,
+    inv_scale: f32,
+    p: &mut [f32],
+    g: &[P],
+    m: &mut [f32],
+    v: &mut [f32],
+    working: &mut [P],
+) {
+    let (b1, b2) = (h.beta1, h.beta2);
+    let (f1, f2) = (1.0 - b1, 1.0 - b2);
+    for ((((pp, &g), m), v), w) in p
+        .iter_mut()
+        .zip(g)
+        .zip(m.iter_mut())
+        .zip(v.iter_mut())
+        .zip(working.iter_mut())
+    {
+        let p = *pp;
+        let g = g.to_f32() * inv_scale;
+        let g = if c.l2 != 0.0 { g + p * c.l2 } else { g };
+        let mi = *m * b1 + g * f1;
+        let vi = *v * b2 + (g * g) * f2;
+        *m = mi;
+        *v = vi;
+        let delta = (mi / c.bc1) / ((vi / c.bc2).sqrt() + h.eps);
+        let next = p * c.decay - delta * h.lr;
+        *pp = next;
+        *w = P::from_f32(next);
+    }
+}
+
+/// One fused mixed-precision Adam step (the `step`-th, from 1), as DeepSpeed's fp16 and bf16
+/// optimizers take it in one pass: the gradient `g` of the scaled loss in the working type `P`
+/// times `inv_scale` (1 / the loss scale, or 1 / DeepSpeed's combined unscale-and-clip
+/// divisor), an Adam step on the fp32 master `p` and the f32 moments, and the new master
+/// rounded into the working copy `working`.
+///
+/// # Errors
+/// [`KernelError::Arguments`](crate::KernelError::Arguments) when the five slices differ in
+/// length.
+#[allow(clippy::too_many_arguments)]
+pub fn adam_step_mixed<P: ParamElement>(
+    h: &AdamParams,
+    step: u32,
+    inv_scale: f32,
+    p: &mut [f32],
+    g: &[P],
+    m: &mut [f32],
+    v: &mut [f32],
+    working: &mut [P],
+) -> Result<(), crate::KernelError> {
+    let n = p.len();
+    if g.len() != n || m.len() != n || v.len() != n || working.len() != n {
+        return Err(crate::KernelError::Arguments {
+            op: "adam_step_mixed",
+            detail: format!(
+                "master {n}, gradient {}, m {}, v {} and working {} values differ",
+                g.len(),
+                m.len(),
+                v.len(),
+                working.len()
+            ),
+        });
+    }
+    let c = h.coefficients(step);
+    if n <= CHUNK {
+        adam_mixed_chunk(h, c, inv_scale, p, g, m, v, working);
+        return Ok(());
+    }
+    p.par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .zip(working.par_chunks_mut(CHUNK))
+        .for_each(|((((p, g), m), v), w)| adam_mixed_chunk(h, c, inv_scale, p, g, m, v, w));
+    Ok(())
+}
+
 /// The f64 reference: the same formulas, one element at a time, in double precision.
 pub fn adam_reference(
     h: &AdamParams,
@@ -310,6 +394,60 @@ pub(crate) mod tests {
                 assert!(rel <= tolerance::<P>(), "{name} n {n}: rel {rel}");
             }
         }
+        run::<half::bf16>();
+        run::<half::f16>();
+    }
+
+    /// The mixed step keeps an fp32 master that follows the f64 reference fed the unscaled
+    /// gradient (to f32 rounding), and its working copy is the master rounded to `P`; the
+    /// loss scale cancels exactly (a power of two).
+    #[test]
+    fn mixed_step_keeps_an_fp32_master_and_rounds_the_working_copy() {
+        fn run<P: ParamElement>() {
+            let h = params(true, true);
+            let scale = 1024.0f32;
+            for n in [1usize, 7, 1000, CHUNK + 3] {
+                let mut master = values(n, 1);
+                let mut working: Vec<P> = master.iter().map(|&x| P::from_f32(x)).collect();
+                let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+                let mut pr: Vec<f64> = master.iter().map(|&x| x as f64).collect();
+                let (mut mr, mut vr) = (vec![0.0; n], vec![0.0; n]);
+                for step in 1..=10 {
+                    // The gradient of the scaled loss, as the working type holds it.
+                    let g: Vec<P> = values(n, 100 + step as u64)
+                        .into_iter()
+                        .map(|x| P::from_f32(x * scale))
+                        .collect();
+                    let gr: Vec<f64> = g.iter().map(|x| (x.to_f32() / scale) as f64).collect();
+                    adam_step_mixed(
+                        &h,
+                        step,
+                        1.0 / scale,
+                        &mut master,
+                        &g,
+                        &mut m,
+                        &mut v,
+                        &mut working,
+                    )
+                    .expect("equal lengths");
+                    adam_reference(&h, step, &mut pr, &gr, &mut mr, &mut vr);
+                }
+                let name = std::any::type_name::<P>();
+                let rel = rel_l2(&master, &pr);
+                assert!(rel < 1e-6, "{name} n {n}: master rel {rel}");
+                assert!(
+                    master
+                        .iter()
+                        .zip(&working)
+                        .all(|(&a, w)| P::from_f32(a).to_f32() == w.to_f32()),
+                    "{name} n {n}: the working copy is the rounded master"
+                );
+            }
+            let e = adam_step_mixed::<P>(&h, 1, 1.0, &mut [0.0; 3], &[], &mut [], &mut [], &mut [])
+                .expect_err("lengths differ");
+            assert!(e.to_string().contains("adam_step_mixed"), "{e}");
+        }
+        run::<f32>();
         run::<half::bf16>();
         run::<half::f16>();
     }

@@ -65,6 +65,37 @@ fn adam_kernel<P: Float>(
     }
 }
 
+/// One mixed-precision element: the scaled gradient in `P` times `inv_scale`, an Adam step on
+/// the f32 master, and the working copy rounded from the new master (as [`crate::adam`]'s
+/// `adam_step_mixed`).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn adam_mixed_kernel<P: Float>(
+    p: &mut [f32],
+    g: &[P],
+    m: &mut [f32],
+    v: &mut [f32],
+    working: &mut [P],
+    h: AdamScalars,
+    bc1: f32,
+    bc2: f32,
+    inv_scale: f32,
+) {
+    let i = ABSOLUTE_POS;
+    if i < p.len() {
+        let pi = p[i];
+        let gi = f32::cast_from(g[i]) * inv_scale + pi * h.l2;
+        let mi = m[i] * h.beta1 + gi * (1.0 - h.beta1);
+        let vi = v[i] * h.beta2 + (gi * gi) * (1.0 - h.beta2);
+        m[i] = mi;
+        v[i] = vi;
+        let delta = (mi / bc1) / (f32::sqrt(vi / bc2) + h.eps);
+        let next = pi * h.decay - delta * h.lr;
+        p[i] = next;
+        working[i] = P::cast_from(next);
+    }
+}
+
 /// Many tensors laid end to end in one buffer (a ZeRO flat partition): `ends[s]` is where
 /// segment `s` ends, and `corrections[2s..2s+2]` its bias corrections (each tensor has its
 /// own step). A unit finds its segment by binary search.
@@ -137,6 +168,50 @@ pub fn adam_step<P: Float + CubeElement>(
             h.scalars(&c),
             c.bc1,
             c.bc2,
+        );
+    }
+    Ok(())
+}
+
+/// One fused mixed-precision Adam step (the `step`-th, from 1) on `n` elements, as
+/// [`crate::adam::adam_step_mixed`]: `g` and `working` hold `P` (f32, `half::bf16` or
+/// `half::f16`); the master `p` and the moments `m`, `v` hold f32. The gradient is multiplied
+/// by `inv_scale` (1 / the loss scale, or 1 / the combined unscale-and-clip divisor).
+///
+/// # Errors
+/// [`KernelError::Arguments`] when a buffer holds fewer than `n` values of its type.
+#[allow(clippy::too_many_arguments)]
+pub fn adam_step_mixed<P: Float + CubeElement>(
+    client: &Client,
+    h: &AdamParams,
+    step: u32,
+    inv_scale: f32,
+    n: usize,
+    [p, g, m, v, working]: [&Handle; 5],
+) -> Result<(), KernelError> {
+    params_and_moments::<f32>("adam_step_mixed", n, [p, p, m, v])?;
+    holds::<P>("adam_step_mixed", "g", g, n)?;
+    holds::<P>("adam_step_mixed", "working", working, n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let c = h.coefficients(step);
+    let (count, dim, _) = cover(client, n, UNITS);
+    // SAFETY: the kernel guards every index against `n`, and every buffer holds `n` values.
+    unsafe {
+        adam_mixed_kernel::launch_unchecked::<P>(
+            client,
+            count,
+            dim,
+            arg(p, n),
+            arg(g, n),
+            arg(m, n),
+            arg(v, n),
+            arg(working, n),
+            h.scalars(&c),
+            c.bc1,
+            c.bc2,
+            inv_scale,
         );
     }
     Ok(())
@@ -317,6 +392,76 @@ mod tests {
                 ten_steps::<bf16>(&client, &name);
             } else {
                 println!("{name}: no bf16 in this runtime; bf16 parameters are not offered");
+            }
+        }
+    }
+
+    /// Ten mixed steps on the device against ten of the CPU path: the fp32 masters and moments
+    /// agree to f32 rounding, and each working copy is its master rounded to `P`.
+    fn ten_mixed_steps<P: Float + CubeElement + ParamElement>(client: &Client, name: &str) {
+        let h = params(true, true);
+        let scale = 4096.0f32;
+        for n in SIZES {
+            let p0 = values(n, 1);
+            let w0: Vec<P> = p0.iter().map(|&x| P::from_f32(x)).collect();
+            let zeros = vec![0.0f32; n];
+            let (p, m, v) = (
+                upload(client, &p0),
+                upload(client, &zeros),
+                upload(client, &zeros),
+            );
+            let w = upload(client, &w0);
+            let (mut cp, mut cm, mut cv, mut cw) = (p0.clone(), zeros.clone(), zeros.clone(), w0);
+            for step in 1..=10 {
+                let g: Vec<P> = values(n, 100 + step as u64)
+                    .into_iter()
+                    .map(|x| P::from_f32(x * scale))
+                    .collect();
+                let gh = upload(client, &g);
+                adam_step_mixed::<P>(client, &h, step, 1.0 / scale, n, [&p, &gh, &m, &v, &w])
+                    .expect("buffers of n values");
+                cpu::adam_step_mixed(
+                    &h,
+                    step,
+                    1.0 / scale,
+                    &mut cp,
+                    &g,
+                    &mut cm,
+                    &mut cv,
+                    &mut cw,
+                )
+                .expect("equal lengths");
+            }
+            let ctx = format!("{name} {} n {n}", std::any::type_name::<P>());
+            let dp: Vec<f32> = download(client, &p);
+            let dw: Vec<P> = download(client, &w);
+            let cp64: Vec<f64> = cp.iter().map(|&x| x as f64).collect();
+            let rel = rel_l2(&dp, &cp64);
+            assert!(rel <= 1e-6, "{ctx}: master device vs CPU {rel}");
+            assert!(
+                dp.iter()
+                    .zip(&dw)
+                    .all(|(&a, b)| P::from_f32(a).to_f32() == ParamElement::to_f32(*b)),
+                "{ctx}: the working copy is the rounded master"
+            );
+        }
+        // An undersized working copy is refused.
+        let small = upload(client, &[P::from_f32(0.0)]);
+        let full = upload(client, &[0.0f32; 4]);
+        let e = adam_step_mixed::<P>(client, &h, 1, 1.0, 4, [&full, &full, &full, &full, &small])
+            .expect_err("too small");
+        assert!(e.to_string().contains("`working` holds"), "{e}");
+    }
+
+    #[test]
+    fn fused_mixed_adam_matches_the_cpu_path() {
+        for (name, client) in clients() {
+            ten_mixed_steps::<f32>(&client, &name);
+            if supports::<f16>(&client) {
+                ten_mixed_steps::<f16>(&client, &name);
+            }
+            if supports::<bf16>(&client) {
+                ten_mixed_steps::<bf16>(&client, &name);
             }
         }
     }

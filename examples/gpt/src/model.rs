@@ -5,7 +5,7 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, softmax};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_deepspeed::pipe::{LayerInput, PipeBatch, PipeLayer};
 use burn_deepspeed::pld::ProgressiveLayerDrop;
@@ -198,7 +198,9 @@ impl GptBatch {
     /// `[batch·seq, 256]`) and flattened targets.
     pub fn cross_entropy(&self, logits: Tensor<3>) -> (Tensor<1>, Tensor<2>, Tensor<1, Int>) {
         let [b, t, v] = logits.dims();
-        let logits = logits.reshape([b * t, v]);
+        // The loss in f32 whatever the parameters' dtype (its backward casts the gradient
+        // back), as mixed precision training computes it.
+        let logits = logits.reshape([b * t, v]).cast(FloatDType::F32);
         let targets = self.targets.clone().reshape([b * t]);
         let loss = CrossEntropyLossConfig::new()
             .init(&logits.device())
@@ -243,7 +245,8 @@ impl Gpt {
         layer_drop: Option<LayerDrop>,
     ) -> Tensor<3> {
         let mut x = self.embed.forward(inputs);
-        let causal = causal_mask(x.dims()[1], &x.device());
+        // In the parameters' dtype: one op may not mix f32 with f16 or bf16.
+        let causal = causal_mask(x.dims()[1], &x.device()).cast(x.dtype());
         // ANCHOR: pld_forward
         let keep = layer_drop.map(|d| {
             (
@@ -310,7 +313,7 @@ impl PipeLayer<GptBatch> for GptLayer {
             }
             (GptLayer::Block(b), input) => {
                 let x = input.hidden("Block");
-                let causal = causal_mask(x.dims()[1], &x.device());
+                let causal = causal_mask(x.dims()[1], &x.device()).cast(x.dtype());
                 b.forward(x, causal, 1.0)
             }
             (GptLayer::Head(h), input) => h.forward(input.hidden("Head")),

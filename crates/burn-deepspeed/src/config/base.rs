@@ -319,8 +319,17 @@ impl DeepSpeedConfig {
         if self.fp16.enabled {
             add("fp16.enabled", refused);
         }
-        if self.bf16.enabled {
-            add("bf16.enabled", refused);
+        if self.bf16.enabled
+            && !matches!(
+                self.zero_optimization.stage,
+                ZeroStage::OptimizerStates | ZeroStage::Gradients
+            )
+        {
+            add(
+                "bf16.enabled",
+                "bf16 runs in DeepSpeedEngine at ZeRO stages 1 and 2 so far; other stages refuse \
+                 to train",
+            );
         }
         if let Some(o) = &self.optimizer {
             if o.kind == OptimizerKind::ZeroOneAdam {

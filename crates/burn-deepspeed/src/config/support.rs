@@ -32,7 +32,7 @@ fn refuse(key: &str, reason: impl Into<String>) -> Result<()> {
 /// Refuses, with the key and the alternative, what `entry` cannot run under `config`.
 pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     check_zero_keys(config)?;
-    check_precision(config)?;
+    check_precision(config, entry)?;
     check_optimizer(config, entry)?;
     let stage = config.zero_optimization.stage;
     let pipelined = config
@@ -200,17 +200,37 @@ fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
     Ok(())
 }
 
-/// Mixed precision is not implemented yet.
-fn check_precision(config: &DeepSpeedConfig) -> Result<()> {
-    for (key, on) in [
-        ("fp16.enabled", config.fp16.enabled),
-        ("bf16.enabled", config.bf16.enabled),
-    ] {
-        if on {
-            return refuse(key, "mixed precision is not implemented yet; train in fp32");
-        }
+/// Mixed precision: bf16 with fp32 masters runs in the engine at ZeRO stages 1 and 2; fp16
+/// (loss scaling) and the other places are not built yet.
+fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
+    if config.fp16.enabled {
+        return refuse(
+            "fp16.enabled",
+            "fp16 training (loss scaling in the step) is not implemented yet; train in bf16 \
+             (DeepSpeedEngine, ZeRO stage 1 or 2) or fp32",
+        );
     }
-    Ok(())
+    if !config.bf16.enabled {
+        return Ok(());
+    }
+    let stage = config.zero_optimization.stage;
+    match entry {
+        EntryPoint::Engine
+            if matches!(stage, ZeroStage::OptimizerStates | ZeroStage::Gradients) =>
+        {
+            Ok(())
+        }
+        EntryPoint::Engine => refuse(
+            "bf16.enabled",
+            "bf16 with fp32 master weights runs at ZeRO stages 1 and 2 so far; set \
+             zero_optimization.stage to 1 or 2",
+        ),
+        _ => refuse(
+            "bf16.enabled",
+            "bf16 runs in DeepSpeedEngine (ZeRO stage 1 or 2) so far; the pipeline engine and \
+             the Learner strategy train in fp32",
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
+use burn::tensor::FloatDType;
 use burn::train::TrainStep;
 use burn_deepspeed_compress::pld::ProgressiveLayerDrop;
 use burn_deepspeed_strategies::comm::{CommStats, Communicator, CommunicatorExt, ReduceOp};
@@ -19,6 +20,7 @@ use super::flat::param_paths;
 use super::memory::ModelStateBytes;
 use super::{StepLoss, StepReport};
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
+use crate::precision::cast_module;
 use crate::sync::{self, GradSync};
 use crate::{DeepSpeedError, Result, agreed};
 
@@ -64,7 +66,15 @@ where
     pub fn new(model: M, mut config: DeepSpeedConfig, comm: Arc<dyn Communicator>) -> Result<Self> {
         let batch = config.resolve(comm.world_size())?;
         check_supported(&config, EntryPoint::Engine)?;
-        let (model, sync) = sync::build(model, &config, comm.clone())?;
+        let (model, mut sync) = sync::build(model, &config, comm.clone())?;
+        // bf16: the regime keeps fp32 masters of the (broadcast) f32 parameters, and the
+        // model becomes their bf16 working copy.
+        let model = if config.bf16.enabled {
+            sync.keep_masters(&model)?;
+            cast_module(model, FloatDType::BF16)
+        } else {
+            model
+        };
         let pld = config
             .progressive_layer_drop
             .enabled

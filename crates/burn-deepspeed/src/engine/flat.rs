@@ -153,7 +153,8 @@ pub fn params_to_flat<M: Module>(module: &M, layout: &ParamLayout) -> Vec<f32> {
 }
 
 /// Replaces the module's parameter values with those in `flat` (same layout), keeping each
-/// parameter's id, device and `require_grad` flag.
+/// parameter's id, device, dtype (f32 values are rounded into a 16-bit parameter) and
+/// `require_grad` flag.
 pub fn params_from_flat<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -> M {
     struct Mapper<'a> {
         layout: &'a ParamLayout,
@@ -171,7 +172,14 @@ pub fn params_from_flat<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]
                 slot.shape.clone(),
             );
             let require_grad = tensor.is_require_grad();
-            let new = Tensor::<D>::from_data(data, &tensor.device()).set_require_grad(require_grad);
+            let new = Tensor::<D>::from_data(data, &tensor.device());
+            // A 16-bit working copy gets the f32 values rounded to its dtype.
+            let new = if new.dtype() == tensor.dtype() {
+                new
+            } else {
+                new.cast(tensor.dtype())
+            };
+            let new = new.set_require_grad(require_grad);
             Param::from_mapped_value(id, new, mapper)
         }
     }

@@ -151,4 +151,18 @@ pub trait GradSync<M: Module> {
     fn one_bit(&self) -> Option<&dyn OneBitOptimizer> {
         None
     }
+
+    /// Mixed precision: keeps fp32 master copies of this rank's parameters, taken from
+    /// `model` (still in f32), so that the optimizer steps the masters and the model, cast to
+    /// a 16-bit dtype afterwards by the caller, receives them rounded. Regimes that cannot
+    /// keep masters yet refuse.
+    fn keep_masters(&mut self, model: &M) -> Result<()> {
+        let _ = model;
+        Err(crate::DeepSpeedError::Unsupported {
+            key: "bf16.enabled".into(),
+            reason: "fp32 master weights are kept at ZeRO stages 1 and 2 so far; set \
+                     zero_optimization.stage to 1 or 2"
+                .into(),
+        })
+    }
 }

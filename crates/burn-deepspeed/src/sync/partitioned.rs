@@ -29,7 +29,8 @@ use super::{GradSync, Reduced, SavedState, SyncOptions};
 use crate::config::ZeroStage;
 use crate::engine::checkpoint::{Loaded, save_slice};
 use crate::engine::flat::{
-    ParamLayout, for_each_grad, grads_from_flat, params_from_flat, params_range, restore_params,
+    ParamLayout, for_each_grad, grads_from_flat, params_from_flat, params_range, params_to_flat,
+    restore_params,
 };
 use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
 use crate::{DeepSpeedError, Result};
@@ -56,6 +57,11 @@ pub struct PartitionedSync {
     /// A collective that failed during a micro-batch (stage 2), reported by the next step.
     deferred: Option<DeepSpeedError>,
     meter: MemoryMeter,
+    /// Mixed precision: the fp32 masters of this rank's slice, which the optimizer steps
+    /// (the model holds them rounded to its 16-bit dtype).
+    master: Option<Vec<f32>>,
+    /// Whether masters are kept (they are taken out of `master` while stepped).
+    mixed: bool,
 }
 
 impl PartitionedSync {
@@ -118,7 +124,13 @@ impl PartitionedSync {
             optim,
             deferred: None,
             meter: MemoryMeter::default(),
+            master: None,
+            mixed: false,
         }
+    }
+
+    fn master_kept(&self) -> bool {
+        self.mixed
     }
 
     /// This rank's slice of the flat parameters.
@@ -287,7 +299,11 @@ impl<M: Module> GradSync<M> for PartitionedSync {
 
     fn step(&mut self, model: M, lr: f64) -> Result<M> {
         let comm = self.comm.clone();
-        let mut params = params_range(&model, &self.layout, self.own.clone());
+        let mut params = match self.master.take() {
+            Some(master) => master,
+            None => params_range(&model, &self.layout, self.own.clone()),
+        };
+        let keep = self.master_kept();
         {
             let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
             let grads: &[f32] = if self.streams {
@@ -295,16 +311,28 @@ impl<M: Module> GradSync<M> for PartitionedSync {
             } else {
                 &self.full[self.own.clone()]
             };
-            let optim = self.optim.as_mut().ok_or_else(|| {
-                DeepSpeedError::Data(
+            let stepped: Result<()> = match self.optim.as_mut() {
+                Some(optim) => optim
+                    .step(comm.as_ref(), &mut params, grads, &self.present, lr)
+                    .map_err(Into::into),
+                None => Err(DeepSpeedError::Data(
                     "this ZeRO sync has no optimizer; step its tensors and call \
                      finish_external_step"
                         .into(),
-                )
-            })?;
-            optim.step(comm.as_ref(), &mut params, grads, &self.present, lr)?;
+                )),
+            };
+            if let Err(e) = stepped {
+                if keep {
+                    self.master = Some(params);
+                }
+                return Err(e);
+            }
         }
-        self.gather(model, &params)
+        let model = self.gather(model, &params);
+        if keep {
+            self.master = Some(params);
+        }
+        model
     }
 
     /// The gradients of this rank's tensors (those that had one on any rank), with a
@@ -339,11 +367,40 @@ impl<M: Module> GradSync<M> for PartitionedSync {
     /// All parameters, the gradient buffer (whole at stage 1, a slice at stage 2) and the
     /// slice's optimizer state.
     fn held(&self, model: &M) -> ModelStateBytes {
+        let masters = self.master.as_ref().map_or(0, vec_bytes);
         ModelStateBytes {
             params: param_bytes(model),
             grads: vec_bytes(&self.full) + vec_bytes(&self.slice),
-            optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()),
+            optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()) + masters,
         }
+    }
+
+    fn keep_masters(&mut self, model: &M) -> Result<()> {
+        if self.optim.is_none() {
+            return Err(DeepSpeedError::Unsupported {
+                key: "bf16.enabled".into(),
+                reason: "the Learner strategy steps the Learner's own optimizer, which keeps \
+                         no fp32 masters"
+                    .into(),
+            });
+        }
+        self.master = Some(params_range(model, &self.layout, self.own.clone()));
+        self.mixed = true;
+        Ok(())
+    }
+
+    /// With masters, every rank gathers them (a collective), so that checkpoints hold fp32
+    /// values, not the rounded working copy.
+    fn whole_params(&self, model: &M, wanted: bool) -> Result<Option<Vec<f32>>> {
+        let Some(master) = &self.master else {
+            return Ok(wanted.then(|| params_to_flat(model, &self.layout)));
+        };
+        let mut flat = vec![0.0f32; self.layout.numel];
+        let counts: Vec<usize> = (0..self.comm.world_size())
+            .map(|r| self.partition.range(r).len())
+            .collect();
+        self.comm.all_gather(master, &mut flat, &counts)?;
+        Ok(wanted.then_some(flat))
     }
 
     fn peak(&self) -> u64 {
@@ -362,6 +419,9 @@ impl<M: Module> GradSync<M> for PartitionedSync {
         match &mut self.optim {
             Some(o) => o.restore(state)?,
             None => return Err(crate::engine::checkpoint::no_state_to_restore()),
+        }
+        if self.mixed {
+            self.master = Some(loaded.params[self.own.clone()].to_vec());
         }
         self.layout = layout;
         self.reset();

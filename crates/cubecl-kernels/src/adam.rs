@@ -138,18 +138,22 @@ fn adam_chunk<P: ParamElement>(
     m: &mut [f32],
     v: &mut [f32],
 ) {
-    let (b1, b2) = (h.beta1, h.beta2);
-    let (f1, f2) = (1.0 - b1, 1.0 - b2);
     for (((pp, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let (p, g) = (pp.to_f32(), g.to_f32());
-        let g = if c.l2 != 0.0 { g + p * c.l2 } else { g };
-        let mi = *m * b1 + g * f1;
-        let vi = *v * b2 + (g * g) * f2;
-        *m = mi;
-        *v = vi;
-        let delta = (mi / c.bc1) / ((vi / c.bc2).sqrt() + h.eps);
-        *pp = P::from_f32(p * c.decay - delta * h.lr);
+        *pp = P::from_f32(adam_next(h, c, pp.to_f32(), g.to_f32(), m, v));
     }
+}
+
+/// The Adam math of one element in f32: updates the moments from the gradient `g` and returns
+/// the parameter `p` after the step.
+#[inline(always)]
+fn adam_next(h: &AdamParams, c: Coefficients, p: f32, g: f32, m: &mut f32, v: &mut f32) -> f32 {
+    let g = if c.l2 != 0.0 { g + p * c.l2 } else { g };
+    let mi = *m * h.beta1 + g * (1.0 - h.beta1);
+    let vi = *v * h.beta2 + (g * g) * (1.0 - h.beta2);
+    *m = mi;
+    *v = vi;
+    let delta = (mi / c.bc1) / ((vi / c.bc2).sqrt() + h.eps);
+    p * c.decay - delta * h.lr
 }
 
 /// One fused Adam step (the `step`-th, counted from 1) on one tensor's flat values: f32,
@@ -236,8 +240,6 @@ fn adam_mixed_chunk<P: ParamElement>(
     v: &mut [f32],
     working: &mut [P],
 ) {
-    let (b1, b2) = (h.beta1, h.beta2);
-    let (f1, f2) = (1.0 - b1, 1.0 - b2);
     for ((((pp, &g), m), v), w) in p
         .iter_mut()
         .zip(g)
@@ -245,15 +247,7 @@ fn adam_mixed_chunk<P: ParamElement>(
         .zip(v.iter_mut())
         .zip(working.iter_mut())
     {
-        let p = *pp;
-        let g = g.to_f32() * inv_scale;
-        let g = if c.l2 != 0.0 { g + p * c.l2 } else { g };
-        let mi = *m * b1 + g * f1;
-        let vi = *v * b2 + (g * g) * f2;
-        *m = mi;
-        *v = vi;
-        let delta = (mi / c.bc1) / ((vi / c.bc2).sqrt() + h.eps);
-        let next = p * c.decay - delta * h.lr;
+        let next = adam_next(h, c, *pp, g.to_f32() * inv_scale, m, v);
         *pp = next;
         *w = P::from_f32(next);
     }

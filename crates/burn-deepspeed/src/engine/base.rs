@@ -316,8 +316,8 @@ impl<M: Module> DeepSpeedEngine<M> {
         &self.model
     }
     /// The whole parameters, flat in layout order (the order the module visits them). At
-    /// ZeRO stage 3 a collective: every rank calls it, and a rank that fails to take part in
-    /// the gather fails it on every rank.
+    /// ZeRO stage 3, and with bf16 masters (gathered in fp32), a collective: every rank calls
+    /// it, and a rank that fails to take part in the gather fails it on every rank.
     pub fn flat_params(&self) -> Result<Vec<f32>> {
         Ok(self
             .sync

@@ -129,10 +129,6 @@ impl PartitionedSync {
         }
     }
 
-    fn master_kept(&self) -> bool {
-        self.mixed
-    }
-
     /// This rank's slice of the flat parameters.
     pub fn own(&self) -> Range<usize> {
         self.own.clone()
@@ -303,7 +299,7 @@ impl<M: Module> GradSync<M> for PartitionedSync {
             Some(master) => master,
             None => params_range(&model, &self.layout, self.own.clone()),
         };
-        let keep = self.master_kept();
+        let keep = self.mixed;
         {
             let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
             let grads: &[f32] = if self.streams {

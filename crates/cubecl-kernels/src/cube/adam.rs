@@ -27,13 +27,30 @@ fn adam_update<P: Float>(
     bc2: f32,
 ) {
     let pi = f32::cast_from(p[i]);
-    let gi = f32::cast_from(g[i]) + pi * h.l2;
+    p[i] = P::cast_from(adam_next(pi, f32::cast_from(g[i]), m, v, i, h, bc1, bc2));
+}
+
+/// The Adam math of element `i` in f32: updates the moments from the gradient `gi` and
+/// returns the parameter `pi` after the step.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn adam_next(
+    pi: f32,
+    gi: f32,
+    m: &mut [f32],
+    v: &mut [f32],
+    i: usize,
+    h: &AdamScalars,
+    bc1: f32,
+    bc2: f32,
+) -> f32 {
+    let gi = gi + pi * h.l2;
     let mi = m[i] * h.beta1 + gi * (1.0 - h.beta1);
     let vi = v[i] * h.beta2 + (gi * gi) * (1.0 - h.beta2);
     m[i] = mi;
     v[i] = vi;
     let delta = (mi / bc1) / (f32::sqrt(vi / bc2) + h.eps);
-    p[i] = P::cast_from(pi * h.decay - delta * h.lr);
+    pi * h.decay - delta * h.lr
 }
 
 /// The step's scalars.
@@ -83,14 +100,8 @@ fn adam_mixed_kernel<P: Float>(
 ) {
     let i = ABSOLUTE_POS;
     if i < p.len() {
-        let pi = p[i];
-        let gi = f32::cast_from(g[i]) * inv_scale + pi * h.l2;
-        let mi = m[i] * h.beta1 + gi * (1.0 - h.beta1);
-        let vi = v[i] * h.beta2 + (gi * gi) * (1.0 - h.beta2);
-        m[i] = mi;
-        v[i] = vi;
-        let delta = (mi / bc1) / (f32::sqrt(vi / bc2) + h.eps);
-        let next = pi * h.decay - delta * h.lr;
+        let gi = f32::cast_from(g[i]) * inv_scale;
+        let next = adam_next(p[i], gi, m, v, i, &h, bc1, bc2);
         p[i] = next;
         working[i] = P::cast_from(next);
     }

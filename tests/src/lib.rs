@@ -5,7 +5,7 @@ use burn::module::{Module, Param};
 use burn::nn::loss::{MseLoss, Reduction};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::relu;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use burn::train::{RegressionOutput, TrainOutput, TrainStep};
 
 /// Inputs per sample of [`Toy`].
@@ -38,8 +38,10 @@ impl Toy {
         }
     }
 
-    /// Predictions `[rows, 1]`.
+    /// Predictions `[rows, 1]`, in the parameters' dtype (the inputs are cast to it, so a
+    /// 16-bit working copy runs too).
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let x = x.cast(self.hidden.weight.val().dtype());
         self.out.forward(relu(self.hidden.forward(x)))
     }
 }
@@ -49,9 +51,10 @@ impl TrainStep for Toy {
     type Output = RegressionOutput;
 
     fn step(&self, batch: ToyBatch) -> TrainOutput<RegressionOutput> {
-        let output = self.forward(batch.inputs);
+        // The loss in f32, whatever the working dtype.
+        let output = self.forward(batch.inputs).cast(FloatDType::F32);
         let loss = MseLoss::new().forward(output.clone(), batch.targets.clone(), Reduction::Mean);
-        let grads = loss.backward();
+        let grads = burn_deepspeed::precision::backward(&loss);
         TrainOutput::new(
             self,
             grads,

@@ -351,7 +351,7 @@ impl TrainStep for Gpt {
 
     fn step(&self, batch: GptBatch) -> TrainOutput<ClassificationOutput> {
         let out = self.forward_loss(batch);
-        let grads = out.loss.backward();
+        let grads = burn_deepspeed::precision::backward(&out.loss);
         TrainOutput::new(self, grads, out)
     }
 }

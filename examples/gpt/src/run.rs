@@ -114,6 +114,14 @@ pub struct RunReport {
     pub comm_bytes_model_per_step: Vec<u64>,
     /// Steps that exchanged 1-bit compressed momenta instead of all-reducing gradients.
     pub compressed_steps: u64,
+    /// The working dtype of parameters and gradients: `fp32`, `fp16` or `bf16` (16-bit runs
+    /// keep fp32 masters).
+    pub dtype: String,
+    /// fp16: the loss scale each step's gradients were computed with.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub loss_scale: Vec<f32>,
+    /// Steps skipped because the gradient overflowed (DeepSpeed's `skipped_steps`).
+    pub skipped_steps: u64,
     /// Progressive layer dropping: θ of the last step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pld_theta: Option<f64>,
@@ -204,6 +212,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let (mut per_step_bytes, mut per_sample, mut compressed) = (Vec::new(), Vec::new(), 0);
     let mut per_step_model_bytes = Vec::new();
     let mut pld_theta = None;
+    let mut loss_scale = Vec::new();
     let start = Instant::now();
     for step in first_step..spec.steps {
         let step_start = Instant::now();
@@ -215,6 +224,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         per_sample.push(step_start.elapsed().as_secs_f64() / batch.train_batch_size as f64);
         compressed += u64::from(report.compressed);
         pld_theta = report.pld_theta;
+        loss_scale.extend(report.loss_scale);
         let elapsed = start.elapsed().as_secs_f64();
         let tokens = (step + 1 - first_step) * batch.train_batch_size * seq as u64;
         progress.update(step + 1, report.loss, tokens as f64 / elapsed);
@@ -266,6 +276,9 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         comm_bytes_per_step: per_step_bytes,
         comm_bytes_model_per_step: per_step_model_bytes,
         compressed_steps: compressed,
+        dtype: working_dtype(engine.config()).into(),
+        loss_scale,
+        skipped_steps: engine.skipped_steps(),
         pld_theta,
         step_seconds_per_sample: per_sample,
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
@@ -277,6 +290,17 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         final_params: FlatParams(engine.flat_params()?),
         final_moments: moments,
     })
+}
+
+/// The working dtype a config trains in, as the report names it.
+fn working_dtype(config: &burn_deepspeed::DeepSpeedConfig) -> &'static str {
+    if config.fp16.enabled {
+        "fp16"
+    } else if config.bf16.enabled {
+        "bf16"
+    } else {
+        "fp32"
+    }
 }
 
 // ANCHOR: train_step
@@ -414,6 +438,9 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         comm_bytes_per_step: Vec::new(),
         comm_bytes_model_per_step: Vec::new(),
         compressed_steps: 0,
+        dtype: working_dtype(engine.config()).into(),
+        loss_scale: Vec::new(),
+        skipped_steps: 0,
         pld_theta: None,
         step_seconds_per_sample: Vec::new(),
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),

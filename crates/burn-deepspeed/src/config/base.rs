@@ -316,19 +316,18 @@ impl DeepSpeedConfig {
             })
         };
         let refused = "parsed, but the engine does not implement it yet and refuses to train";
-        if self.fp16.enabled {
-            add("fp16.enabled", refused);
-        }
-        if self.bf16.enabled
-            && !matches!(
-                self.zero_optimization.stage,
-                ZeroStage::OptimizerStates | ZeroStage::Gradients
-            )
+        let sixteen = if self.fp16.enabled {
+            Some("fp16.enabled")
+        } else {
+            self.bf16.enabled.then_some("bf16.enabled")
+        };
+        if let Some(key) = sixteen
+            && self.optimizer.as_ref().is_some_and(|o| o.kind.is_one_bit())
         {
             add(
-                "bf16.enabled",
-                "bf16 runs in DeepSpeedEngine at ZeRO stages 1 and 2 so far; other stages refuse \
-                 to train",
+                key,
+                "the 1-bit optimizers keep no fp32 master weights yet and refuse to train in \
+                 16-bit",
             );
         }
         if let Some(o) = &self.optimizer {
@@ -492,7 +491,8 @@ mod tests {
     #[test]
     fn unimplemented_deepspeed_keys_warn() {
         let (_, w) = DeepSpeedConfig::from_json_str(
-            r#"{"tensorboard": {"enabled": true}, "fp16": {"enabled": true}}"#,
+            r#"{"tensorboard": {"enabled": true}, "fp16": {"enabled": true},
+                "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}"#,
         )
         .unwrap();
         let keys: Vec<&str> = w.iter().map(|w| w.key.as_str()).collect();

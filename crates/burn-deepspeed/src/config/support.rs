@@ -203,32 +203,32 @@ fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
 /// Mixed precision: bf16 with fp32 masters runs in the engine at ZeRO stages 1 and 2; fp16
 /// (loss scaling) and the other places are not built yet.
 fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
-    if config.fp16.enabled {
+    if config.fp16.enabled && config.fp16.auto_cast {
         return refuse(
-            "fp16.enabled",
-            "fp16 training (loss scaling in the step) is not implemented yet; train in bf16 \
-             (DeepSpeedEngine, ZeRO stage 1 or 2) or fp32",
+            "fp16.auto_cast",
+            "Burn has no autocast: the model's parameters are cast to f16, and the model makes \
+             its own float inputs in their dtype (`x.dtype()`); set auto_cast to false",
         );
     }
-    if !config.bf16.enabled {
-        return Ok(());
-    }
-    let stage = config.zero_optimization.stage;
+    let key = match (config.fp16.enabled, config.bf16.enabled) {
+        (true, _) => "fp16.enabled",
+        (false, true) => "bf16.enabled",
+        (false, false) => return Ok(()),
+    };
+    let one_bit = config
+        .optimizer
+        .as_ref()
+        .is_some_and(|o| o.kind.is_one_bit());
     match entry {
-        EntryPoint::Engine
-            if matches!(stage, ZeroStage::OptimizerStates | ZeroStage::Gradients) =>
-        {
-            Ok(())
-        }
-        EntryPoint::Engine => refuse(
-            "bf16.enabled",
-            "bf16 with fp32 master weights runs at ZeRO stages 1 and 2 so far; set \
-             zero_optimization.stage to 1 or 2",
+        EntryPoint::Engine if one_bit => refuse(
+            key,
+            "the 1-bit optimizers keep no fp32 master weights yet; train them in fp32",
         ),
+        EntryPoint::Engine => Ok(()),
         _ => refuse(
-            "bf16.enabled",
-            "bf16 runs in DeepSpeedEngine (ZeRO stage 1 or 2) so far; the pipeline engine and \
-             the Learner strategy train in fp32",
+            key,
+            "16-bit training runs in DeepSpeedEngine (ZeRO stage 1 or 2) so far; the pipeline \
+             engine and the Learner strategy train in fp32",
         ),
     }
 }
@@ -263,7 +263,16 @@ mod tests {
             checkpointer: false,
         };
         let cases: &[(&str, &str, [bool; 3])] = &[
-            (r#""fp16": {"enabled": true}"#, "fp16.enabled", [true; 3]),
+            (
+                r#""fp16": {"enabled": true}"#,
+                "fp16.enabled",
+                [false, true, true],
+            ),
+            (
+                r#""bf16": {"enabled": true}, "zero_optimization": {"stage": 3}"#,
+                "bf16.enabled",
+                [false, true, true],
+            ),
             (
                 r#""zero_optimization": {"offload_param": {"device": "cpu"}}"#,
                 "zero_optimization.offload_param",

@@ -20,7 +20,9 @@ use super::flat::param_paths;
 use super::memory::ModelStateBytes;
 use super::{StepLoss, StepReport};
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
-use crate::precision::cast_module;
+use crate::precision::{
+    DynamicLossScaler, LossScalerState, unscaled_backward_message, with_loss_scale,
+};
 use crate::sync::{self, GradSync};
 use crate::{DeepSpeedError, Result, agreed};
 
@@ -53,6 +55,11 @@ pub struct DeepSpeedEngine<M: Module> {
     fb_time: Duration,
     /// Counters before this step's first micro-batch (stages 2-3 communicate in backward).
     stats_at_step_start: Option<CommStats>,
+    /// fp16: the loss scaler (`None` in fp32 and bf16).
+    scaler: Option<DynamicLossScaler>,
+    /// fp16: a micro-batch of this step ran a plain `loss.backward()`, so its gradients are not
+    /// scaled: the step is refused.
+    unscaled: bool,
 }
 
 impl<M> DeepSpeedEngine<M>
@@ -67,13 +74,22 @@ where
         let batch = config.resolve(comm.world_size())?;
         check_supported(&config, EntryPoint::Engine)?;
         let (model, mut sync) = sync::build(model, &config, comm.clone())?;
-        // bf16: the regime keeps fp32 masters of the (broadcast) f32 parameters, and the
-        // model becomes their bf16 working copy.
-        let model = if config.bf16.enabled {
-            sync.keep_masters(&model)?;
-            cast_module(model, FloatDType::BF16)
+        // Mixed precision: the regime keeps fp32 masters of the (broadcast) f32 parameters,
+        // and the model becomes their 16-bit working copy.
+        let working = if config.fp16.enabled {
+            Some(FloatDType::F16)
+        } else if config.bf16.enabled {
+            Some(FloatDType::BF16)
         } else {
-            model
+            None
+        };
+        let model = match working {
+            Some(dtype) => sync.keep_masters(model, dtype)?,
+            None => model,
+        };
+        let scaler = match config.fp16.enabled {
+            true => Some(DynamicLossScaler::new(&config.fp16)?),
+            false => None,
         };
         let pld = config
             .progressive_layer_drop
@@ -94,19 +110,28 @@ where
             skipped_steps: 0,
             fb_time: Duration::ZERO,
             stats_at_step_start: None,
+            scaler,
+            unscaled: false,
         })
     }
 
     /// Runs forward and backward on one micro-batch and accumulates its gradient
     /// (DeepSpeed's `engine.forward` + `engine.backward`). Returns the step's output.
+    ///
+    /// Under `fp16` the module's [`TrainStep::step`] must call
+    /// [`precision::backward(&loss)`](crate::precision::backward) instead of
+    /// `loss.backward()`, so that the loss is multiplied by the current loss scale before
+    /// backward; a step that does not is refused at the next [`step`](Self::step).
     pub fn forward_backward(&mut self, input: M::Input) -> M::Output {
         let start = Instant::now();
         self.stats_at_step_start
             .get_or_insert_with(|| self.comm.stats());
-        let out = {
+        let scale = self.scaler.as_ref().map(DynamicLossScaler::scale);
+        let (out, scaled) = {
             let _span = tracing::debug_span!("forward_backward", rank = self.comm.rank()).entered();
-            TrainStep::step(&self.model, input)
+            with_loss_scale(scale, || TrainStep::step(&self.model, input))
         };
+        self.unscaled |= !scaled;
         self.loss_sum += out.item.loss();
         self.sync.accumulate(&self.model, &out.grads);
         self.fb_time += start.elapsed();
@@ -130,14 +155,18 @@ where
     /// reason not to step, if any).
     fn step_agreed(&mut self, failure: Option<String>) -> Result<StepReport> {
         let micro_steps = self.sync.micro_steps();
-        let failure = failure.or_else(|| {
-            (micro_steps == 0).then(|| "step() called before any forward_backward()".to_string())
-        });
+        let failure = failure
+            .or_else(|| {
+                (micro_steps == 0)
+                    .then(|| "step() called before any forward_backward()".to_string())
+            })
+            .or_else(|| self.unscaled.then(unscaled_backward_message));
         let local = failure.map_or(Ok(()), |f| Err(DeepSpeedError::Data(f)));
         if let Err(e) = agreed(self.comm.as_ref(), "step", local) {
             self.sync.discard();
             self.loss_sum = 0.0;
             self.stats_at_step_start = None;
+            self.unscaled = false;
             return Err(e);
         }
         let before = self
@@ -146,7 +175,8 @@ where
             .unwrap_or_else(|| self.comm.stats());
         let lr = self.lr_at(self.global_step - self.skipped_steps);
         let start = Instant::now();
-        let reduced = self.sync.reduce()?;
+        let loss_scale = self.scaler.as_ref().map(DynamicLossScaler::scale);
+        let reduced = self.sync.reduce(loss_scale.unwrap_or(1.0))?;
         let reduce = start.elapsed();
         // Ranks that clipped their own gradients (1-bit compression) learn of another rank's
         // overflow here; a global norm is the same on every rank already.
@@ -172,6 +202,11 @@ where
             self.model = self.sync.step(self.model.clone(), lr)?;
         }
         let optimizer = start.elapsed();
+        // The overflow flag is the same on every rank, and so is the scaler's state; at the
+        // minimum scale the update errors on every rank alike.
+        if let Some(scaler) = &mut self.scaler {
+            scaler.update(overflow)?;
+        }
         let mut scalars = [
             (self.loss_sum / micro_steps as f64) as f32,
             reduced.local_norm_sq.unwrap_or(0.0) as f32,
@@ -196,6 +231,7 @@ where
             model_bytes_sent: moved.total_model_sent(),
             compressed: reduced.compressed,
             pld_theta,
+            loss_scale,
             forward_backward: std::mem::take(&mut self.fb_time),
             reduce,
             optimizer,
@@ -280,8 +316,21 @@ where
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<u64> {
         let comm = self.comm.clone();
         let loaded = checkpoint::load(dir.as_ref(), tag, &self.meta(), comm.as_ref())?;
-        let restored = self.sync.load(self.model.clone(), &loaded);
+        let mut scaler = self.scaler.clone();
+        let restored = self
+            .sync
+            .load(self.model.clone(), &loaded)
+            .and_then(|model| {
+                // A static scale is the config's; a dynamic one continues where it stood.
+                if let (Some(scaler), Some(state)) = (&mut scaler, loaded.meta.loss_scaler)
+                    && scaler.is_dynamic()
+                {
+                    scaler.restore(state)?;
+                }
+                Ok(model)
+            });
         self.model = agreed(comm.as_ref(), "checkpoint restore", restored)?;
+        self.scaler = scaler;
         self.global_step = loaded.meta.global_step;
         self.skipped_steps = loaded.meta.skipped_steps;
         self.loss_sum = 0.0;
@@ -303,6 +352,11 @@ where
             param_ids: layout.slots.iter().map(|s| s.id.val()).collect(),
             shapes: layout.slots.iter().map(|s| s.shape.clone()).collect(),
             paths: param_paths(&self.model, layout),
+            loss_scaler: self.scaler.as_ref().map(DynamicLossScaler::state),
+            dtype: (self.config.fp16.enabled || self.config.bf16.enabled).then(|| {
+                let fp16 = self.config.fp16.enabled;
+                String::from(if fp16 { "fp16" } else { "bf16" })
+            }),
             files: Vec::new(),
         }
     }
@@ -358,6 +412,15 @@ impl<M: Module> DeepSpeedEngine<M> {
     /// Steps skipped because the gradient norm was not finite (DeepSpeed's `skipped_steps`).
     pub fn skipped_steps(&self) -> u64 {
         self.skipped_steps
+    }
+    /// fp16: the loss scale the next micro-batches' backward passes use (`None` without
+    /// fp16).
+    pub fn loss_scale(&self) -> Option<f32> {
+        self.scaler.as_ref().map(DynamicLossScaler::scale)
+    }
+    /// fp16: the loss scaler's position (`None` without fp16).
+    pub fn loss_scaler_state(&self) -> Option<LossScalerState> {
+        self.scaler.as_ref().map(DynamicLossScaler::state)
     }
     /// Number of float parameters.
     pub fn num_params(&self) -> usize {

@@ -46,6 +46,10 @@ pub struct StepReport {
     pub compressed: bool,
     /// Progressive layer dropping: the θ this step's forward passes were given.
     pub pld_theta: Option<f64>,
+    /// fp16: the loss scale this step's gradients were computed with (the scaler then halves
+    /// it after an overflow, or doubles it after a window of clean steps); `None` without
+    /// fp16.
+    pub loss_scale: Option<f32>,
     /// Time in forward and backward passes on this rank.
     pub forward_backward: Duration,
     /// Time in gradient reduction (communication included).

@@ -262,7 +262,7 @@ where
                             tie.sum(flat)?;
                         }
                     }
-                    PipeInstruction::ReduceGrads => self.grads.average()?,
+                    PipeInstruction::ReduceGrads => self.grads.average(1.0)?,
                     PipeInstruction::OptimizerStep => {
                         grad_norm = self.clip()?;
                         self.optimizer_step(lr);

@@ -243,7 +243,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
             sync.accumulate(&model, &out.grads);
             outputs.push(out.item);
         }
-        let reduced = sync.reduce()?;
+        let reduced = sync.reduce(1.0)?;
         if reduced.overflow {
             // As the engine: a non-finite gradient norm skips the step on every rank (the
             // norm is global), and the schedule does not advance.

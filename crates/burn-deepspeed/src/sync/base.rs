@@ -3,6 +3,7 @@
 
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::FloatDType;
 use burn_deepspeed_strategies::onebit::OneBitOptimizer;
 use burn_deepspeed_strategies::zero::PartitionState;
 
@@ -73,9 +74,10 @@ pub trait GradSync<M: Module> {
     /// Micro-batches accumulated since the last step.
     fn micro_steps(&self) -> u64;
 
-    /// Ends the accumulation: averages over ranks and micro-batches and clips by the global
-    /// norm.
-    fn reduce(&mut self) -> Result<Reduced>;
+    /// Ends the accumulation: averages over ranks and micro-batches, divides out
+    /// `loss_scale` (the factor the loss was multiplied by before backward: fp16's loss scale,
+    /// else 1) and clips by the global norm of the result.
+    fn reduce(&mut self, loss_scale: f32) -> Result<Reduced>;
 
     /// After [`reduce`](Self::reduce): steps this regime's optimizer and returns the updated
     /// model (the same on every rank).
@@ -153,16 +155,30 @@ pub trait GradSync<M: Module> {
     }
 
     /// Mixed precision: keeps fp32 master copies of this rank's parameters, taken from
-    /// `model` (still in f32), so that the optimizer steps the masters and the model, cast to
-    /// a 16-bit dtype afterwards by the caller, receives them rounded. Regimes that cannot
-    /// keep masters yet refuse.
-    fn keep_masters(&mut self, model: &M) -> Result<()> {
-        let _ = model;
+    /// `model` (still in f32), and returns the model's working copy in `dtype` (f16 or bf16).
+    /// From then on the optimizer steps the masters and the model receives them rounded.
+    /// Regimes that cannot keep masters refuse.
+    fn keep_masters(&mut self, model: M, dtype: FloatDType) -> Result<M> {
+        let _ = (model, dtype);
         Err(crate::DeepSpeedError::Unsupported {
             key: "bf16.enabled".into(),
-            reason: "fp32 master weights are kept at ZeRO stages 1 and 2 so far; set \
-                     zero_optimization.stage to 1 or 2"
-                .into(),
+            reason: "this gradient regime keeps no fp32 master weights yet".into(),
         })
+    }
+}
+
+/// The refusal of a regime whose caller steps with its own optimizer (the Learner strategy):
+/// that optimizer would step the 16-bit parameters, with no fp32 masters.
+pub(crate) fn caller_optimizer_keeps_no_masters(dtype: FloatDType) -> crate::DeepSpeedError {
+    let key = if dtype == FloatDType::F16 {
+        "fp16.enabled"
+    } else {
+        "bf16.enabled"
+    };
+    crate::DeepSpeedError::Unsupported {
+        key: key.into(),
+        reason: "the Learner strategy steps the Learner's own optimizer, which keeps no fp32 \
+                 master weights"
+            .into(),
     }
 }

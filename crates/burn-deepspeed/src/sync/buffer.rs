@@ -123,10 +123,12 @@ impl GradBuffer {
     }
 
     /// Averages the accumulated gradient over ranks and micro-batches in place (bucketed
-    /// all-reduce); a parameter counts as having a gradient when any rank produced one.
-    pub fn average(&mut self) -> Result<()> {
+    /// all-reduce) and divides out `loss_scale`; a parameter counts as having a gradient when
+    /// any rank produced one.
+    pub fn average(&mut self, loss_scale: f32) -> Result<()> {
         merge_presence(self.comm.as_ref(), &mut self.present, None)?;
-        let scaling = Scaling::mean(self.predivide, self.comm.world_size(), self.micro_steps);
+        let scaling = Scaling::mean(self.predivide, self.comm.world_size(), self.micro_steps)
+            .unscaled(loss_scale);
         all_reduce_mean(
             self.comm.as_ref(),
             &mut self.flat,
@@ -135,10 +137,12 @@ impl GradBuffer {
         )
     }
 
-    /// Averages the accumulated gradient over this rank's micro-batches only, with no
-    /// communication (the 1-bit optimizers' compression stage).
-    pub fn average_local(&mut self) {
-        Scaling::mean(None, 1, self.micro_steps).apply_post(&mut self.flat);
+    /// Averages the accumulated gradient over this rank's micro-batches only and divides out
+    /// `loss_scale`, with no communication (the 1-bit optimizers' compression stage).
+    pub fn average_local(&mut self, loss_scale: f32) {
+        Scaling::mean(None, 1, self.micro_steps)
+            .unscaled(loss_scale)
+            .apply_post(&mut self.flat);
     }
 
     /// Zeroes the buffer and the micro-batch count.

@@ -35,7 +35,8 @@ pub fn build<M: Module>(
                 Some(sync) => (model, Box::new(sync)),
                 None => {
                     let optim = build_optimizer(optimizer)?;
-                    let sync = ReplicatedSync::new(layout, comm, &options, Some(optim));
+                    let sync = ReplicatedSync::new(layout, comm, &options, Some(optim))
+                        .with_flat_kind(partitioned_kind(optimizer).ok());
                     (model, Box::new(sync))
                 }
             }

@@ -68,12 +68,12 @@ impl<M: Module> GradSync<M> for CompressedSync {
         self.buffer.micro_steps()
     }
 
-    fn reduce(&mut self) -> Result<Reduced> {
+    fn reduce(&mut self, loss_scale: f32) -> Result<Reduced> {
         let compressed = self.optim.compressing();
         if compressed {
-            self.buffer.average_local();
+            self.buffer.average_local(loss_scale);
         } else {
-            self.buffer.average()?;
+            self.buffer.average(loss_scale)?;
         }
         let norm = clip_local(self.buffer.flat_mut(), self.clip);
         Ok(Reduced {

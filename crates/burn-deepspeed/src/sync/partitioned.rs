@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::Device;
+use burn::tensor::{Device, FloatDType};
 use burn_deepspeed_strategies::bucket::bucket_ranges;
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, PartitionedOptimizer};
@@ -25,7 +25,7 @@ use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, Partitione
 use super::bucket::Bucket;
 use super::buffer::merge_presence;
 use super::scale::{Scaling, clip_across};
-use super::{GradSync, Reduced, SavedState, SyncOptions};
+use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
 use crate::config::ZeroStage;
 use crate::engine::checkpoint::{Loaded, save_slice};
 use crate::engine::flat::{
@@ -33,6 +33,7 @@ use crate::engine::flat::{
     restore_params,
 };
 use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
+use crate::precision::cast_module;
 use crate::{DeepSpeedError, Result};
 
 /// A rank's gradient reduction and optimizer step at ZeRO stage 1 or 2.
@@ -269,7 +270,7 @@ impl<M: Module> GradSync<M> for PartitionedSync {
 
     /// Ends the accumulation: reduce-scatters (stage 1; stage 2 did it per micro-batch),
     /// leaves this rank's slice of the mean gradient, and clips it by the global norm.
-    fn reduce(&mut self) -> Result<Reduced> {
+    fn reduce(&mut self, loss_scale: f32) -> Result<Reduced> {
         if let Some(e) = self.deferred.take() {
             self.reset();
             return Err(e);
@@ -283,7 +284,8 @@ impl<M: Module> GradSync<M> for PartitionedSync {
             self.options.predivide,
             self.comm.world_size(),
             self.micro_steps,
-        );
+        )
+        .unscaled(loss_scale);
         if !self.streams {
             self.reduce_scatter_full(scaling)?;
         }
@@ -371,18 +373,13 @@ impl<M: Module> GradSync<M> for PartitionedSync {
         }
     }
 
-    fn keep_masters(&mut self, model: &M) -> Result<()> {
+    fn keep_masters(&mut self, model: M, dtype: FloatDType) -> Result<M> {
         if self.optim.is_none() {
-            return Err(DeepSpeedError::Unsupported {
-                key: "bf16.enabled".into(),
-                reason: "the Learner strategy steps the Learner's own optimizer, which keeps \
-                         no fp32 masters"
-                    .into(),
-            });
+            return Err(caller_optimizer_keeps_no_masters(dtype));
         }
-        self.master = Some(params_range(model, &self.layout, self.own.clone()));
+        self.master = Some(params_range(&model, &self.layout, self.own.clone()));
         self.mixed = true;
-        Ok(())
+        Ok(cast_module(model, dtype))
     }
 
     /// With masters, every rank gathers them (a collective), so that checkpoints hold fp32

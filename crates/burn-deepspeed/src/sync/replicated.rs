@@ -1,22 +1,31 @@
 //! [`ReplicatedSync`]: ZeRO stage 0. Every rank holds the whole model, its whole gradient and
 //! its whole optimizer state; gradients are averaged by bucketed all-reduce, clipped by their
 //! global norm, and every rank takes the same step with one of Burn's optimizers.
+//!
+//! In mixed precision ([`GradSync::keep_masters`]) Burn's optimizer would step the 16-bit
+//! parameters and keep 16-bit moments; instead every rank keeps fp32 masters of the whole
+//! model and steps them with the flat Adam/AdamW/LAMB that stages 1-3 use on their slices
+//! (here the slice is everything), then rounds them into the 16-bit working copy: DeepSpeed's
+//! 2Ψ + 2Ψ + 12Ψ replicated model states (arXiv 1910.02054 §3), with the gradient buffer in
+//! fp32.
 
 use std::sync::Arc;
 
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
-use burn::tensor::Bytes;
-use burn_deepspeed_strategies::comm::Communicator;
+use burn::tensor::{Bytes, FloatDType};
+use burn_deepspeed_strategies::comm::{Communicator, ThreadWorld, ThreadWorldOptions};
+use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, PartitionedOptimizer};
 
 use super::buffer::GradBuffer;
 use super::scale::clip_local;
-use super::{GradSync, Reduced, SavedState, SyncOptions};
-use crate::engine::checkpoint::Loaded;
-use crate::engine::flat::{ParamLayout, restore_params};
+use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
+use crate::engine::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
+use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat, restore_params};
 use crate::engine::memory::{
     MemoryMeter, ModelStateBytes, burn_state_bytes_per_elem, grads_bytes, param_bytes,
 };
+use crate::precision::cast_module;
 use crate::{DeepSpeedError, Result};
 
 /// A rank's stage-0 state: the gradient buffer and, when the engine steps, Burn's optimizer.
@@ -34,6 +43,20 @@ pub struct ReplicatedSync {
     /// Bytes of the optimizer's state: `state_per_elem` times the stepped elements.
     optim_bytes: u64,
     meter: MemoryMeter,
+    /// The flat optimizer the config's optimizer maps to, when it has one (Adam, AdamW,
+    /// LAMB): what steps fp32 masters.
+    flat_kind: Option<PartitionedKind>,
+    /// Mixed precision: the whole model's fp32 masters and their optimizer.
+    masters: Option<Masters>,
+}
+
+/// The fp32 masters of the whole model and the flat optimizer that steps them.
+struct Masters {
+    values: Vec<f32>,
+    optim: PartitionedOptimizer,
+    /// A world of this rank alone: the flat optimizer's LAMB norms cover whole tensors
+    /// already, so they are summed over no other rank.
+    alone: Arc<dyn Communicator>,
 }
 
 impl ReplicatedSync {
@@ -54,7 +77,43 @@ impl ReplicatedSync {
             state_per_elem: None,
             optim_bytes: 0,
             meter: MemoryMeter::default(),
+            flat_kind: None,
+            masters: None,
         }
+    }
+
+    /// The flat optimizer that steps fp32 masters if mixed precision asks for them
+    /// ([`GradSync::keep_masters`]); without one, mixed precision is refused.
+    pub fn with_flat_kind(mut self, kind: Option<PartitionedKind>) -> Self {
+        self.flat_kind = kind;
+        self
+    }
+
+    /// The mixed-precision step: the flat optimizer steps the masters with the reduced
+    /// gradient, and the model receives them rounded to its dtype.
+    fn step_masters<M: Module>(&mut self, model: M, lr: f64) -> Result<M> {
+        let Some(masters) = self.masters.as_mut() else {
+            return Ok(model);
+        };
+        {
+            let _span = tracing::debug_span!("optimizer_step").entered();
+            let present = self.buffer.present().to_vec();
+            masters.optim.step(
+                masters.alone.as_ref(),
+                &mut masters.values,
+                self.buffer.flat_mut(),
+                &present,
+                lr,
+            )?;
+        }
+        let layout = self.buffer.layout().clone();
+        let model = params_from_flat(model, &layout, &masters.values);
+        self.buffer.reset();
+        self.buffer.clear_marks();
+        // The rounded parameters are built while the old ones are alive.
+        let held = GradSync::<M>::held(self, &model);
+        self.meter.observe(held, held.params);
+        Ok(model)
     }
 
     /// Counts the optimizer's state again when a parameter got state for the first time.
@@ -96,8 +155,8 @@ impl<M: Module> GradSync<M> for ReplicatedSync {
         self.buffer.micro_steps()
     }
 
-    fn reduce(&mut self) -> Result<Reduced> {
-        self.buffer.average()?;
+    fn reduce(&mut self, loss_scale: f32) -> Result<Reduced> {
+        self.buffer.average(loss_scale)?;
         Ok(Reduced::global(clip_local(
             self.buffer.flat_mut(),
             self.clip,
@@ -105,6 +164,9 @@ impl<M: Module> GradSync<M> for ReplicatedSync {
     }
 
     fn step(&mut self, model: M, lr: f64) -> Result<M> {
+        if self.masters.is_some() {
+            return self.step_masters(model, lr);
+        }
         let grads = self.buffer.take(&model);
         let rebuilt = grads_bytes(&model, &grads);
         let optim = self.optim.as_mut().ok_or_else(no_optimizer)?;
@@ -133,11 +195,53 @@ impl<M: Module> GradSync<M> for ReplicatedSync {
     }
 
     fn held(&self, model: &M) -> ModelStateBytes {
+        let masters = self.masters.as_ref().map_or(0, |m| {
+            m.optim.state_bytes() + crate::engine::memory::vec_bytes(&m.values)
+        });
         ModelStateBytes {
             params: param_bytes(model),
             grads: self.buffer.bytes(),
-            optimizer: self.optim_bytes,
+            optimizer: self.optim_bytes + masters,
         }
+    }
+
+    fn keep_masters(&mut self, model: M, dtype: FloatDType) -> Result<M> {
+        let kind = match (self.flat_kind, &self.optim) {
+            (Some(kind), Some(_)) => kind,
+            (_, None) => return Err(caller_optimizer_keeps_no_masters(dtype)),
+            (None, Some(_)) => {
+                return Err(DeepSpeedError::Unsupported {
+                    key: "optimizer.type".into(),
+                    reason: "16-bit training steps fp32 masters with Adam, AdamW or LAMB; \
+                             this optimizer has no flat form"
+                        .into(),
+                });
+            }
+        };
+        let layout = self.buffer.layout();
+        let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+        let whole = FlatPartition::new(layout.numel, 1);
+        let alone = ThreadWorld::new(1, ThreadWorldOptions::default())?
+            .communicators()
+            .pop()
+            .ok_or_else(|| DeepSpeedError::Strategy("a world of one has one rank".into()))?;
+        self.masters = Some(Masters {
+            values: params_to_flat(&model, layout),
+            optim: PartitionedOptimizer::new(kind, &whole, 0, &sizes),
+            alone: Arc::new(alone),
+        });
+        // Burn's optimizer is not used from here on; its (empty) state goes.
+        self.optim = None;
+        self.fresh = None;
+        Ok(cast_module(model, dtype))
+    }
+
+    /// With masters, the fp32 values (the same on every rank), not the rounded copy.
+    fn whole_params(&self, model: &M, wanted: bool) -> Result<Option<Vec<f32>>> {
+        Ok(wanted.then(|| match &self.masters {
+            Some(m) => m.values.clone(),
+            None => params_to_flat(model, self.buffer.layout()),
+        }))
     }
 
     fn peak(&self) -> u64 {
@@ -145,6 +249,10 @@ impl<M: Module> GradSync<M> for ReplicatedSync {
     }
 
     fn save(&self, root: bool) -> Result<SavedState> {
+        if let Some(m) = &self.masters {
+            let bytes = root.then(|| partition_state_bytes(m.optim.export()));
+            return Ok(SavedState::Replicated(bytes));
+        }
         let optim = self.optim.as_ref().ok_or_else(no_optimizer)?;
         if !root {
             return Ok(SavedState::Replicated(None));
@@ -155,12 +263,25 @@ impl<M: Module> GradSync<M> for ReplicatedSync {
         Ok(SavedState::Replicated(Some(bytes.to_vec())))
     }
 
+    /// Everything fallible (reading and restoring the optimizer state) happens before the
+    /// parameters are replaced.
     fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
-        let fresh = self.fresh.clone().ok_or_else(no_optimizer)?;
         let bytes = loaded.replicated_state()?;
-        let optim = fresh
-            .from_bytes(Bytes::from_bytes_vec(bytes.to_vec()))
-            .map_err(|e| DeepSpeedError::Checkpoint(format!("optimizer state: {e:?}")))?;
+        let optim = match &mut self.masters {
+            Some(m) => {
+                m.optim
+                    .restore(partition_state_from_bytes(bytes, "optim.bin")?)?;
+                m.values = loaded.params.clone();
+                None
+            }
+            None => {
+                let fresh = self.fresh.clone().ok_or_else(no_optimizer)?;
+                let optim = fresh
+                    .from_bytes(Bytes::from_bytes_vec(bytes.to_vec()))
+                    .map_err(|e| DeepSpeedError::Checkpoint(format!("optimizer state: {e:?}")))?;
+                Some(optim)
+            }
+        };
         let model = restore_params(
             model,
             self.buffer.layout(),
@@ -168,11 +289,14 @@ impl<M: Module> GradSync<M> for ReplicatedSync {
             &loaded.params,
         );
         self.buffer.set_layout(ParamLayout::of(&model));
-        self.optim = Some(optim);
-        // A loaded optimizer keeps state for every parameter.
-        self.stepped.iter_mut().for_each(|s| *s = false);
-        self.buffer.mark_all_present();
-        self.track_optimizer_state();
+        self.buffer.reset();
+        if let Some(optim) = optim {
+            self.optim = Some(optim);
+            // A loaded optimizer keeps state for every parameter.
+            self.stepped.iter_mut().for_each(|s| *s = false);
+            self.buffer.mark_all_present();
+            self.track_optimizer_state();
+        }
         self.buffer.clear_marks();
         Ok(model)
     }

@@ -31,6 +31,17 @@ impl Scaling {
         Self { pre, post }
     }
 
+    /// The same mean of gradients computed from a loss multiplied by `loss_scale` (fp16): the
+    /// factor after the reduction also divides the scale out, so that unscaling costs no pass
+    /// of its own (DeepSpeed folds it into the optimizer's pass instead; the result is the
+    /// same).
+    pub fn unscaled(self, loss_scale: f32) -> Self {
+        Self {
+            pre: self.pre,
+            post: self.post / loss_scale,
+        }
+    }
+
     /// Multiplies `values` by the factor before the reduction.
     pub fn apply_pre(&self, values: &mut [f32]) {
         scale(values, self.pre);

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::Device;
+use burn::tensor::{Device, FloatDType};
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::zero::{
     PartitionState, PartitionedKind, PartitionedOptimizer, Segment, ShardPlan,
@@ -20,10 +20,11 @@ use burn_deepspeed_strategies::zero::{
 
 use super::buffer::merge_presence;
 use super::scale::{Scaling, clip_across};
-use super::{GradSync, Reduced, SavedState, SyncOptions};
+use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
 use crate::engine::checkpoint::{Loaded, gather_moments, no_state_to_restore, save_slice};
 use crate::engine::flat::{ParamLayout, for_each_grad, set_param_ids};
 use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
+use crate::precision::cast_module;
 use crate::zero3::{GatherGroup, GatherStats, shard_module};
 use crate::{DeepSpeedError, Result, agreed};
 
@@ -51,6 +52,9 @@ pub struct ShardedSync {
     /// ([`for_learner`](Self::for_learner)).
     optim: Option<PartitionedOptimizer>,
     meter: MemoryMeter,
+    /// Mixed precision: the fp32 masters of this rank's pieces (buffer order), which the
+    /// optimizer steps; the module's chunks hold them rounded to its 16-bit dtype.
+    master: Option<Vec<f32>>,
 }
 
 /// DeepSpeed's stage-3 cut of the tensors of `layout` over `world` ranks under the
@@ -131,6 +135,7 @@ impl ShardedSync {
             options: *options,
             optim: None,
             meter: MemoryMeter::default(),
+            master: None,
             layout,
         }
     }
@@ -176,11 +181,17 @@ impl<M: Module> GradSync<M> for ShardedSync {
         let (persistent_at, local_start) = (&self.persistent_at, &self.local_start);
         let (persistent, own_grads, present) =
             (&mut self.persistent, &mut self.grads, &mut self.present);
+        let group = &self.group;
         let tensors = for_each_grad(model, layout, grads, &mut self.grad_device, |t, values| {
             let Some(values) = values else {
                 return;
             };
             present[t] = 1;
+            // A 16-bit module's chunk gradients, unrounded.
+            let values = match persistent_at[t] {
+                None => group.take_chunk_grad(t).unwrap_or(values),
+                Some(_) => values,
+            };
             if let Some(at) = persistent_at[t] {
                 persistent[at..at + values.len()]
                     .iter_mut()
@@ -207,7 +218,7 @@ impl<M: Module> GradSync<M> for ShardedSync {
 
     /// Ends the accumulation: reports a failed gather, all-reduces the persistent tensors'
     /// gradients, averages over ranks and micro-batches, and clips by the global norm.
-    fn reduce(&mut self) -> Result<Reduced> {
+    fn reduce(&mut self, loss_scale: f32) -> Result<Reduced> {
         let comm = self.comm.clone();
         let gathers = self.group.take_error().map_or(Ok(()), |e| Err(e.into()));
         if let Err(e) = agreed(comm.as_ref(), "ZeRO-3 gathers", gathers) {
@@ -220,7 +231,8 @@ impl<M: Module> GradSync<M> for ShardedSync {
             self.reset();
             return Err(e);
         }
-        let scaling = Scaling::mean(self.options.predivide, comm.world_size(), self.micro_steps);
+        let scaling = Scaling::mean(self.options.predivide, comm.world_size(), self.micro_steps)
+            .unscaled(loss_scale);
         if !self.persistent.is_empty() {
             scaling.apply_pre(&mut self.persistent);
             if comm.world_size() > 1 {
@@ -244,21 +256,50 @@ impl<M: Module> GradSync<M> for ShardedSync {
     /// persistent tensors.
     fn step(&mut self, model: M, lr: f64) -> Result<M> {
         let comm = self.comm.clone();
-        let mut params = vec![0.0f32; self.grads.len()];
-        self.read_own(&model, &mut params);
-        {
+        let mixed = self.master.is_some();
+        let mut params = match self.master.take() {
+            Some(master) => master,
+            None => {
+                let mut params = vec![0.0f32; self.grads.len()];
+                self.read_own(&model, &mut params);
+                params
+            }
+        };
+        let stepped = {
             let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
-            let optim = self.optim.as_mut().ok_or_else(|| {
-                DeepSpeedError::Data("this stage-3 state steps with the caller's optimizer".into())
-            })?;
-            optim.step(comm.as_ref(), &mut params, &self.grads, &self.present, lr)?;
+            match self.optim.as_mut() {
+                Some(optim) => optim
+                    .step(comm.as_ref(), &mut params, &self.grads, &self.present, lr)
+                    .map_err(DeepSpeedError::from),
+                None => Err(DeepSpeedError::Data(
+                    "this stage-3 state steps with the caller's optimizer".into(),
+                )),
+            }
+        };
+        if let Err(e) = stepped {
+            if mixed {
+                self.master = Some(params);
+            }
+            return Err(e);
         }
-        let whole = self.gather_persistent(&params)?;
+        let whole = self.gather_persistent(&params);
+        let whole = match whole {
+            Ok(whole) => whole,
+            Err(e) => {
+                if mixed {
+                    self.master = Some(params);
+                }
+                return Err(e);
+            }
+        };
         // The new chunks are assembled while the old ones are alive.
         let held = GradSync::<M>::held(self, &model);
         self.meter
             .observe(held, vec_bytes(&params) + vec_bytes(&whole) + held.params);
         let model = self.write_back(model, &params, whole);
+        if mixed {
+            self.master = Some(params);
+        }
         self.clear();
         Ok(model)
     }
@@ -281,19 +322,38 @@ impl<M: Module> GradSync<M> for ShardedSync {
     /// Its chunks and the persistent tensors, the gradients of its pieces and of the
     /// persistent tensors, and its pieces' optimizer state.
     fn held(&self, model: &M) -> ModelStateBytes {
+        let masters = self.master.as_ref().map_or(0, vec_bytes);
         ModelStateBytes {
             params: param_bytes(model),
             grads: vec_bytes(&self.grads) + vec_bytes(&self.persistent),
-            optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()),
+            optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()) + masters,
         }
+    }
+
+    fn keep_masters(&mut self, model: M, dtype: FloatDType) -> Result<M> {
+        if self.optim.is_none() {
+            return Err(caller_optimizer_keeps_no_masters(dtype));
+        }
+        let mut master = vec![0.0f32; self.grads.len()];
+        self.read_own(&model, &mut master);
+        self.master = Some(master);
+        let model = cast_module(model, dtype);
+        // The gathers read the 16-bit chunks from now on, and send them as they are.
+        self.track_shards(&model);
+        self.group.set_wire(Some(dtype));
+        Ok(model)
     }
 
     fn peak(&self) -> u64 {
         self.meter.peak()
     }
 
+    /// A collective; with masters, the fp32 values, not the rounded chunks.
     fn whole_params(&self, model: &M, _wanted: bool) -> Result<Option<Vec<f32>>> {
-        self.full_params(model).map(Some)
+        match &self.master {
+            Some(master) => self.full_from_pieces(master).map(Some),
+            None => self.full_params(model).map(Some),
+        }
     }
 
     fn whole_model(&self, model: &M) -> Result<M> {
@@ -306,7 +366,10 @@ impl<M: Module> GradSync<M> for ShardedSync {
     }
 
     fn release_whole(&self, model: M) -> Result<M> {
-        let flat = self.full_params(&model)?;
+        let flat = match &self.master {
+            Some(master) => self.full_from_pieces(master)?,
+            None => self.full_params(&model)?,
+        };
         Ok(self.unshard(model, &flat))
     }
 
@@ -328,6 +391,9 @@ impl<M: Module> GradSync<M> for ShardedSync {
             .restore(state)?;
         let model = self.load_flat(model, &loaded.params);
         let model = set_param_ids(model, &loaded.meta.param_ids);
+        if self.master.is_some() {
+            self.master = Some(self.pieces_of(&loaded.params));
+        }
         self.layout = layout;
         self.clear();
         Ok(model)

@@ -206,6 +206,40 @@ impl ShardedSync {
         Ok(flat)
     }
 
+    /// The whole parameters, flat in layout order, from every rank's pieces (`pieces`: this
+    /// rank's, in buffer order; e.g. its fp32 masters). A collective: one all-gather of the
+    /// persistent tensors, then one per partitioned tensor.
+    pub(super) fn full_from_pieces(&self, pieces: &[f32]) -> Result<Vec<f32>> {
+        let whole = self.gather_persistent(pieces)?;
+        let (plan, rank) = (self.plan(), self.comm.rank());
+        let mut flat = Vec::with_capacity(self.layout.numel);
+        for (t, s) in plan.tensors().iter().enumerate() {
+            match self.persistent_at[t] {
+                Some(at) => flat.extend_from_slice(&whole[at..at + s.numel]),
+                None => {
+                    let mut chunk = vec![0.0f32; s.chunk];
+                    if let Some(at) = self.local_start[t] {
+                        let n = plan.own(rank, t).len();
+                        chunk[..n].copy_from_slice(&pieces[at..at + n]);
+                    }
+                    let mut out = vec![0.0f32; s.chunk * self.comm.world_size()];
+                    self.comm.all_gather_equal(&chunk, &mut out)?;
+                    flat.extend_from_slice(&out[..s.numel]);
+                }
+            }
+        }
+        Ok(flat)
+    }
+
+    /// This rank's pieces (buffer order) cut from the whole flat parameters `flat`.
+    pub(super) fn pieces_of(&self, flat: &[f32]) -> Vec<f32> {
+        let mut pieces = vec![0.0f32; self.grads.len()];
+        for s in &self.segments {
+            pieces[s.local.clone()].copy_from_slice(&flat[s.global.clone()]);
+        }
+        pieces
+    }
+
     /// `model` with whole parameters from `flat` (layout order) in place of its chunks; the
     /// group is released, so `Param::val()` passes them through. Not a collective.
     pub fn unshard<M: Module>(&self, model: M, flat: &[f32]) -> M {
@@ -264,6 +298,8 @@ impl ShardedSync {
                 let (id, tensor, mapper) = param.consume();
                 let device = tensor.device();
                 let require_grad = tensor.is_require_grad();
+                // The values are f32 (masters, or a checkpoint's); the module keeps its dtype.
+                let dtype = tensor.dtype();
                 let values = (self.values)(t, shard.persistent);
                 let shape = if self.whole || shard.persistent {
                     s.layout.slots[t].shape.clone()
@@ -271,11 +307,13 @@ impl ShardedSync {
                     let flat = Tensor::<1>::from_data(
                         TensorData::new(values.clone(), [shard.chunk]),
                         &device,
-                    );
+                    )
+                    .cast(dtype);
                     s.group.set_shard(t, flat.inner());
                     chunk_shape(shard.chunk, D)
                 };
                 let new = Tensor::<D>::from_data(TensorData::new(values, shape), &device)
+                    .cast(dtype)
                     .set_require_grad(require_grad);
                 Param::from_mapped_value(id, new, mapper)
             }

@@ -24,9 +24,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
 
-use burn::tensor::Tensor;
+use burn::tensor::{FloatDType, Tensor, bf16, f16};
 use burn_deepspeed_strategies::CommError;
-use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
+use burn_deepspeed_strategies::comm::{CommElement, Communicator, CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::zero::ShardPlan;
 
 /// Why a tensor is fetched.
@@ -49,6 +49,9 @@ pub struct GatherStats {
     pub reduce_scatters: u64,
     /// All-gather collectives issued (a prefetch bucket is one).
     pub all_gathers: u64,
+    /// Bytes this rank's transport sent for the parameter fetches (measured around each
+    /// collective; half as many for a 16-bit model as for an f32 one).
+    pub gather_bytes_sent: u64,
     /// Most elements held by the prefetch cache at once.
     pub peak_prefetched: usize,
     /// Most elements one gather or reduce-scatter had allocated at once, the prefetch cache
@@ -67,6 +70,13 @@ struct State {
     cache_elems: usize,
     error: Option<CommError>,
     stats: GatherStats,
+    /// The dtype the chunks travel in: the module's working dtype, so that a 16-bit model's
+    /// gathers move 2 bytes per element (its values are 16-bit already, so nothing rounds).
+    wire: Option<FloatDType>,
+    /// With a 16-bit module: the f32 sums the reduce-scatters produced since the last
+    /// [`take_chunk_grad`](GatherGroup::take_chunk_grad), per tensor. The op's gradient has the
+    /// parameter's dtype and would round them; the sync reads these instead.
+    chunk_grads: HashMap<usize, Vec<f32>>,
 }
 
 /// One rank's stage-3 fetcher: the plan, the communicator and the prefetch state.
@@ -197,6 +207,8 @@ impl GatherGroup {
                 recording: true,
                 cache: HashMap::new(),
                 cache_elems: 0,
+                wire: None,
+                chunk_grads: HashMap::new(),
                 error: None,
                 stats: GatherStats::default(),
             }),
@@ -371,14 +383,14 @@ impl GatherGroup {
         if st.error.is_none() {
             st.stats.all_gathers += 1;
             let _span = tracing::trace_span!("zero3_all_gather", elems = out.len()).entered();
-            let rank = self.comm.rank();
             self.comm.label_next(label("gather", bundle));
-            let result = if self.fetch_by_all_reduce {
-                out[rank * per_rank..(rank + 1) * per_rank].copy_from_slice(&input);
-                self.comm.all_reduce(&mut out, ReduceOp::Sum)
-            } else {
-                self.comm.all_gather_equal(&input, &mut out)
+            let before = self.comm.stats().total_sent();
+            let result = match st.wire {
+                Some(FloatDType::F16) => self.fetch_as::<f16>(&input, &mut out),
+                Some(FloatDType::BF16) => self.fetch_as::<bf16>(&input, &mut out),
+                _ => self.fetch_as::<f32>(&input, &mut out),
             };
+            st.stats.gather_bytes_sent += self.comm.stats().total_sent() - before;
             if let Err(e) = result {
                 self.fail(st, e);
                 out.iter_mut().for_each(|x| *x = 0.0);
@@ -400,6 +412,28 @@ impl GatherGroup {
             w.truncate(tensors[j].numel);
         }
         wholes
+    }
+
+    /// Every rank's `input` into `out` (rank order), travelling as `T`: an all-gather, or an
+    /// all-reduce of a zero-padded buffer (`fetch_by_all_reduce`; exact, as each position has
+    /// one non-zero term).
+    fn fetch_as<T: Wire>(&self, input: &[f32], out: &mut [f32]) -> Result<(), CommError> {
+        let input: Vec<T> = input.iter().map(|&x| T::narrow(x)).collect();
+        let mut wire = vec![T::narrow(0.0); out.len()];
+        if self.fetch_by_all_reduce {
+            let rank = self.comm.rank();
+            wire[rank * input.len()..(rank + 1) * input.len()].copy_from_slice(&input);
+            self.comm.all_reduce(&mut wire, ReduceOp::Sum)?;
+        } else {
+            self.comm.all_gather_equal(&input, &mut wire)?;
+        }
+        out.iter_mut().zip(&wire).for_each(|(o, w)| *o = w.widen());
+        Ok(())
+    }
+
+    /// Sends the chunks in `dtype` from now on (`None`: f32).
+    pub fn set_wire(&self, dtype: Option<FloatDType>) {
+        self.state().wire = dtype;
     }
 
     /// Records a failed collective, which this rank cannot agree on with its peers (they may
@@ -435,7 +469,22 @@ impl GatherGroup {
                 out.iter_mut().for_each(|x| *x = 0.0);
             }
         }
+        if st.wire.is_some() {
+            match st.chunk_grads.get_mut(&t) {
+                // A tensor read twice (tied weights) is reduce-scattered once per read.
+                Some(sum) => sum.iter_mut().zip(&out).for_each(|(s, g)| *s += g),
+                None => {
+                    st.chunk_grads.insert(t, out.clone());
+                }
+            }
+        }
         out
+    }
+
+    /// Tensor `t`'s chunk gradient in f32 as the reduce-scatters left it, since the last
+    /// call (only for a 16-bit module; `None` otherwise or when it had no gradient).
+    pub fn take_chunk_grad(&self, t: usize) -> Option<Vec<f32>> {
+        self.state().chunk_grads.remove(&t)
     }
 }
 
@@ -456,5 +505,38 @@ impl Drop for GatherGroup {
         if matches!(reg.get(&self.id), Some(Entry::Live(_))) {
             reg.remove(&self.id);
         }
+    }
+}
+
+/// A dtype chunks travel in, from and to the f32 the group computes in.
+trait Wire: CommElement {
+    fn narrow(x: f32) -> Self;
+    fn widen(self) -> f32;
+}
+
+impl Wire for f32 {
+    fn narrow(x: f32) -> Self {
+        x
+    }
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Wire for f16 {
+    fn narrow(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Wire for bf16 {
+    fn narrow(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn widen(self) -> f32 {
+        self.to_f32()
     }
 }

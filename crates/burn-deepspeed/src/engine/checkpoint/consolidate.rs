@@ -162,6 +162,8 @@ mod tests {
             param_ids: vec![1, 2],
             shapes: vec![vec![2, 3], vec![3]],
             paths: paths.iter().map(|p| p.to_string()).collect(),
+            loss_scaler: None,
+            dtype: None,
             files: Vec::new(),
         }
     }

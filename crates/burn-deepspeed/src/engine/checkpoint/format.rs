@@ -90,6 +90,14 @@ pub struct CheckpointMeta {
     /// Burn's stores use), for `burn-deepspeed checkpoint consolidate`.
     #[serde(default)]
     pub paths: Vec<String>,
+    /// fp16: the loss scaler's position (absent from fp32 and bf16 checkpoints; an fp16 run
+    /// that loads one of those starts a fresh scaler, and a run without fp16 ignores it).
+    #[serde(default)]
+    pub loss_scaler: Option<crate::precision::LossScalerState>,
+    /// The working dtype of a 16-bit run (`fp16` or `bf16`; absent in fp32). `model.bin`
+    /// always holds fp32 values: the masters of a 16-bit run.
+    #[serde(default)]
+    pub dtype: Option<String>,
     /// The state files.
     pub files: Vec<CheckpointFile>,
 }
@@ -580,6 +588,8 @@ mod tests {
             param_ids: vec![1, 2],
             shapes: vec![vec![2], vec![1]],
             paths: vec!["layer.weight".into(), "layer.bias".into()],
+            loss_scaler: None,
+            dtype: None,
             files: Vec::new(),
         }
     }

@@ -203,6 +203,18 @@ fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta) -> Result<Lo
             meta.zero_stage
         ));
     }
+    // At stage 0 an fp32 run keeps Burn's optimizer record and a 16-bit run the flat state
+    // of its fp32 masters: neither reads the other's. The partitioned stages share one format.
+    if stage == 0 && meta.dtype.is_some() != expected.dtype.is_some() {
+        let name = |d: &Option<String>| d.clone().unwrap_or_else(|| "fp32".into());
+        return refuse(format!(
+            "written by a {} run at ZeRO stage 0; this engine trains in {}, and at stage 0 \
+             the two keep different optimizer states (load it at ZeRO stage 1, 2 or 3, where \
+             fp32 and 16-bit checkpoints load into each other)",
+            name(&meta.dtype),
+            name(&expected.dtype)
+        ));
+    }
     if meta.optimizer != expected.optimizer {
         return refuse(format!(
             "written by optimizer {}; the config names {}",

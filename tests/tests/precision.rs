@@ -151,6 +151,38 @@ fn fp16_with_dynamic_loss_scaling_follows_fp32_at_every_stage() {
     follows_fp32_at_every_stage("fp16");
 }
 
+/// 1-bit Adam (warm-up, then compressed momenta) in fp16 and bf16 steps fp32 masters: the final
+/// mean loss within 2% of its fp32 run's. (At lr 3e-3 this small model's compressed stage is
+/// unstable: a 1e-4 change of lr moves the fp32 run's final loss by 1.2%.)
+#[test]
+fn one_bit_adam_in_16_bit_follows_fp32() {
+    const STEPS: u64 = 120;
+    let config = |precision: &str| {
+        let mut c = config(0, precision);
+        let text = r#"{"train_batch_size": 16, "optimizer": {"type": "OneBitAdam",
+            "params": {"lr": 1e-3, "freeze_step": 40}}}"#;
+        let one_bit = DeepSpeedConfig::from_json_str(text).expect("valid").0;
+        c.optimizer = one_bit.optimizer;
+        c
+    };
+    let fp32 = common::train(2, &common::spec(config("fp32"), SHAPE, STEPS, 5, 9));
+    let base = mean_tail(&fp32.losses);
+    let mut rels = Vec::new();
+    for precision in ["fp16", "bf16"] {
+        let run = common::train(2, &common::spec(config(precision), SHAPE, STEPS, 5, 9));
+        let tail = mean_tail(&run.losses);
+        let rel = (tail - base).abs() / base;
+        println!(
+            "1-bit Adam {precision}: mean loss (last 20 of {STEPS}) {tail:.4} vs fp32 {base:.4} \
+             (rel {rel:.2e}); {} compressed steps, {} skipped",
+            run.compressed_steps, run.skipped_steps
+        );
+        assert!(run.compressed_steps >= 70, "the compression stage ran");
+        rels.push(rel);
+    }
+    assert!(rels.iter().all(|r| *r <= 0.02), "{rels:?}");
+}
+
 /// A bf16 checkpoint holds the fp32 masters: a run resumed from it continues exactly.
 #[test]
 fn a_bf16_checkpoint_resumes_exactly() {
@@ -185,22 +217,11 @@ fn a_bf16_checkpoint_resumes_exactly() {
     assert_eq!(&whole[3..], &resumed[..]);
 }
 
-/// What 16-bit training does not run yet is refused by name.
+/// DeepSpeed's `fp16.auto_cast` casts inputs for a framework with autocast; Burn has none, so
+/// it is refused by name.
 #[test]
-fn precision_not_built_yet_is_refused_by_name() {
+fn fp16_auto_cast_is_refused_by_name() {
     let device = Device::flex().autodiff();
-    for precision in ["bf16", "fp16"] {
-        let mut one_bit = config(0, precision);
-        let optimizer = one_bit.optimizer.as_mut().expect("the config names one");
-        optimizer.kind = burn_deepspeed::config::OptimizerKind::OneBitAdam;
-        let e = launch(1, Duration::from_secs(60), |comm| {
-            let model = Gpt::new(SHAPE, 5, &device);
-            DeepSpeedEngine::new(model, one_bit.clone(), comm).map(|_| ())
-        })
-        .expect_err("refused")
-        .to_string();
-        assert!(e.contains(&format!("{precision}.enabled")), "{e}");
-    }
     let mut auto_cast = config(1, "fp16");
     auto_cast.fp16.auto_cast = true;
     let e = launch(1, Duration::from_secs(60), |comm| {

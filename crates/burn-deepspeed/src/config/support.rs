@@ -215,20 +215,12 @@ fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
         (false, true) => "bf16.enabled",
         (false, false) => return Ok(()),
     };
-    let one_bit = config
-        .optimizer
-        .as_ref()
-        .is_some_and(|o| o.kind.is_one_bit());
     match entry {
-        EntryPoint::Engine if one_bit => refuse(
-            key,
-            "the 1-bit optimizers keep no fp32 master weights yet; train them in fp32",
-        ),
         EntryPoint::Engine => Ok(()),
         _ => refuse(
             key,
-            "16-bit training runs in DeepSpeedEngine (ZeRO stage 1 or 2) so far; the pipeline \
-             engine and the Learner strategy train in fp32",
+            "16-bit training runs in DeepSpeedEngine so far; the pipeline engine and the \
+             Learner strategy train in fp32",
         ),
     }
 }

@@ -3,11 +3,15 @@
 //! all-reduce; once the optimizer compresses, each rank keeps its own gradient (DeepSpeed's
 //! `enable_backward_allreduce = False`) and the optimizer exchanges momenta through the
 //! error-compensated 1-bit all-reduce.
+//!
+//! In mixed precision the optimizer steps whole fp32 masters (it steps flat buffers anyway),
+//! and the model receives them rounded to its 16-bit dtype.
 
 use std::sync::Arc;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
+use burn::tensor::FloatDType;
 use burn_deepspeed_strategies::comm::Communicator;
 use burn_deepspeed_strategies::onebit::OneBitOptimizer;
 
@@ -18,7 +22,8 @@ use crate::config::OptimizerConfig;
 use crate::engine::build_one_bit;
 use crate::engine::checkpoint::{Loaded, one_bit_state_bytes, one_bit_state_from_bytes};
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat, restore_params};
-use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes};
+use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
+use crate::precision::cast_module;
 use crate::{DeepSpeedError, Result};
 
 /// A rank's stage-0 state under a 1-bit optimizer, which steps the flat buffers.
@@ -29,6 +34,8 @@ pub struct CompressedSync {
     /// What the optimizer was built from, to build it again for a checkpoint load.
     config: OptimizerConfig,
     meter: MemoryMeter,
+    /// Mixed precision: the whole model's fp32 masters, which the optimizer steps.
+    master: Option<Vec<f32>>,
 }
 
 impl CompressedSync {
@@ -49,6 +56,7 @@ impl CompressedSync {
             optim,
             config: config.clone(),
             meter: MemoryMeter::default(),
+            master: None,
         }))
     }
 }
@@ -87,18 +95,27 @@ impl<M: Module> GradSync<M> for CompressedSync {
 
     fn step(&mut self, model: M, lr: f64) -> Result<M> {
         let layout = self.buffer.layout().clone();
-        let mut params = params_to_flat(&model, &layout);
+        let mixed = self.master.is_some();
+        let mut params = match self.master.take() {
+            Some(master) => master,
+            None => params_to_flat(&model, &layout),
+        };
         let comm = self.buffer.comm().clone();
-        {
+        let stepped = {
             let _span = tracing::debug_span!("optimizer_step").entered();
             self.optim
-                .apply(comm.as_ref(), &mut params, self.buffer.flat_mut(), lr)?;
+                .apply(comm.as_ref(), &mut params, self.buffer.flat_mut(), lr)
+        };
+        if let Err(e) = stepped {
+            self.master = mixed.then_some(params);
+            return Err(e.into());
         }
         let model = params_from_flat(model, &layout, &params);
         self.buffer.reset();
         self.buffer.clear_marks();
         let held = GradSync::<M>::held(self, &model);
         self.meter.observe(held, (4 * params.capacity()) as u64);
+        self.master = mixed.then_some(params);
         Ok(model)
     }
 
@@ -118,8 +135,21 @@ impl<M: Module> GradSync<M> for CompressedSync {
         ModelStateBytes {
             params: param_bytes(model),
             grads: self.buffer.bytes(),
-            optimizer: self.optim.state_bytes(),
+            optimizer: self.optim.state_bytes() + self.master.as_ref().map_or(0, vec_bytes),
         }
+    }
+
+    fn keep_masters(&mut self, model: M, dtype: FloatDType) -> Result<M> {
+        self.master = Some(params_to_flat(&model, self.buffer.layout()));
+        Ok(cast_module(model, dtype))
+    }
+
+    /// With masters, the fp32 values (the same on every rank), not the rounded copy.
+    fn whole_params(&self, model: &M, wanted: bool) -> Result<Option<Vec<f32>>> {
+        Ok(wanted.then(|| match &self.master {
+            Some(master) => master.clone(),
+            None => params_to_flat(model, self.buffer.layout()),
+        }))
     }
 
     fn peak(&self) -> u64 {
@@ -147,6 +177,9 @@ impl<M: Module> GradSync<M> for CompressedSync {
         optim.restore(state)?;
         self.buffer.set_layout(layout);
         self.optim = optim;
+        if self.master.is_some() {
+            self.master = Some(loaded.params.clone());
+        }
         Ok(model)
     }
 

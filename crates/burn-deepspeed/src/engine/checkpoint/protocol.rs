@@ -205,7 +205,9 @@ fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta) -> Result<Lo
     }
     // At stage 0 an fp32 run keeps Burn's optimizer record and a 16-bit run the flat state
     // of its fp32 masters: neither reads the other's. The partitioned stages share one format.
-    if stage == 0 && meta.dtype.is_some() != expected.dtype.is_some() {
+    // (1-bit optimizers step flat buffers in both, so theirs load either way.)
+    if stage == 0 && meta.compressing.is_none() && meta.dtype.is_some() != expected.dtype.is_some()
+    {
         let name = |d: &Option<String>| d.clone().unwrap_or_else(|| "fp32".into());
         return refuse(format!(
             "written by a {} run at ZeRO stage 0; this engine trains in {}, and at stage 0 \

@@ -487,3 +487,35 @@ fn stage_3_gathers_move_half_the_bytes_in_16_bit() {
         "fp16: at most half"
     );
 }
+
+/// At stage 0 an fp32 run keeps Burn's optimizer record and a 16-bit run the flat state of its
+/// masters: loading one into the other is refused with that reason, on every rank.
+#[test]
+fn a_stage_0_checkpoint_does_not_cross_precisions() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let fp16 = toy_fp16_config(0, "");
+    let mut fp32 = fp16.clone();
+    fp32.fp16.enabled = false;
+    let run = |config: &DeepSpeedConfig, save: bool| {
+        launch(2, Duration::from_secs(60), |comm| {
+            let device = Device::flex().autodiff();
+            let rank = comm.rank();
+            let mut engine = DeepSpeedEngine::new(Toy::new(5, &device), config.clone(), comm)?;
+            if save {
+                let device = device.inner();
+                let batches = (0..2).map(|k| toy_batch(0, rank, k, ROWS, None, &device));
+                engine.train_batch(batches)?;
+                engine.save_checkpoint(dir.path(), None)?;
+            } else {
+                engine.load_checkpoint(dir.path(), None)?;
+            }
+            Ok(())
+        })
+    };
+    for (from, into) in [(&fp32, &fp16), (&fp16, &fp32)] {
+        run(from, true).expect("saves");
+        let e = run(into, false).expect_err("refused").to_string();
+        println!("{e}");
+        assert!(e.contains("ZeRO stage 0"), "{e}");
+    }
+}

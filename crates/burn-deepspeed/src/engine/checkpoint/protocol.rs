@@ -210,7 +210,7 @@ fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta) -> Result<Lo
     {
         let name = |d: &Option<String>| d.clone().unwrap_or_else(|| "fp32".into());
         return refuse(format!(
-            "written by a {} run at ZeRO stage 0; this engine trains in {}, and at stage 0 \
+            "written at ZeRO stage 0 by a run in {}; this engine trains in {}, and at stage 0 \
              the two keep different optimizer states (load it at ZeRO stage 1, 2 or 3, where \
              fp32 and 16-bit checkpoints load into each other)",
             name(&meta.dtype),

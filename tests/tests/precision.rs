@@ -519,3 +519,27 @@ fn a_stage_0_checkpoint_does_not_cross_precisions() {
         assert!(e.contains("ZeRO stage 0"), "{e}");
     }
 }
+
+/// The model states a rank holds in 16-bit (measured where they are allocated) follow the
+/// mixed formula with fp32 gradient buffers (2Ψ + 4Ψ + 12Ψ, cut by stage) within 5%.
+#[test]
+fn measured_16_bit_model_states_follow_their_formula() {
+    for precision in ["fp16", "bf16"] {
+        for stage in [0, 1, 2, 3] {
+            let run = common::train(2, &common::spec(config(stage, precision), SHAPE, 2, 5, 9));
+            let (measured, formula) = (
+                run.model_state_bytes_per_rank as f64,
+                run.model_state_bytes_formula as f64,
+            );
+            let rel = (measured - formula).abs() / formula;
+            println!(
+                "{precision} stage {stage}: measured {measured} bytes per rank, formula \
+                 {formula} (rel {rel:.2e})"
+            );
+            assert!(
+                rel <= 0.05,
+                "{precision} stage {stage}: {measured} vs {formula}"
+            );
+        }
+    }
+}

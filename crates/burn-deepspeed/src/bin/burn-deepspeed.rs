@@ -144,7 +144,8 @@ struct EstimateArgs {
     /// ZeRO stage; every stage when left out.
     #[arg(long)]
     stage: Option<u8>,
-    /// `fp32` (what the engine trains) or `mixed` (16-bit params and grads, fp32 master).
+    /// `fp32`, `mixed` (the paper's: 16-bit params and grads, fp32 masters, m and v) or
+    /// `mixed-fp32-grads` (what the engine keeps in fp16 and bf16: fp32 gradient buffers).
     #[arg(long, default_value = "fp32")]
     precision: String,
     /// `reduce_bucket_size` in elements.
@@ -163,8 +164,11 @@ fn estimate_memory(a: EstimateArgs) -> ExitCode {
     let precision = match a.precision.as_str() {
         "fp32" => StatePrecision::Fp32,
         "mixed" => StatePrecision::Mixed,
+        "mixed-fp32-grads" => StatePrecision::MixedFp32Grads,
         other => {
-            eprintln!("error: --precision must be fp32 or mixed, found `{other}`");
+            eprintln!(
+                "error: --precision must be fp32, mixed or mixed-fp32-grads, found `{other}`"
+            );
             return ExitCode::FAILURE;
         }
     };

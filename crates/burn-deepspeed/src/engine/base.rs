@@ -436,13 +436,20 @@ impl<M: Module> DeepSpeedEngine<M> {
     pub fn peak_model_state_bytes(&self) -> u64 {
         self.sync.peak().max(self.model_state_bytes().total())
     }
-    /// What ZeRO's formula (fp32 Adam: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N) gives for this
-    /// engine's parameters, world size and stage: the figure the measured
-    /// [`model_state_bytes`](Self::model_state_bytes) is checked against.
+    /// What ZeRO's formula gives for this engine's parameters, world size, stage and
+    /// precision: the figure the measured [`model_state_bytes`](Self::model_state_bytes) is
+    /// checked against. fp32 Adam: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N. fp16 and bf16, with the
+    /// fp32 gradient buffers the engine keeps ([`StatePrecision::MixedFp32Grads`]): 18Ψ,
+    /// 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N.
     pub fn model_state_bytes_formula(&self) -> u64 {
         let stage: u8 = self.config.zero_optimization.stage.into();
         let (params, world) = (self.num_params() as u64, self.comm.world_size() as u64);
-        estimate_model_states(params, world, stage, StatePrecision::Fp32, 0, 0).total
+        let precision = if self.config.fp16.enabled || self.config.bf16.enabled {
+            StatePrecision::MixedFp32Grads
+        } else {
+            StatePrecision::Fp32
+        };
+        estimate_model_states(params, world, stage, precision, 0, 0).total
     }
     /// Burn's module optimizer, when the engine steps with one (ZeRO stage 0, no 1-bit
     /// optimizer).

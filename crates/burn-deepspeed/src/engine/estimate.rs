@@ -30,6 +30,9 @@ pub enum StatePrecision {
     /// The paper's mixed precision: 16-bit parameters and gradients, fp32 master weights, m
     /// and v (2 + 2 + 12 bytes per parameter).
     Mixed,
+    /// Mixed precision with fp32 gradient buffers (2 + 4 + 12 bytes per parameter): what the
+    /// engine keeps in fp16 and bf16 today, and what DeepSpeed's bf16 optimizer keeps.
+    MixedFp32Grads,
 }
 
 /// [`MemoryEstimate`] for `params` parameters on `world` ranks at ZeRO `stage` (0-3), with
@@ -49,6 +52,7 @@ pub fn estimate_model_states(
     let (p, g, k) = match precision {
         StatePrecision::Fp32 => (4, 4, 8),
         StatePrecision::Mixed => (2, 2, 12),
+        StatePrecision::MixedFp32Grads => (2, 4, 12),
     };
     let (params_b, grads_b, optim_b) = match stage {
         0 => (p * params, g * params, k * params),

@@ -276,7 +276,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         comm_bytes_per_step: per_step_bytes,
         comm_bytes_model_per_step: per_step_model_bytes,
         compressed_steps: compressed,
-        dtype: working_dtype(engine.config()).into(),
+        dtype: engine.config().precision_name().into(),
         loss_scale,
         skipped_steps: engine.skipped_steps(),
         pld_theta,
@@ -290,17 +290,6 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         final_params: FlatParams(engine.flat_params()?),
         final_moments: moments,
     })
-}
-
-/// The working dtype a config trains in, as the report names it.
-fn working_dtype(config: &burn_deepspeed::DeepSpeedConfig) -> &'static str {
-    if config.fp16.enabled {
-        "fp16"
-    } else if config.bf16.enabled {
-        "bf16"
-    } else {
-        "fp32"
-    }
 }
 
 // ANCHOR: train_step
@@ -438,7 +427,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         comm_bytes_per_step: Vec::new(),
         comm_bytes_model_per_step: Vec::new(),
         compressed_steps: 0,
-        dtype: working_dtype(engine.config()).into(),
+        dtype: engine.config().precision_name().into(),
         loss_scale: Vec::new(),
         skipped_steps: 0,
         pld_theta: None,

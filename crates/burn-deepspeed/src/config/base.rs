@@ -7,6 +7,7 @@
 use std::fmt;
 use std::path::Path;
 
+use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -170,6 +171,27 @@ impl DeepSpeedConfig {
         match &self.scheduler {
             Some(s) => s.lr_at(step, base),
             None => base,
+        }
+    }
+
+    /// The 16-bit dtype parameters and gradients train in (`fp16` or `bf16` enabled), with
+    /// fp32 masters; `None` for fp32 training.
+    pub fn working_dtype(&self) -> Option<FloatDType> {
+        if self.fp16.enabled {
+            Some(FloatDType::F16)
+        } else if self.bf16.enabled {
+            Some(FloatDType::BF16)
+        } else {
+            None
+        }
+    }
+
+    /// The precision's name as the config spells its section: `fp16`, `bf16` or `fp32`.
+    pub fn precision_name(&self) -> &'static str {
+        match self.working_dtype() {
+            Some(FloatDType::F16) => "fp16",
+            Some(_) => "bf16",
+            None => "fp32",
         }
     }
 

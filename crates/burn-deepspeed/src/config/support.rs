@@ -210,15 +210,14 @@ fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
              its own float inputs in their dtype (`x.dtype()`); set auto_cast to false",
         );
     }
-    let key = match (config.fp16.enabled, config.bf16.enabled) {
-        (true, _) => "fp16.enabled",
-        (false, true) => "bf16.enabled",
-        (false, false) => return Ok(()),
-    };
+    if config.working_dtype().is_none() {
+        return Ok(());
+    }
+    let key = format!("{}.enabled", config.precision_name());
     match entry {
         EntryPoint::Engine => Ok(()),
         _ => refuse(
-            key,
+            &key,
             "16-bit training runs in DeepSpeedEngine so far; the pipeline engine and the \
              Learner strategy train in fp32",
         ),

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
-use burn::tensor::FloatDType;
 use burn::train::TrainStep;
 use burn_deepspeed_compress::pld::ProgressiveLayerDrop;
 use burn_deepspeed_strategies::comm::{CommStats, Communicator, CommunicatorExt, ReduceOp};
@@ -76,14 +75,7 @@ where
         let (model, mut sync) = sync::build(model, &config, comm.clone())?;
         // Mixed precision: the regime keeps fp32 masters of the (broadcast) f32 parameters,
         // and the model becomes their 16-bit working copy.
-        let working = if config.fp16.enabled {
-            Some(FloatDType::F16)
-        } else if config.bf16.enabled {
-            Some(FloatDType::BF16)
-        } else {
-            None
-        };
-        let model = match working {
+        let model = match config.working_dtype() {
             Some(dtype) => sync.keep_masters(model, dtype)?,
             None => model,
         };
@@ -353,10 +345,10 @@ where
             shapes: layout.slots.iter().map(|s| s.shape.clone()).collect(),
             paths: param_paths(&self.model, layout),
             loss_scaler: self.scaler.as_ref().map(DynamicLossScaler::state),
-            dtype: (self.config.fp16.enabled || self.config.bf16.enabled).then(|| {
-                let fp16 = self.config.fp16.enabled;
-                String::from(if fp16 { "fp16" } else { "bf16" })
-            }),
+            dtype: self
+                .config
+                .working_dtype()
+                .map(|_| self.config.precision_name().into()),
             files: Vec::new(),
         }
     }

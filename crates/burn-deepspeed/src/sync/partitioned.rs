@@ -61,8 +61,6 @@ pub struct PartitionedSync {
     /// Mixed precision: the fp32 masters of this rank's slice, which the optimizer steps
     /// (the model holds them rounded to its 16-bit dtype).
     master: Option<Vec<f32>>,
-    /// Whether masters are kept (they are taken out of `master` while stepped).
-    mixed: bool,
 }
 
 impl PartitionedSync {
@@ -126,7 +124,6 @@ impl PartitionedSync {
             deferred: None,
             meter: MemoryMeter::default(),
             master: None,
-            mixed: false,
         }
     }
 
@@ -297,11 +294,11 @@ impl<M: Module> GradSync<M> for PartitionedSync {
 
     fn step(&mut self, model: M, lr: f64) -> Result<M> {
         let comm = self.comm.clone();
+        let keep = self.master.is_some();
         let mut params = match self.master.take() {
             Some(master) => master,
             None => params_range(&model, &self.layout, self.own.clone()),
         };
-        let keep = self.mixed;
         {
             let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
             let grads: &[f32] = if self.streams {
@@ -378,7 +375,6 @@ impl<M: Module> GradSync<M> for PartitionedSync {
             return Err(caller_optimizer_keeps_no_masters(dtype));
         }
         self.master = Some(params_range(&model, &self.layout, self.own.clone()));
-        self.mixed = true;
         Ok(cast_module(model, dtype))
     }
 
@@ -413,7 +409,7 @@ impl<M: Module> GradSync<M> for PartitionedSync {
             Some(o) => o.restore(state)?,
             None => return Err(crate::engine::checkpoint::no_state_to_restore()),
         }
-        if self.mixed {
+        if self.master.is_some() {
             self.master = Some(loaded.params[self.own.clone()].to_vec());
         }
         self.layout = layout;

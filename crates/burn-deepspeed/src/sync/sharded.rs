@@ -276,14 +276,7 @@ impl<M: Module> GradSync<M> for ShardedSync {
                 )),
             }
         };
-        if let Err(e) = stepped {
-            if mixed {
-                self.master = Some(params);
-            }
-            return Err(e);
-        }
-        let whole = self.gather_persistent(&params);
-        let whole = match whole {
+        let whole = match stepped.and_then(|()| self.gather_persistent(&params)) {
             Ok(whole) => whole,
             Err(e) => {
                 if mixed {

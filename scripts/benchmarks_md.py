@@ -6,6 +6,7 @@ Usage: benchmarks_md.py pipeline BENCH_JSON GRID_MPI_JSON GRID_THREADS_JSON CORE
        benchmarks_md.py zero DIR CORES
        benchmarks_md.py learner DIR CORES
        benchmarks_md.py kernels KERNELS_JSON CORES
+       benchmarks_md.py precision DIR CORES
 """
 import json
 import re
@@ -362,6 +363,75 @@ def kernels(path, cores):
     return "\n".join(lines) + "\n"
 
 
+def precision(directory, cores):
+    d = Path(directory)
+    p = json.load(open(d / "precision.json"))
+    a = json.load(open(d / "activation.json"))
+    r = a["result"]
+    rows = p["result"]["rows"]
+    lines = [
+        "## Mixed precision and activation checkpointing",
+        "",
+        f"`bash scripts/bench-precision.sh` on a machine with {cores} CPU cores, Flex backend "
+        "(its matmuls run in f32 whatever the storage dtype, so 16-bit runs here measure the "
+        "engine's casts and halved traffic, not faster arithmetic).",
+        "",
+        f"### fp32, fp16 and bf16 at ZeRO stages 0-3, GPT `{p['model']}` "
+        f"({rows[0]['params']:,} parameters), {p['world']} thread ranks, "
+        f"{p['steps']} steps of {p['micro_batch']} sequences per rank",
+        "",
+        "Tokens/s over fp32 stage 0's from the same process (first step not timed). Model "
+        "state per rank is measured where it is allocated; the formula (fp32: 16Ψ, 8Ψ + 8Ψ/N, "
+        "4Ψ + 12Ψ/N, 16Ψ/N; 16-bit with fp32 gradient buffers: 2Ψ + 4Ψ + 12Ψ cut by stage) "
+        "sits beside it. Tail loss: mean of the last 20 steps, against fp32 at the same stage. "
+        "Activation heap: the most heap one micro-batch's forward and backward held above what "
+        "was live before them, for the whole process (both thread ranks).",
+        "",
+        "| precision | stage | tokens/s | ratio | model state per rank, measured (B) "
+        "| formula (B) | stage-3 gather bytes sent | activation heap (B) | tail loss "
+        "| rel. to fp32 | skipped steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        gather = row["gather_bytes_sent"]
+        lines.append(
+            f"| {row['precision']} | {row['stage']} | {row['tokens_per_s']:.0f} "
+            f"| {row['ratio_to_fp32_stage0']:.2f} | {row['model_state_bytes_per_rank']:,} "
+            f"| {row['model_state_bytes_formula']:,} | {'' if gather is None else f'{gather:,}'} "
+            f"| {row['peak_activation_bytes'] or 0:,} | {row['tail_loss']:.4f} "
+            f"| {row['tail_loss_rel_to_fp32']:.2e} | {row['skipped_steps']} |"
+        )
+    lines += [
+        "",
+        "Largest relative difference of the tail loss across stages 0-3: "
+        + ", ".join(
+            f"{x['precision']} {x['max_rel_across_stages']:.1e}"
+            for x in p["result"]["across_stages"]
+        )
+        + ".",
+        "",
+        f"### Activation checkpointing, GPT `{a['model']}` ({r['params']:,} parameters), "
+        f"sequence {a['seq_len']}, micro-batch {a['micro_batch']}, one rank",
+        "",
+        f"Each block a checkpoint (the config's `activation_checkpointing` section), against "
+        f"the same run without it, interleaved over {a['rounds']} rounds of {a['steps']} steps. "
+        "The activation heap is measured by the counting allocator the benchmark installs.",
+        "",
+        "| run | activation heap (B) | tokens/s |",
+        "|---|---|---|",
+        f"| without checkpoints | {r['without_peak_activation_bytes']:,} "
+        f"| {r['without_tokens_per_s']:.0f} |",
+        f"| each block a checkpoint | {r['with_peak_activation_bytes']:,} "
+        f"| {r['with_tokens_per_s']:.0f} |",
+        "",
+        f"Activation heap ratio {r['peak_activation_ratio']:.3f}; tokens/s ratio "
+        f"{r['tokens_per_s_ratio']:.3f} (the recompute is one more forward of each block); "
+        f"losses differ by at most {r['losses_max_rel']:.1e} relative.",
+        "",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def write_section(name, body):
     text = PATH.read_text() if PATH.exists() else HEADER
     block = f"<!-- section: {name} -->\n{body}<!-- end: {name} -->\n"
@@ -388,5 +458,7 @@ if __name__ == "__main__":
         write_section("kernels", kernels(*sys.argv[2:4]))
     elif kind == "learner":
         write_section("learner", learner(*sys.argv[2:4]))
+    elif kind == "precision":
+        write_section("precision", precision(*sys.argv[2:4]))
     else:
         sys.exit(f"unknown section {kind}")

@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod activation;
 pub mod config;
 pub mod engine;
 mod error;

@@ -17,6 +17,11 @@ use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunSpec, run_rank};
 use clap::Parser;
 
+/// Counts the heap, so that the report's `peak_activation_bytes` is measured.
+#[global_allocator]
+static HEAP: burn_deepspeed::engine::heap::CountingAllocator =
+    burn_deepspeed::engine::heap::CountingAllocator;
+
 #[derive(Parser)]
 #[command(about = "Train a byte-level GPT with burn-deepspeed")]
 struct Args {

@@ -60,20 +60,6 @@ fn run(world: usize, shape: GptShape, stage: u8, args: &Args) -> Result<RunRepor
     run_in_threads(world, &spec, Duration::from_secs(1800)).map_err(|e| e.to_string())
 }
 
-/// Tokens per second over the timed steps (all but the first).
-fn timed_tokens_per_s(r: &RunReport, seq: usize) -> f64 {
-    let secs: f64 = r
-        .step_seconds_per_sample
-        .iter()
-        .skip(1)
-        .map(|s| s * r.train_batch_size as f64)
-        .sum();
-    let tokens = (r.step_seconds_per_sample.len().saturating_sub(1) as u64
-        * r.train_batch_size
-        * seq as u64) as f64;
-    tokens / secs
-}
-
 fn median(mut v: Vec<u64>) -> u64 {
     v.sort_unstable();
     v.get(v.len() / 2).copied().unwrap_or(0)
@@ -106,7 +92,7 @@ fn main() -> ExitCode {
                         return ExitCode::FAILURE;
                     }
                 };
-                let tps = timed_tokens_per_s(&report, shape.seq_len);
+                let tps = report.timed_tokens_per_s(shape.seq_len);
                 eprintln!("world {world} round {round} stage {stage}: {tps:.0} tokens/s");
                 speeds[i].push(tps);
                 last[i] = Some(report);

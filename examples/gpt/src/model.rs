@@ -7,6 +7,7 @@ use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, L
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use burn_deepspeed::activation::checkpoint;
 use burn_deepspeed::pipe::{LayerInput, PipeBatch, PipeLayer};
 use burn_deepspeed::pld::ProgressiveLayerDrop;
 
@@ -157,6 +158,8 @@ pub struct Gpt {
     embed: GptEmbed,
     blocks: Vec<Block>,
     head: GptHead,
+    /// Whether each block is an activation checkpoint.
+    checkpoint_blocks: bool,
 }
 
 /// A batch of token sequences and their next-token targets, each `[batch, seq]`.
@@ -228,9 +231,31 @@ impl Gpt {
                 ln_f: LayerNormConfig::new(d).init(device),
                 head: LinearConfig::new(d, VOCAB).with_bias(false).init(device),
             },
+            checkpoint_blocks: false,
         };
         model.map(&mut GptInit::new(seed, shape.layers))
     }
+
+    /// The model with each block an activation checkpoint (`on`), or not: a checkpointed
+    /// block keeps only its input through the forward, and runs again in backward (see
+    /// [`burn_deepspeed::activation::checkpoint`]). The GPT example turns it on when the
+    /// config has an `activation_checkpointing` section, as DeepSpeed's models read it.
+    pub fn with_activation_checkpointing(mut self, on: bool) -> Self {
+        self.checkpoint_blocks = on;
+        self
+    }
+
+    // ANCHOR: checkpoint_block
+    /// One block, checkpointed or not.
+    fn block(&self, block: &Block, x: Tensor<3>, causal: &Tensor<4>, scale: f64) -> Tensor<3> {
+        if self.checkpoint_blocks {
+            let causal = causal.clone();
+            checkpoint(block, x, move |b, x| b.forward(x, causal.clone(), scale))
+        } else {
+            block.forward(x, causal.clone(), scale)
+        }
+    }
+    // ANCHOR_END: checkpoint_block
 
     /// Logits `[batch, seq, 256]`, every block applied.
     pub fn forward(&self, inputs: Tensor<2, Int>) -> Tensor<3> {
@@ -257,13 +282,13 @@ impl Gpt {
         match keep {
             None => {
                 for block in &self.blocks {
-                    x = block.forward(x, causal.clone(), 1.0);
+                    x = self.block(block, x, &causal, 1.0);
                 }
             }
             Some((p, mut rng)) => {
                 for (block, p) in self.blocks.iter().zip(p) {
                     if rng.uniform() < p {
-                        x = block.forward(x, causal.clone(), 1.0 / p);
+                        x = self.block(block, x, &causal, 1.0 / p);
                     }
                 }
             }
@@ -283,6 +308,8 @@ impl Gpt {
     /// The model as a sequence of pipeline layers: the embeddings, each block, the head. The
     /// parameters (ids and values) are this model's.
     pub fn into_layers(self) -> Vec<GptLayer> {
+        // The pipeline engine checkpoints runs of layers itself
+        // (`pipeline.activation_checkpoint_interval`).
         std::iter::once(GptLayer::Embed(self.embed))
             .chain(self.blocks.into_iter().map(GptLayer::Block))
             .chain(std::iter::once(GptLayer::Head(self.head)))

@@ -122,6 +122,15 @@ pub struct RunReport {
     pub loss_scale: Vec<f32>,
     /// Steps skipped because the gradient overflowed (DeepSpeed's `skipped_steps`).
     pub skipped_steps: u64,
+    /// The most heap one micro-batch's forward and backward held above what was live before
+    /// them, over the run (this rank's engine; measured through the counting allocator the
+    /// example installs; process-wide, so thread ranks count each other's). Data-parallel
+    /// runs only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_activation_bytes: Option<u64>,
+    /// Whether the blocks were activation checkpoints (the config's
+    /// `activation_checkpointing` section).
+    pub activation_checkpointing: bool,
     /// Progressive layer dropping: θ of the last step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pld_theta: Option<f64>,
@@ -153,6 +162,17 @@ pub struct RunReport {
     /// serialized).
     #[serde(skip)]
     pub final_moments: Option<(FlatParams, FlatParams)>,
+}
+
+impl RunReport {
+    /// Tokens per second over the timed steps (all but the first, a warm-up), for sequences
+    /// of `seq` tokens.
+    pub fn timed_tokens_per_s(&self, seq: usize) -> f64 {
+        let timed = self.step_seconds_per_sample.iter().skip(1);
+        let secs: f64 = timed.map(|s| s * self.train_batch_size as f64).sum();
+        let steps = self.step_seconds_per_sample.len().saturating_sub(1) as u64;
+        (steps * self.train_batch_size * seq as u64) as f64 / secs
+    }
 }
 
 /// Flat parameter values; `Debug` prints only their count.
@@ -189,7 +209,8 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let device = Device::flex().autodiff();
     let (rank, world) = (comm.rank(), comm.world_size());
     // ANCHOR: engine_loop
-    let model = Gpt::new(spec.shape, spec.seed, &device);
+    let model = Gpt::new(spec.shape, spec.seed, &device)
+        .with_activation_checkpointing(spec.config.activation_checkpointing.is_some());
     let mut engine = DeepSpeedEngine::new(model, spec.config.clone(), comm.clone())?;
     if let Some(dir) = &spec.resume_from {
         engine.load_checkpoint(dir, None)?;
@@ -213,6 +234,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let mut per_step_model_bytes = Vec::new();
     let mut pld_theta = None;
     let mut loss_scale = Vec::new();
+    let mut peak_activation = None;
     let start = Instant::now();
     for step in first_step..spec.steps {
         let step_start = Instant::now();
@@ -225,6 +247,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         compressed += u64::from(report.compressed);
         pld_theta = report.pld_theta;
         loss_scale.extend(report.loss_scale);
+        peak_activation = peak_activation.max(report.peak_activation_bytes);
         let elapsed = start.elapsed().as_secs_f64();
         let tokens = (step + 1 - first_step) * batch.train_batch_size * seq as u64;
         progress.update(step + 1, report.loss, tokens as f64 / elapsed);
@@ -279,6 +302,8 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         dtype: engine.config().precision_name().into(),
         loss_scale,
         skipped_steps: engine.skipped_steps(),
+        peak_activation_bytes: peak_activation,
+        activation_checkpointing: engine.config().activation_checkpointing.is_some(),
         pld_theta,
         step_seconds_per_sample: per_sample,
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
@@ -430,6 +455,12 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         dtype: engine.config().precision_name().into(),
         loss_scale: Vec::new(),
         skipped_steps: 0,
+        peak_activation_bytes: None,
+        activation_checkpointing: engine
+            .config()
+            .pipeline
+            .as_ref()
+            .is_some_and(|p| p.activation_checkpoint_interval > 0),
         pld_theta: None,
         step_seconds_per_sample: Vec::new(),
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),

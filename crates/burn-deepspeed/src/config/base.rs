@@ -73,7 +73,7 @@ pub struct DeepSpeedConfig {
     /// Flops profiler.
     pub flops_profiler: FlopsProfilerConfig,
     /// Activation checkpointing.
-    pub activation_checkpointing: ActivationCheckpointingConfig,
+    pub activation_checkpointing: Option<ActivationCheckpointingConfig>,
     /// Print progress every this many optimizer steps.
     #[serde(deserialize_with = "count")]
     pub steps_per_print: u64,
@@ -98,7 +98,7 @@ impl Default for DeepSpeedConfig {
             pipeline: None,
             progressive_layer_drop: PldConfig::default(),
             flops_profiler: FlopsProfilerConfig::default(),
-            activation_checkpointing: ActivationCheckpointingConfig::default(),
+            activation_checkpointing: None,
             steps_per_print: 10,
             wall_clock_breakdown: false,
         }
@@ -362,19 +362,8 @@ impl DeepSpeedConfig {
                 }
             }
         }
-        if let Some(p) = &self.pipeline
-            && p.activation_checkpoint_interval > 0
-        {
-            add(
-                "pipeline.activation_checkpoint_interval",
-                "activation checkpointing is not implemented yet; ignored",
-            );
-        }
         if self.flops_profiler.enabled {
             add("flops_profiler.enabled", "not implemented yet; ignored");
-        }
-        if self.activation_checkpointing != ActivationCheckpointingConfig::default() {
-            add("activation_checkpointing", "not implemented yet; ignored");
         }
         w
     }

@@ -33,6 +33,7 @@ fn refuse(key: &str, reason: impl Into<String>) -> Result<()> {
 pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     check_zero_keys(config)?;
     check_precision(config, entry)?;
+    check_activation_checkpointing(config)?;
     check_optimizer(config, entry)?;
     let stage = config.zero_optimization.stage;
     let pipelined = config
@@ -224,6 +225,35 @@ fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     }
 }
 
+/// What of `activation_checkpointing` Burn can honour: host checkpoints, boundary
+/// synchronization and profiling. The rest needs what is not here.
+fn check_activation_checkpointing(config: &DeepSpeedConfig) -> Result<()> {
+    let Some(ac) = &config.activation_checkpointing else {
+        return Ok(());
+    };
+    if ac.partition_activations {
+        return refuse(
+            "activation_checkpointing.partition_activations",
+            "it splits each checkpoint across the tensor-parallel ranks, and there is no \
+             tensor slicing yet; set it to false",
+        );
+    }
+    if ac.contiguous_memory_optimization {
+        return refuse(
+            "activation_checkpointing.contiguous_memory_optimization",
+            "Burn's allocator owns device memory, so there is no preallocated buffer to copy \
+             checkpoints into; set it to false",
+        );
+    }
+    if ac.number_checkpoints.is_some() {
+        return refuse(
+            "activation_checkpointing.number_checkpoints",
+            "it sizes the contiguous checkpoint buffer, which is not built here; remove it",
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,6 +313,27 @@ mod tests {
                 r#""progressive_layer_drop": {"enabled": true}"#,
                 "progressive_layer_drop.enabled",
                 [false, true, true],
+            ),
+            (
+                r#""activation_checkpointing": {"partition_activations": true}"#,
+                "activation_checkpointing.partition_activations",
+                [true; 3],
+            ),
+            (
+                r#""activation_checkpointing": {"contiguous_memory_optimization": true}"#,
+                "activation_checkpointing.contiguous_memory_optimization",
+                [true; 3],
+            ),
+            (
+                r#""activation_checkpointing": {"number_checkpoints": 4}"#,
+                "activation_checkpointing.number_checkpoints",
+                [true; 3],
+            ),
+            (
+                r#""activation_checkpointing": {"cpu_checkpointing": true, "profile": true,
+                    "synchronize_checkpoint_boundary": true}"#,
+                "-",
+                [false; 3],
             ),
         ];
         for (extra, key, refused) in cases {

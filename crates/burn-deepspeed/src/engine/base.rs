@@ -16,8 +16,10 @@ use burn_deepspeed_strategies::zero::PartitionState;
 use super::checkpoint::{self, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta};
 use super::estimate::{StatePrecision, estimate_model_states};
 use super::flat::param_paths;
+use super::heap::HeapWindow;
 use super::memory::ModelStateBytes;
 use super::{StepLoss, StepReport};
+use crate::activation::{CheckpointOptions, CheckpointStats, take_stats, with_options};
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
 use crate::precision::{
     DynamicLossScaler, LossScalerState, unscaled_backward_message, with_loss_scale,
@@ -59,6 +61,9 @@ pub struct DeepSpeedEngine<M: Module> {
     /// fp16: a micro-batch of this step ran a plain `loss.backward()`, so its gradients are not
     /// scaled: the step is refused.
     unscaled: bool,
+    /// The most heap one micro-batch's forward and backward held above what was live before
+    /// them, in this step (with the counting allocator installed).
+    activation_peak: Option<u64>,
 }
 
 impl<M> DeepSpeedEngine<M>
@@ -104,6 +109,7 @@ where
             stats_at_step_start: None,
             scaler,
             unscaled: false,
+            activation_peak: None,
         })
     }
 
@@ -119,15 +125,36 @@ where
         self.stats_at_step_start
             .get_or_insert_with(|| self.comm.stats());
         let scale = self.scaler.as_ref().map(DynamicLossScaler::scale);
+        let window = HeapWindow::open();
         let (out, scaled) = {
             let _span = tracing::debug_span!("forward_backward", rank = self.comm.rank()).entered();
-            with_loss_scale(scale, || TrainStep::step(&self.model, input))
+            let model = &self.model;
+            let run = || with_loss_scale(scale, || TrainStep::step(model, input));
+            match &self.config.activation_checkpointing {
+                Some(section) => with_options(CheckpointOptions::from_config(section), run),
+                None => run(),
+            }
         };
+        if let Some(window) = window {
+            let peak = window.peak_above_start();
+            self.activation_peak = Some(self.activation_peak.map_or(peak, |p| p.max(peak)));
+        }
         self.unscaled |= !scaled;
         self.loss_sum += out.item.loss();
         self.sync.accumulate(&self.model, &out.grads);
         self.fb_time += start.elapsed();
         out.item
+    }
+
+    /// What this step's activation checkpoints did (see [`StepReport::activation_checkpoints`]),
+    /// logged when the section asks for `profile`.
+    fn checkpoint_stats(&self) -> Option<CheckpointStats> {
+        let stats = take_stats();
+        let section = self.config.activation_checkpointing.as_ref();
+        if section.is_some_and(|s| s.profile) {
+            stats.log(self.comm.rank());
+        }
+        (section.is_some() || stats.forwards > 0).then_some(stats)
     }
 
     /// Averages the accumulated gradient over ranks and micro-batches, clips it, and takes
@@ -159,6 +186,7 @@ where
             self.loss_sum = 0.0;
             self.stats_at_step_start = None;
             self.unscaled = false;
+            self.activation_peak = None;
             return Err(e);
         }
         let before = self
@@ -224,6 +252,8 @@ where
             compressed: reduced.compressed,
             pld_theta,
             loss_scale,
+            activation_checkpoints: self.checkpoint_stats(),
+            peak_activation_bytes: self.activation_peak.take(),
             forward_backward: std::mem::take(&mut self.fb_time),
             reduce,
             optimizer,

@@ -6,6 +6,7 @@ mod base;
 pub mod checkpoint;
 pub mod estimate;
 pub mod flat;
+pub mod heap;
 pub mod memory;
 mod onebit;
 mod optim;

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::activation::CheckpointStats;
+
 /// What the engine reads from a training step's output: the micro-batch's mean loss.
 pub trait StepLoss {
     /// The loss of this micro-batch (a mean over its samples), on the host.
@@ -50,6 +52,15 @@ pub struct StepReport {
     /// it after an overflow, or doubles it after a window of clean steps); `None` without
     /// fp16.
     pub loss_scale: Option<f32>,
+    /// What the step's activation checkpoints did on this rank (forwards, recomputes, and
+    /// their times under `activation_checkpointing.profile`); `None` when the config has no
+    /// `activation_checkpointing` section and the model made no checkpoint.
+    pub activation_checkpoints: Option<CheckpointStats>,
+    /// The most heap one micro-batch's forward and backward held above what was live before
+    /// them (activations, and the gradients backward makes), measured through
+    /// [`CountingAllocator`](super::heap::CountingAllocator); `None` when it is not the global
+    /// allocator. Process-wide: ranks running as threads count each other's.
+    pub peak_activation_bytes: Option<u64>,
     /// Time in forward and backward passes on this rank.
     pub forward_backward: Duration,
     /// Time in gradient reduction (communication included).

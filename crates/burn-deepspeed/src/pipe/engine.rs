@@ -19,6 +19,7 @@ use super::layer::{LayerInput, PipeBatch, PipeLayer};
 use super::run::{Mode, Run, Slot};
 use super::ties::{TiedGroup, find_ties};
 use super::wire::{self, TAG_ACTIVATION, TAG_GRADIENT};
+use crate::activation::{CheckpointOptions, checkpoint, with_options};
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
 use crate::engine::build_optimizer;
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat};
@@ -134,10 +135,17 @@ fn tie_params<L: burn::module::Module>(
     Ok(params_from_flat(layers, layout, &flat))
 }
 
+/// `layers` one after the other on hidden states.
+fn run_layers<L: PipeLayer<B>, B>(layers: &[L], hidden: Tensor<3>) -> Tensor<3> {
+    layers
+        .iter()
+        .fold(hidden, |h, layer| layer.forward(LayerInput::Hidden(h)))
+}
+
 impl<L, B> PipelineEngine<L, B>
 where
-    L: PipeLayer<B>,
-    B: PipeBatch,
+    L: PipeLayer<B> + 'static,
+    B: PipeBatch + 'static,
 {
     /// Builds this rank's stage from the whole model's `layers` (every rank passes the same
     /// list; each keeps its stage's layers and drops the rest). `device` is the autodiff
@@ -426,25 +434,45 @@ where
         self.grads.clear_marks();
     }
 
-    /// Runs this stage's layers on a slot's input.
+    /// Runs this stage's layers on a slot's input. With `activation_checkpoint_interval` k > 0
+    /// the layers run in checkpointed runs of k (see [`checkpoint`]): only each run's input is
+    /// kept, and its activations are recomputed in backward. The first layer of the model reads
+    /// the micro-batch, not a tensor, so it runs as it is and the runs start after it.
     fn forward_stage(&self, slot: &mut Slot<B>) -> Result<Tensor<3>> {
-        let mut hidden = if self.stage == 0 {
-            None
+        let mut layers = self.layers.as_slice();
+        let hidden = if self.stage == 0 {
+            let batch = slot.batch.as_ref().ok_or_else(|| {
+                pipeline_error("the first stage has no micro-batch loaded".into())
+            })?;
+            let (first, rest) = layers
+                .split_first()
+                .ok_or_else(|| pipeline_error("a stage has no layers".into()))?;
+            layers = rest;
+            first.forward(LayerInput::Batch(batch))
         } else {
-            Some(slot.input.clone().ok_or_else(|| {
+            slot.input.clone().ok_or_else(|| {
                 pipeline_error("a forward pass found no received activation".into())
-            })?)
+            })?
         };
-        for layer in &self.layers {
-            let input = match hidden.take() {
-                Some(h) => LayerInput::Hidden(h),
-                None => LayerInput::Batch(slot.batch.as_ref().ok_or_else(|| {
-                    pipeline_error("the first stage has no micro-batch loaded".into())
-                })?),
-            };
-            hidden = Some(layer.forward(input));
+        let interval = self
+            .config
+            .pipeline
+            .as_ref()
+            .map_or(0, |p| p.activation_checkpoint_interval) as usize;
+        if interval == 0 {
+            return Ok(run_layers(layers, hidden));
         }
-        Ok(hidden.expect("a stage has at least one layer"))
+        let options = self
+            .config
+            .activation_checkpointing
+            .as_ref()
+            .map(CheckpointOptions::from_config)
+            .unwrap_or_default();
+        Ok(with_options(options, || {
+            layers.chunks(interval).fold(hidden, |h, run| {
+                checkpoint(&run.to_vec(), h, |run: &Vec<L>, h| run_layers(run, h))
+            })
+        }))
     }
 
     /// Backward through a slot: from the loss on the last stage, else from the received

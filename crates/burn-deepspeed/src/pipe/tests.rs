@@ -99,14 +99,28 @@ struct Outcome {
     /// (stage, flat parameters of each of its layers).
     layers: Vec<(usize, Vec<Vec<f32>>)>,
     peak_live: Vec<usize>,
+    /// Activation checkpoints recomputed on every rank.
+    recomputes: u64,
 }
 
 /// Trains the toy for `steps` on `stages x replicas` thread ranks. Every rank builds the same
 /// initial layers (rank 0's values are broadcast as Burn's init is random per process).
 fn train(stages: usize, replicas: usize, kind: ScheduleKind, steps: u64) -> Outcome {
+    train_checkpointed(stages, replicas, kind, steps, 0)
+}
+
+/// [`train`], with `pipeline.activation_checkpoint_interval` set to `interval`.
+fn train_checkpointed(
+    stages: usize,
+    replicas: usize,
+    kind: ScheduleKind,
+    steps: u64,
+    interval: u64,
+) -> Outcome {
     let config = DeepSpeedConfig::from_json_str(&format!(
         r#"{{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
-            "gradient_clipping": 0.5, "pipeline": {{"stages": {stages}, "partition": "uniform"}},
+            "gradient_clipping": 0.5, "pipeline": {{"stages": {stages}, "partition": "uniform",
+            "activation_checkpoint_interval": {interval}}},
             "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}}}}"#
     ))
     .expect("valid")
@@ -116,7 +130,7 @@ fn train(stages: usize, replicas: usize, kind: ScheduleKind, steps: u64) -> Outc
     let results = ThreadWorld::run(
         stages * replicas,
         ThreadWorldOptions::default(),
-        |c| -> (Vec<f64>, usize, Vec<Vec<f32>>, usize) {
+        |c| -> (Vec<f64>, usize, Vec<Vec<f32>>, usize, u64) {
             let comm: Arc<dyn Communicator> = Arc::new(c);
             let device = Device::flex().autodiff();
             let mut engine =
@@ -148,18 +162,23 @@ fn train(stages: usize, replicas: usize, kind: ScheduleKind, steps: u64) -> Outc
                 .iter()
                 .map(|l| params_to_flat(l, &ParamLayout::of(l)))
                 .collect();
-            (losses, stage, flats, peak)
+            let recomputes = crate::activation::take_stats().recomputes;
+            (losses, stage, flats, peak, recomputes)
         },
     );
     let results: Vec<_> = results.into_iter().map(|r| r.expect("rank ok")).collect();
     let mut peak_live = vec![0; stages];
-    for (_, s, _, p) in &results {
+    for (_, s, _, p, _) in &results {
         peak_live[*s] = peak_live[*s].max(*p);
     }
     Outcome {
         losses: results[0].0.clone(),
-        layers: results.iter().map(|(_, s, f, _)| (*s, f.clone())).collect(),
+        layers: results
+            .iter()
+            .map(|(_, s, f, _, _)| (*s, f.clone()))
+            .collect(),
         peak_live,
+        recomputes: results.iter().map(|r| r.4).sum(),
     }
 }
 
@@ -204,6 +223,35 @@ fn every_stage_count_follows_one_stage_and_tied_copies_stay_equal() {
     let g = train(2, 1, ScheduleKind::GPipe, 6);
     assert!(max_rel(&g.losses, &reference.losses) < 1e-5);
     assert_eq!(g.peak_live, vec![4, 4]);
+}
+
+#[test]
+fn activation_checkpoint_intervals_keep_the_trajectory() {
+    for stages in [1, 2] {
+        let plain = train(stages, 1, ScheduleKind::OneFOneB, 4);
+        for interval in [1, 2] {
+            let o = train_checkpointed(stages, 1, ScheduleKind::OneFOneB, 4, interval);
+            assert_eq!(
+                o.losses, plain.losses,
+                "{stages} stages, interval {interval}"
+            );
+            assert_eq!(
+                o.layers, plain.layers,
+                "{stages} stages, interval {interval}"
+            );
+            // 3 layers after the embedding, in runs of `interval`, per micro-batch and step.
+            let runs = if stages == 1 {
+                3u64.div_ceil(interval)
+            } else {
+                3 - interval + 1
+            };
+            assert_eq!(
+                o.recomputes,
+                4 * 4 * runs,
+                "{stages} stages, interval {interval}"
+            );
+        }
+    }
 }
 
 #[test]

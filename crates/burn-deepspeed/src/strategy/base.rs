@@ -50,6 +50,7 @@ use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp, a
 use super::prepare::{Prepared, take_built, take_prepared};
 use super::settings::{Settings, Surroundings, resolve_settings};
 use crate::DeepSpeedConfig;
+use crate::activation::{CheckpointOptions, take_stats, with_options};
 use crate::config::ZeroStage;
 use crate::engine::flat::ParamLayout;
 use crate::launch::{launch_with_leader, launched_by_mpirun, mpirun_world_size};
@@ -238,10 +239,20 @@ impl<M: LearnerModel> RankRun<'_, M> {
     ) -> crate::Result<Vec<<M as burn::train::TrainStep>::Output>> {
         let model = self.learner.model();
         let mut outputs = Vec::with_capacity(micro.len());
+        let checkpointing = self.settings.config.activation_checkpointing.clone();
         for item in micro {
-            let out = self.learner.train_step(item);
+            let out = match &checkpointing {
+                Some(section) => with_options(CheckpointOptions::from_config(section), || {
+                    self.learner.train_step(item)
+                }),
+                None => self.learner.train_step(item),
+            };
             sync.accumulate(&model, &out.grads);
             outputs.push(out.item);
+        }
+        let stats = take_stats();
+        if checkpointing.is_some_and(|c| c.profile) {
+            stats.log(self.comm.rank());
         }
         let reduced = sync.reduce(1.0)?;
         if reduced.overflow {

@@ -1,0 +1,10 @@
+//! Activation checkpointing: [`checkpoint`] a module's forward so that its activations are
+//! recomputed in backward instead of kept, with the options of DeepSpeed's
+//! `activation_checkpointing` section.
+
+mod checkpoint;
+mod op;
+mod options;
+
+pub use checkpoint::checkpoint;
+pub use options::{CheckpointOptions, CheckpointStats, current_options, take_stats, with_options};

@@ -372,9 +372,12 @@ def precision(directory, cores):
     lines = [
         "## Mixed precision and activation checkpointing",
         "",
-        f"`bash scripts/bench-precision.sh` on a machine with {cores} CPU cores, Flex backend "
-        "(its matmuls run in f32 whatever the storage dtype, so 16-bit runs here measure the "
-        "engine's casts and halved traffic, not faster arithmetic).",
+        f"`bash scripts/bench-precision.sh` on a machine with {cores} CPU cores, Flex backend. "
+        "A CPU has no 16-bit matrix units: here f16 runs at about half of fp32's speed and "
+        "bf16 at about fp32's, so these figures measure the engine's mixed-precision "
+        "machinery (casts, fp32 masters, halved stage-3 traffic), not the speed-up of 16-bit "
+        "hardware. fp16 skips its first steps while the loss scale comes down from 2^16, as "
+        "DeepSpeed's does.",
         "",
         f"### fp32, fp16 and bf16 at ZeRO stages 0-3, GPT `{p['model']}` "
         f"({rows[0]['params']:,} parameters), {p['world']} thread ranks, "

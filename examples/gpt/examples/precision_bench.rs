@@ -233,7 +233,7 @@ fn main() -> ExitCode {
         "part": args.part,
         "model": args.model,
         "seq_len": shape.seq_len,
-        "world": args.world,
+        "world": if args.part == "activation" { 1 } else { args.world },
         "steps": args.steps,
         "rounds": args.rounds,
         "micro_batch": args.micro_batch,

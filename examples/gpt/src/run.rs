@@ -391,6 +391,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
     let progress = TrainProgress::new(if spec.progress { rank } else { usize::MAX }, spec.steps);
     let inner = device.clone().inner();
     let mut losses = Vec::with_capacity(spec.steps.min(1 << 16) as usize);
+    let mut loss_scale = Vec::new();
     let (mut compute, mut scheduled, mut live) = (0.0f64, 0.0f64, 0usize);
     let start = Instant::now();
     for step in 0..spec.steps {
@@ -401,6 +402,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         })?;
         // ANCHOR_END: pipe_loop
         losses.push(report.loss);
+        loss_scale.extend(report.loss_scale);
         compute += report.compute_time.as_secs_f64();
         scheduled += report.schedule_time.as_secs_f64();
         live = live.max(report.peak_live_activations);
@@ -453,8 +455,8 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         comm_bytes_model_per_step: Vec::new(),
         compressed_steps: 0,
         dtype: engine.config().precision_name().into(),
-        loss_scale: Vec::new(),
-        skipped_steps: 0,
+        loss_scale,
+        skipped_steps: engine.skipped_steps(),
         peak_activation_bytes: None,
         activation_checkpointing: engine
             .config()

@@ -201,8 +201,8 @@ fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
     Ok(())
 }
 
-/// Mixed precision: bf16 with fp32 masters runs in the engine at ZeRO stages 1 and 2; fp16
-/// (loss scaling) and the other places are not built yet.
+/// Mixed precision: fp16 and bf16 with fp32 masters run in the engine (stages 0-3, the 1-bit
+/// optimizers) and the pipeline engine; the Learner strategy is not built yet.
 fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     if config.fp16.enabled && config.fp16.auto_cast {
         return refuse(
@@ -216,11 +216,11 @@ fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     }
     let key = format!("{}.enabled", config.precision_name());
     match entry {
-        EntryPoint::Engine => Ok(()),
-        _ => refuse(
+        EntryPoint::Engine | EntryPoint::Pipeline => Ok(()),
+        EntryPoint::Strategy { .. } => refuse(
             &key,
-            "16-bit training runs in DeepSpeedEngine so far; the pipeline engine and the \
-             Learner strategy train in fp32",
+            "16-bit training runs in DeepSpeedEngine and the pipeline engine so far; the \
+             Learner strategy trains in fp32",
         ),
     }
 }
@@ -287,12 +287,12 @@ mod tests {
             (
                 r#""fp16": {"enabled": true}"#,
                 "fp16.enabled",
-                [false, true, true],
+                [false, false, true],
             ),
             (
-                r#""bf16": {"enabled": true}, "zero_optimization": {"stage": 3}"#,
+                r#""bf16": {"enabled": true}"#,
                 "bf16.enabled",
-                [false, true, true],
+                [false, false, true],
             ),
             (
                 r#""zero_optimization": {"offload_param": {"device": "cpu"}}"#,

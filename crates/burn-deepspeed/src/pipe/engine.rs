@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::optim::{GradientsParams, ModuleOptimizer};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, FloatDType, Tensor};
 use burn_deepspeed_strategies::CommError;
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::pipe::{
@@ -24,6 +24,7 @@ use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
 use crate::engine::build_optimizer;
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat};
 use crate::engine::memory::{ModelStateBytes, burn_state_bytes_per_elem, param_bytes};
+use crate::precision::{DynamicLossScaler, cast_module};
 use crate::sync::scale::{clip_to, squared_sum, sum_across};
 use crate::sync::{GradBuffer, SyncOptions, broadcast_params};
 use crate::{DeepSpeedError, Result};
@@ -40,6 +41,10 @@ pub struct PipeStepReport {
     pub lr: f64,
     /// Global gradient norm (over every stage) before clipping.
     pub grad_norm: f64,
+    /// The gradient norm was not finite: the step was skipped on every rank.
+    pub overflow: bool,
+    /// fp16: the loss scale this step's gradients were computed with.
+    pub loss_scale: Option<f32>,
     /// This stage's idle share of the schedule: 1 − (time in forward and backward passes) /
     /// (time from the first instruction to the last backward's gradient send).
     pub stage_bubble_fraction: f64,
@@ -85,6 +90,13 @@ pub struct PipelineEngine<L, B> {
     device: Device,
     total_params: usize,
     global_step: u64,
+    /// Steps skipped because the gradient norm was not finite.
+    skipped_steps: u64,
+    /// Mixed precision: the fp32 masters of this stage's layers, which the optimizer steps
+    /// (`layers` is their 16-bit working copy).
+    masters: Option<Vec<L>>,
+    /// fp16: the loss scaler.
+    scaler: Option<DynamicLossScaler>,
     _batch: PhantomData<fn(&B)>,
 }
 
@@ -133,6 +145,14 @@ fn tie_params<L: burn::module::Module>(
         tie.copy_first(&mut flat)?;
     }
     Ok(params_from_flat(layers, layout, &flat))
+}
+
+/// The 16-bit working copy of `layers`.
+fn cast_layers<L: burn::module::Module>(layers: &[L], dtype: FloatDType) -> Vec<L> {
+    layers
+        .iter()
+        .map(|l| cast_module(l.clone(), dtype))
+        .collect()
 }
 
 /// `layers` one after the other on hidden states.
@@ -193,8 +213,21 @@ where
         let mine = broadcast_params(data.as_ref(), &layout, mine)?;
         let mine = tie_params(mine, &layout, &ties)?;
         let grads = GradBuffer::new(layout, data.clone(), &SyncOptions::of(&config));
+        // Mixed precision: the optimizer steps fp32 masters, and the layers that run are
+        // their 16-bit working copy.
+        let (layers, masters) = match config.working_dtype() {
+            Some(dtype) => (cast_layers(&mine, dtype), Some(mine)),
+            None => (mine, None),
+        };
+        let scaler = match config.fp16.enabled {
+            true => Some(DynamicLossScaler::new(&config.fp16)?),
+            false => None,
+        };
         Ok(Self {
-            layers: mine,
+            layers,
+            masters,
+            scaler,
+            skipped_steps: 0,
             parts,
             topo,
             stage,
@@ -231,8 +264,11 @@ where
         let micro = self.batch.gradient_accumulation_steps as usize;
         let schedule = self.kind.schedule(micro, stages, self.stage);
         let mut run = Run::new(schedule.num_pipe_buffers(), Mode::Train);
+        let loss_scale = self.loss_scale();
         let mut grad_norm = 0.0;
-        let lr = self.lr_at(self.global_step);
+        // A skipped step does not advance the schedule.
+        let lr = self.lr_at(self.global_step - self.skipped_steps);
+        let mut overflow = false;
         let start = Instant::now();
         for step in schedule.steps() {
             for inst in step {
@@ -247,6 +283,7 @@ where
                             self.stage + 1,
                             TAG_GRADIENT,
                             &self.device,
+                            self.wire_dtype(),
                         )?;
                         run.slots[buffer].output_grad = Some(dy);
                     }
@@ -261,7 +298,8 @@ where
                         let dx = run.slots[buffer].input_grad.take().ok_or_else(|| {
                             pipeline_error(format!("no input gradient in buffer {buffer} to send"))
                         })?;
-                        wire::send(self.pipe.as_ref(), &dx, self.stage - 1, TAG_GRADIENT)?;
+                        let (pipe, dtype) = (self.pipe.as_ref(), self.wire_dtype());
+                        wire::send(pipe, &dx, self.stage - 1, TAG_GRADIENT, dtype)?;
                     }
                     PipeInstruction::ReduceTiedGrads => {
                         run.schedule_time = start.elapsed();
@@ -270,10 +308,27 @@ where
                             tie.sum(flat)?;
                         }
                     }
-                    PipeInstruction::ReduceGrads => self.grads.average(1.0)?,
+                    PipeInstruction::ReduceGrads => self.grads.average(self.loss_scale())?,
                     PipeInstruction::OptimizerStep => {
                         grad_norm = self.clip()?;
-                        self.optimizer_step(lr);
+                        // The norm is summed over the pipeline and the gradient averaged over
+                        // the replicas: every rank sees the same norm, and skips together.
+                        overflow = !grad_norm.is_finite();
+                        if let Some(scaler) = &mut self.scaler {
+                            scaler.update(overflow)?;
+                        }
+                        if overflow {
+                            self.grads.reset();
+                            self.grads.clear_marks();
+                            self.skipped_steps += 1;
+                            tracing::warn!(
+                                stage = self.stage,
+                                skipped_steps = self.skipped_steps,
+                                "the gradient norm is not finite: step skipped on every rank"
+                            );
+                        } else {
+                            self.optimizer_step(lr);
+                        }
                     }
                     other => {
                         return Err(pipeline_error(format!("`{other}` in a train schedule")));
@@ -298,6 +353,8 @@ where
             loss,
             lr,
             grad_norm,
+            overflow,
+            loss_scale: self.scaler.as_ref().map(|_| loss_scale),
             stage_bubble_fraction: stage_bubble,
             bubble_fraction: bubble[0] as f64,
             peak_live_activations: run.peak,
@@ -343,6 +400,7 @@ where
                     self.stage - 1,
                     TAG_ACTIVATION,
                     &self.device,
+                    self.wire_dtype(),
                 )?;
                 run.slots[buffer].input = Some(if train { x.require_grad() } else { x });
             }
@@ -386,7 +444,8 @@ where
                 let y = y.ok_or_else(|| {
                     pipeline_error(format!("no activation in buffer {buffer} to send"))
                 })?;
-                wire::send(self.pipe.as_ref(), &y, self.stage + 1, TAG_ACTIVATION)?;
+                let (pipe, dtype) = (self.pipe.as_ref(), self.wire_dtype());
+                wire::send(pipe, &y, self.stage + 1, TAG_ACTIVATION, dtype)?;
             }
             _ => return Ok(false),
         }
@@ -420,11 +479,32 @@ where
         Ok(loss[0] as f64)
     }
 
-    /// Steps this stage's layers with the averaged, clipped gradient.
+    /// The dtype activations and their gradients cross stages in: the working dtype.
+    fn wire_dtype(&self) -> FloatDType {
+        self.config.working_dtype().unwrap_or(FloatDType::F32)
+    }
+
+    /// fp16: the current loss scale; 1 otherwise.
+    fn loss_scale(&self) -> f32 {
+        self.scaler.as_ref().map_or(1.0, DynamicLossScaler::scale)
+    }
+
+    /// Steps this stage's layers with the averaged, clipped gradient (under mixed precision,
+    /// the fp32 masters, then casts them into the working copy).
     fn optimizer_step(&mut self, lr: f64) {
-        let grads: GradientsParams = self.grads.take(&self.layers);
-        let layers = std::mem::take(&mut self.layers);
-        self.layers = self.optim.step(lr, layers, grads);
+        match (self.masters.take(), self.config.working_dtype()) {
+            (Some(masters), Some(dtype)) => {
+                let grads: GradientsParams = self.grads.take(&masters);
+                let masters = self.optim.step(lr, masters, grads);
+                self.layers = cast_layers(&masters, dtype);
+                self.masters = Some(masters);
+            }
+            _ => {
+                let grads: GradientsParams = self.grads.take(&self.layers);
+                let layers = std::mem::take(&mut self.layers);
+                self.layers = self.optim.step(lr, layers, grads);
+            }
+        }
         if self.optim_bytes == 0 {
             // The state per element, measured on a probe, for every element of this stage
             // (all of them have a gradient after the first step).
@@ -483,7 +563,11 @@ where
                 .loss
                 .take()
                 .ok_or_else(|| pipeline_error("a backward pass found no loss".into()))?;
-            loss.backward()
+            // fp16: the loss times the scale, which the gradient average divides out.
+            match &self.scaler {
+                Some(scaler) => (loss * scaler.scale()).backward(),
+                None => loss.backward(),
+            }
         } else {
             let (y, dy) = slot
                 .output
@@ -556,9 +640,21 @@ where
     pub fn parts(&self) -> &[usize] {
         &self.parts
     }
-    /// This stage's layers.
+    /// This stage's layers (under mixed precision, the 16-bit working copy).
     pub fn layers(&self) -> &[L] {
         &self.layers
+    }
+    /// Mixed precision: the fp32 masters of this stage's layers, which the optimizer steps.
+    pub fn master_layers(&self) -> Option<&[L]> {
+        self.masters.as_deref()
+    }
+    /// Steps skipped because the gradient norm was not finite (DeepSpeed's `skipped_steps`).
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped_steps
+    }
+    /// fp16: the loss scale the next step's gradients are computed with.
+    pub fn current_loss_scale(&self) -> Option<f32> {
+        self.scaler.as_ref().map(DynamicLossScaler::scale)
     }
     /// Consumes the engine and returns this stage's layers.
     pub fn into_layers(self) -> Vec<L> {
@@ -585,12 +681,14 @@ where
         self.grads.layout().numel
     }
     /// The model state this rank holds, measured: its layers' stored parameters, its gradient
-    /// buffer, and the state tensors of its optimizer (read after the first step).
+    /// buffer, and the state tensors of its optimizer (read after the first step), with the
+    /// fp32 masters of a mixed-precision run.
     pub fn model_state_bytes(&self) -> ModelStateBytes {
+        let masters: u64 = self.masters.iter().flatten().map(param_bytes).sum();
         ModelStateBytes {
             params: self.layers.iter().map(param_bytes).sum(),
             grads: self.grads.bytes(),
-            optimizer: self.optim_bytes,
+            optimizer: self.optim_bytes + masters,
         }
     }
     /// This rank's counters over the world, pipeline and data-parallel communicators:

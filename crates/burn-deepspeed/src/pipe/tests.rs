@@ -30,7 +30,10 @@ struct ToyBatch {
 impl PipeLayer<ToyBatch> for Toy {
     fn forward(&self, input: LayerInput<'_, ToyBatch>) -> Tensor<3> {
         match (self, input) {
-            (Toy::In(l), LayerInput::Batch(b)) => l.forward(b.x.clone()).tanh(),
+            // The batch in the parameters' dtype (f16 or bf16 under mixed precision).
+            (Toy::In(l), LayerInput::Batch(b)) => {
+                l.forward(b.x.clone().cast(l.weight.val().dtype())).tanh()
+            }
             (Toy::Mid(l), input) => l.forward(input.hidden("Mid")).tanh(),
             (Toy::Out(l), input) => l.forward(input.hidden("Out")),
             (Toy::In(_), LayerInput::Hidden(_)) => panic!("In must come first"),
@@ -50,7 +53,9 @@ impl PipeLayer<ToyBatch> for Toy {
 
 impl PipeBatch for ToyBatch {
     fn loss(&self, out: Tensor<3>) -> Tensor<1> {
-        (out - self.y.clone()).powf_scalar(2.0).mean()
+        (out.cast(burn::tensor::FloatDType::F32) - self.y.clone())
+            .powf_scalar(2.0)
+            .mean()
     }
 }
 
@@ -106,22 +111,24 @@ struct Outcome {
 /// Trains the toy for `steps` on `stages x replicas` thread ranks. Every rank builds the same
 /// initial layers (rank 0's values are broadcast as Burn's init is random per process).
 fn train(stages: usize, replicas: usize, kind: ScheduleKind, steps: u64) -> Outcome {
-    train_checkpointed(stages, replicas, kind, steps, 0)
+    train_with(stages, replicas, kind, steps, 0, "")
 }
 
-/// [`train`], with `pipeline.activation_checkpoint_interval` set to `interval`.
-fn train_checkpointed(
+/// [`train`], with `pipeline.activation_checkpoint_interval` set to `interval` and `extra`
+/// (`, "key": value` pairs) added to the config.
+fn train_with(
     stages: usize,
     replicas: usize,
     kind: ScheduleKind,
     steps: u64,
     interval: u64,
+    extra: &str,
 ) -> Outcome {
     let config = DeepSpeedConfig::from_json_str(&format!(
         r#"{{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
             "gradient_clipping": 0.5, "pipeline": {{"stages": {stages}, "partition": "uniform",
             "activation_checkpoint_interval": {interval}}},
-            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}}}}"#
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}}{extra}}}"#
     ))
     .expect("valid")
     .0;
@@ -230,7 +237,7 @@ fn activation_checkpoint_intervals_keep_the_trajectory() {
     for stages in [1, 2] {
         let plain = train(stages, 1, ScheduleKind::OneFOneB, 4);
         for interval in [1, 2] {
-            let o = train_checkpointed(stages, 1, ScheduleKind::OneFOneB, 4, interval);
+            let o = train_with(stages, 1, ScheduleKind::OneFOneB, 4, interval, "");
             assert_eq!(
                 o.losses, plain.losses,
                 "{stages} stages, interval {interval}"
@@ -250,6 +257,44 @@ fn activation_checkpoint_intervals_keep_the_trajectory() {
                 4 * 4 * runs,
                 "{stages} stages, interval {interval}"
             );
+        }
+    }
+}
+
+#[test]
+fn sixteen_bit_pipelines_follow_fp32_at_every_stage_count() {
+    let steps = 6;
+    let fp32 = train(1, 1, ScheduleKind::OneFOneB, steps);
+    for (extra, tolerance) in [
+        (r#", "bf16": {"enabled": true}"#, 2e-2),
+        (
+            r#", "fp16": {"enabled": true, "initial_scale_power": 8}"#,
+            2e-3,
+        ),
+    ] {
+        let one = train_with(1, 1, ScheduleKind::OneFOneB, steps, 0, extra);
+        let d = max_rel(&one.losses, &fp32.losses);
+        println!("{extra}: largest relative loss difference to fp32 {d:.2e}");
+        assert!(
+            d < tolerance,
+            "{extra}: {d} ({:?} vs {:?})",
+            one.losses,
+            fp32.losses
+        );
+        // Two and three stages (activations and gradients sent in the working dtype) and two
+        // replicas follow the one-stage run of the same precision.
+        for (stages, replicas) in [(2, 1), (3, 1), (2, 2)] {
+            let o = train_with(stages, replicas, ScheduleKind::OneFOneB, steps, 0, extra);
+            let reference = if replicas == 1 {
+                one.losses.clone()
+            } else {
+                train_with(1, replicas, ScheduleKind::OneFOneB, steps, 0, extra).losses
+            };
+            let d = max_rel(&o.losses, &reference);
+            println!("{extra}: {stages} stages x {replicas} replicas vs 1 stage: {d:.2e}");
+            assert!(d < 1e-5, "{extra}: {stages}x{replicas}: {d}");
+            let (a, b) = tied_copies(&o, stages);
+            assert_eq!(a, b, "{extra}: tied copies equal across {stages} stages");
         }
     }
 }

@@ -39,6 +39,11 @@ fn train_at_stage(stage: u8, epochs: usize) -> Gpt {
 
 /// The Learner's AdamW on 2 ranks for `epochs` with `zero` as `zero_optimization`.
 fn train_with(zero: &str, epochs: usize) -> Gpt {
+    train_with_extra(zero, "", epochs)
+}
+
+/// [`train_with`], with `extra` (`, "key": value` pairs) added to the config.
+fn train_with_extra(zero: &str, extra: &str, epochs: usize) -> Gpt {
     let device = Device::flex().autodiff();
     let data = windows(&EMBEDDED_CORPUS[..33 * 96], SHAPE.seq_len);
     let train = DataLoaderBuilder::new(WindowBatcher)
@@ -51,7 +56,7 @@ fn train_with(zero: &str, epochs: usize) -> Gpt {
         .build(InMemDataset::new(data[80..].to_vec()));
     let model = Gpt::new(SHAPE, 5, &device);
     let (config, _) = DeepSpeedConfig::from_json_str(&format!(
-        r#"{{"gradient_clipping": 1.0, "train_batch_size": 8, "zero_optimization": {zero}}}"#
+        r#"{{"gradient_clipping": 1.0, "train_batch_size": 8, "zero_optimization": {zero}{extra}}}"#
     ))
     .expect("valid config");
     let strategy = DeepSpeedStrategy::new(config, 2);
@@ -96,6 +101,51 @@ fn zero_stages_in_the_strategy_match_stage_0() {
             .fold(0.0f32, f32::max);
         println!("{name}: max parameter difference to stage 0 {diff:e}");
         assert!(diff <= 1e-5, "{name}: {diff}");
+    }
+}
+
+/// bf16, and fp16 with dynamic loss scaling, in the strategy at stages 0 and 2: the Learner's
+/// AdamW steps fp32 masters, the model that comes back is the masters (in f32), its held-out
+/// loss follows fp32's, and the stages agree.
+#[test]
+fn the_strategy_trains_in_16_bit_with_fp32_masters() {
+    let flat = |m: &Gpt| params_to_flat(m, &ParamLayout::of(m));
+    let fp32 = train_with(r#"{"stage": 0}"#, 1);
+    let base = eval_loss(&fp32);
+    for extra in [
+        r#", "bf16": {"enabled": true}"#,
+        r#", "fp16": {"enabled": true, "initial_scale_power": 10}"#,
+    ] {
+        let mut by_stage = Vec::new();
+        for stage in [0, 2] {
+            let zero = format!(r#"{{"stage": {stage}, "reduce_bucket_size": 2000}}"#);
+            let model = train_with_extra(&zero, extra, 1);
+            struct AllF32(bool);
+            impl burn::module::ModuleVisitor for AllF32 {
+                fn visit_float<const D: usize>(
+                    &mut self,
+                    p: &burn::module::Param<burn::tensor::Tensor<D>>,
+                ) {
+                    self.0 &= p.val().dtype() == burn::tensor::DType::F32;
+                }
+            }
+            let mut all = AllF32(true);
+            burn::module::Module::visit(&model, &mut all);
+            assert!(all.0, "{extra}: the masters come back in f32");
+            let loss = eval_loss(&model);
+            let rel = (loss - base).abs() / base;
+            println!(
+                "{extra} stage {stage}: held-out loss {loss:.4} vs fp32 {base:.4} ({rel:.1e})"
+            );
+            assert!(rel < 1e-2, "{extra} stage {stage}: {loss} vs {base}");
+            by_stage.push(flat(&model));
+        }
+        let diff = by_stage[0]
+            .iter()
+            .zip(&by_stage[1])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(diff <= 1e-5, "{extra}: stage 2 vs stage 0: {diff}");
     }
 }
 
@@ -207,12 +257,14 @@ fn config_keys_the_strategy_cannot_honour_are_refused() {
             "`scheduler`",
         ),
         (r#"{"gradient_clipping": -1}"#, 4, None, "gradient_clipping"),
-        (r#"{"bf16": {"enabled": true}}"#, 4, None, "bf16.enabled"),
     ];
     for (config, batch, accumulation, needle) in cases {
         let e = launch_with(config, false, *batch, 16, *accumulation, own);
         assert_refused(e, needle);
     }
+    // 16-bit with Burn's checkpointer: it would save the working copy, not the masters.
+    let e = launch_with(r#"{"bf16": {"enabled": true}}"#, true, 4, 16, None, own);
+    assert_refused(e, "bf16.enabled");
     // A batch size that agrees trains.
     let e = launch_with(r#"{"train_batch_size": 8}"#, false, 4, 16, None, own);
     assert!(e.is_none(), "{e:?}");

@@ -202,7 +202,8 @@ fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
 }
 
 /// Mixed precision: fp16 and bf16 with fp32 masters run in the engine (stages 0-3, the 1-bit
-/// optimizers) and the pipeline engine; the Learner strategy is not built yet.
+/// optimizers), the pipeline engine, and the Learner strategy at stages 0-2 without Burn's
+/// checkpointer.
 fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     if config.fp16.enabled && config.fp16.auto_cast {
         return refuse(
@@ -217,11 +218,20 @@ fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     let key = format!("{}.enabled", config.precision_name());
     match entry {
         EntryPoint::Engine | EntryPoint::Pipeline => Ok(()),
-        EntryPoint::Strategy { .. } => refuse(
+        EntryPoint::Strategy { .. } if config.zero_optimization.stage == ZeroStage::Parameters => {
+            refuse(
+                &key,
+                "the Learner strategy trains in 16-bit at ZeRO stages 0-2; at stage 3 its \
+                 chunks have no fp32 masters yet: use stage 2, or DeepSpeedEngine",
+            )
+        }
+        EntryPoint::Strategy { checkpointer: true } => refuse(
             &key,
-            "16-bit training runs in DeepSpeedEngine and the pipeline engine so far; the \
-             Learner strategy trains in fp32",
+            "Burn's checkpointer would save the Learner's 16-bit working copy, not the fp32 \
+             masters its optimizer steps: train without the checkpointer, or with \
+             DeepSpeedEngine's checkpoints",
         ),
+        EntryPoint::Strategy { .. } => Ok(()),
     }
 }
 
@@ -287,12 +297,12 @@ mod tests {
             (
                 r#""fp16": {"enabled": true}"#,
                 "fp16.enabled",
-                [false, false, true],
+                [false, false, false],
             ),
             (
                 r#""bf16": {"enabled": true}"#,
                 "bf16.enabled",
-                [false, false, true],
+                [false, false, false],
             ),
             (
                 r#""zero_optimization": {"offload_param": {"device": "cpu"}}"#,
@@ -364,5 +374,20 @@ mod tests {
             refused_key(&staged, EntryPoint::Strategy { checkpointer: true }).as_deref(),
             Some("zero_optimization.stage")
         );
+        // 16-bit in the Learner strategy: stages 0-2 without Burn's checkpointer.
+        for (zero, checkpointer, refused) in [(2, false, false), (3, false, true), (0, true, true)]
+        {
+            let c = config(&format!(
+                r#"{{{base}, "bf16": {{"enabled": true}}, "zero_optimization": {{"stage": {zero}}}}}"#
+            ));
+            let got = refused_key(&c, EntryPoint::Strategy { checkpointer });
+            let want = refused.then_some("bf16.enabled");
+            assert_eq!(
+                got.as_deref(),
+                want,
+                "stage {zero}, checkpointer {checkpointer}"
+            );
+            assert_eq!(refused_key(&c, EntryPoint::Engine), None);
+        }
     }
 }

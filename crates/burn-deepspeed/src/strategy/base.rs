@@ -38,6 +38,7 @@ use std::time::Duration;
 
 use burn::data::dataloader::{DataLoaderIterator, Progress};
 use burn::data::dataset::DatasetError;
+use burn::tensor::FloatDType;
 use burn::train::InferenceStep;
 use burn::train::train::WorkerFailure;
 use burn::train::{
@@ -54,6 +55,9 @@ use crate::activation::{CheckpointOptions, take_stats, with_options};
 use crate::config::ZeroStage;
 use crate::engine::flat::ParamLayout;
 use crate::launch::{launch_with_leader, launched_by_mpirun, mpirun_world_size};
+use crate::precision::{
+    DynamicLossScaler, cast_module, unscaled_backward_message, with_loss_scale,
+};
 use crate::sync::{self, GradSync, ShardedSync, SyncOptions, broadcast_params};
 use crate::zero3::GatherGroup;
 
@@ -85,6 +89,15 @@ impl DeepSpeedStrategy {
         self.timeout = timeout;
         self
     }
+}
+
+/// Mixed precision in the strategy: the fp32 masters the Learner's optimizer steps (whole on
+/// every rank: Burn's optimizer steps a whole module), their 16-bit dtype, and the fp16 loss
+/// scaler.
+struct Mixed<M> {
+    dtype: FloatDType,
+    masters: M,
+    scaler: Option<DynamicLossScaler>,
 }
 
 /// This thread answers a prepared model's keys with its rank's gather group until dropped.
@@ -163,6 +176,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
     ) -> crate::Result<M> {
         let shard = self.shard();
         let (mut sync, _answering) = self.build_sync()?;
+        let mut mixed = self.mixed_precision()?;
         let per_step = self.settings.grad_accumulation;
         for epoch in epochs {
             if !on_epoch(EpochEvent::Start(epoch, shard.num_items())) {
@@ -200,7 +214,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
                 let Some(micro) = micro.filter(|_| stopped == 0) else {
                     break;
                 };
-                let outputs = self.step(sync.as_mut(), micro)?;
+                let outputs = self.step(sync.as_mut(), micro, mixed.as_mut())?;
                 steps += 1;
                 for item in outputs {
                     iteration += 1;
@@ -220,12 +234,38 @@ impl<M: LearnerModel> RankRun<'_, M> {
                     shard.num_items()
                 )));
             }
+            // Validation runs the working copy, as training does.
             let whole = sync.whole_model(&self.learner.model())?;
             if !on_epoch(EpochEvent::End(epoch, &self.learner, whole)) {
                 break;
             }
         }
-        sync.whole_model(&self.learner.model())
+        match mixed {
+            // The trained model is the fp32 masters, not their 16-bit copy.
+            Some(mixed) => sync.whole_model(&mixed.masters),
+            None => sync.whole_model(&self.learner.model()),
+        }
+    }
+
+    /// Mixed precision: keeps the (broadcast) f32 model as fp32 masters and hands the Learner
+    /// their 16-bit working copy; `None` in fp32.
+    fn mixed_precision(&mut self) -> crate::Result<Option<Mixed<M>>> {
+        let config = &self.settings.config;
+        let Some(dtype) = config.working_dtype() else {
+            return Ok(None);
+        };
+        let scaler = match config.fp16.enabled {
+            true => Some(DynamicLossScaler::new(&config.fp16)?),
+            false => None,
+        };
+        let masters = self.learner.model();
+        self.learner
+            .load_model(cast_module(masters.clone(), dtype).into_record());
+        Ok(Some(Mixed {
+            dtype,
+            masters,
+            scaler,
+        }))
     }
 
     /// One optimizer step over `micro`: the Learner computes each micro-batch's gradients,
@@ -236,17 +276,24 @@ impl<M: LearnerModel> RankRun<'_, M> {
         &mut self,
         sync: &mut dyn GradSync<M>,
         micro: Vec<<M as burn::train::TrainStep>::Input>,
+        mut mixed: Option<&mut Mixed<M>>,
     ) -> crate::Result<Vec<<M as burn::train::TrainStep>::Output>> {
         let model = self.learner.model();
         let mut outputs = Vec::with_capacity(micro.len());
         let checkpointing = self.settings.config.activation_checkpointing.clone();
+        let scale = mixed
+            .as_ref()
+            .and_then(|m| m.scaler.as_ref())
+            .map(DynamicLossScaler::scale);
+        let mut unscaled = false;
         for item in micro {
-            let out = match &checkpointing {
-                Some(section) => with_options(CheckpointOptions::from_config(section), || {
-                    self.learner.train_step(item)
-                }),
-                None => self.learner.train_step(item),
+            let learner = &mut self.learner;
+            let run = || with_loss_scale(scale, || learner.train_step(item));
+            let (out, scaled) = match &checkpointing {
+                Some(section) => with_options(CheckpointOptions::from_config(section), run),
+                None => run(),
             };
+            unscaled |= !scaled;
             sync.accumulate(&model, &out.grads);
             outputs.push(out.item);
         }
@@ -254,7 +301,16 @@ impl<M: LearnerModel> RankRun<'_, M> {
         if checkpointing.is_some_and(|c| c.profile) {
             stats.log(self.comm.rank());
         }
-        let reduced = sync.reduce(1.0)?;
+        // Before the reduction's collectives: every rank learns whether one ran unscaled.
+        let failure = unscaled.then(unscaled_backward_message);
+        if let Err(e) = agree(self.comm.as_ref(), "fp16 loss scaling", failure.as_deref()) {
+            sync.discard();
+            return Err(e.into());
+        }
+        let reduced = sync.reduce(scale.unwrap_or(1.0))?;
+        if let Some(scaler) = mixed.as_mut().and_then(|m| m.scaler.as_mut()) {
+            scaler.update(reduced.overflow)?;
+        }
         if reduced.overflow {
             // As the engine: a non-finite gradient norm skips the step on every rank (the
             // norm is global), and the schedule does not advance.
@@ -265,12 +321,28 @@ impl<M: LearnerModel> RankRun<'_, M> {
             );
             return Ok(outputs);
         }
-        let grads = sync.reduced_gradients(&model)?;
+        let Some(mixed) = mixed else {
+            let grads = sync.reduced_gradients(&model)?;
+            self.learner.lr_step();
+            self.learner.optimizer_step(grads);
+            if let Some(updated) = sync.finish_external_step(&self.learner.model())? {
+                self.learner.load_model(updated.into_record());
+            }
+            return Ok(outputs);
+        };
+        // Mixed precision: the Learner's optimizer steps the fp32 masters (its state is
+        // created for them, in f32), then holds their 16-bit working copy again.
+        let grads = sync.reduced_gradients(&mixed.masters)?;
+        self.learner.load_model(mixed.masters.clone().into_record());
         self.learner.lr_step();
         self.learner.optimizer_step(grads);
-        if let Some(updated) = sync.finish_external_step(&self.learner.model())? {
-            self.learner.load_model(updated.into_record());
+        let mut masters = self.learner.model();
+        if let Some(updated) = sync.finish_external_step(&masters)? {
+            masters = updated;
         }
+        self.learner
+            .load_model(cast_module(masters.clone(), mixed.dtype).into_record());
+        mixed.masters = masters;
         Ok(outputs)
     }
 }

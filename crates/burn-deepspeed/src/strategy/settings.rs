@@ -217,7 +217,7 @@ mod tests {
                 "gradient_clipping",
             ),
             (
-                r#"{"fp16": {"enabled": true}}"#,
+                r#"{"fp16": {"enabled": true}, "zero_optimization": {"stage": 3}}"#,
                 around(2, None),
                 "fp16.enabled",
             ),

@@ -4,8 +4,6 @@
 //! forward of the whole model adds (activations), not the gathered weights; the backward
 //! gathers each weight again and hands back gradients of the chunks only.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Duration;
 
 use burn::module::Module;
@@ -13,34 +11,18 @@ use burn::nn::{Linear, LinearConfig};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Distribution, Tensor};
 use burn_deepspeed::engine::flat::ParamLayout;
+use burn_deepspeed::engine::heap::{self, CountingAllocator};
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::zero3::{GatherGroup, shard_module};
 use burn_deepspeed_strategies::zero::ShardPlan;
 
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(
-            new_size as isize - layout.size() as isize,
-            Ordering::Relaxed,
-        );
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static HEAP: CountingAllocator = CountingAllocator;
+
+/// Bytes live on the heap now.
+fn live() -> isize {
+    heap::live_bytes().expect("the counting allocator is installed") as isize
+}
 
 #[derive(Module, Debug)]
 struct Mlp {
@@ -71,9 +53,9 @@ const WEIGHT_BYTES: isize = (WIDTH * WIDTH * 4) as isize;
 /// Heap growth over a forward pass whose output is kept (so autodiff keeps what backward
 /// needs).
 fn forward_growth(model: &Mlp, x: &Tensor<2>) -> (isize, Tensor<2>) {
-    let before = LIVE.load(Ordering::Relaxed);
+    let before = live();
     let y = model.forward(x.clone());
-    (LIVE.load(Ordering::Relaxed) - before, y)
+    (live() - before, y)
 }
 
 #[test]

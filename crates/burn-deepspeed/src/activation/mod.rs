@@ -7,4 +7,5 @@ mod op;
 mod options;
 
 pub use checkpoint::checkpoint;
+pub(crate) use options::with_config_options;
 pub use options::{CheckpointOptions, CheckpointStats, current_options, take_stats, with_options};

@@ -5,7 +5,7 @@ use std::cell::Cell;
 
 use serde::Serialize;
 
-use crate::config::ActivationCheckpointingConfig;
+use crate::config::{ActivationCheckpointingConfig, DeepSpeedConfig};
 
 /// How [`checkpoint`](super::checkpoint) runs, from DeepSpeed's `activation_checkpointing`
 /// section (the keys that apply here; [`check_supported`](crate::config::check_supported)
@@ -91,6 +91,15 @@ pub fn with_options<T>(options: CheckpointOptions, f: impl FnOnce() -> T) -> T {
     }
     let _reset = Reset(OPTIONS.with(|o| o.replace(options)));
     f()
+}
+
+/// Runs `f` with the options of `config`'s `activation_checkpointing` section when it has one,
+/// as it is otherwise (what every engine does around a training step).
+pub(crate) fn with_config_options<T>(config: &DeepSpeedConfig, f: impl FnOnce() -> T) -> T {
+    match &config.activation_checkpointing {
+        Some(section) => with_options(CheckpointOptions::from_config(section), f),
+        None => f(),
+    }
 }
 
 /// The options checkpoints made on this thread now use.

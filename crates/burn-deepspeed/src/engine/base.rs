@@ -19,7 +19,7 @@ use super::flat::param_paths;
 use super::heap::HeapWindow;
 use super::memory::ModelStateBytes;
 use super::{StepLoss, StepReport};
-use crate::activation::{CheckpointOptions, CheckpointStats, take_stats, with_options};
+use crate::activation::{CheckpointStats, take_stats, with_config_options};
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
 use crate::precision::{
     DynamicLossScaler, LossScalerState, unscaled_backward_message, with_loss_scale,
@@ -129,11 +129,9 @@ where
         let (out, scaled) = {
             let _span = tracing::debug_span!("forward_backward", rank = self.comm.rank()).entered();
             let model = &self.model;
-            let run = || with_loss_scale(scale, || TrainStep::step(model, input));
-            match &self.config.activation_checkpointing {
-                Some(section) => with_options(CheckpointOptions::from_config(section), run),
-                None => run(),
-            }
+            with_config_options(&self.config, || {
+                with_loss_scale(scale, || TrainStep::step(model, input))
+            })
         };
         if let Some(window) = window {
             let peak = window.peak_above_start();

@@ -19,7 +19,7 @@ use super::layer::{LayerInput, PipeBatch, PipeLayer};
 use super::run::{Mode, Run, Slot};
 use super::ties::{TiedGroup, find_ties};
 use super::wire::{self, TAG_ACTIVATION, TAG_GRADIENT};
-use crate::activation::{CheckpointOptions, checkpoint, with_options};
+use crate::activation::{checkpoint, with_config_options};
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
 use crate::engine::build_optimizer;
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat};
@@ -492,14 +492,14 @@ where
     /// Steps this stage's layers with the averaged, clipped gradient (under mixed precision,
     /// the fp32 masters, then casts them into the working copy).
     fn optimizer_step(&mut self, lr: f64) {
-        match (self.masters.take(), self.config.working_dtype()) {
-            (Some(masters), Some(dtype)) => {
+        match self.masters.take() {
+            Some(masters) => {
                 let grads: GradientsParams = self.grads.take(&masters);
                 let masters = self.optim.step(lr, masters, grads);
-                self.layers = cast_layers(&masters, dtype);
+                self.layers = cast_layers(&masters, self.wire_dtype());
                 self.masters = Some(masters);
             }
-            _ => {
+            None => {
                 let grads: GradientsParams = self.grads.take(&self.layers);
                 let layers = std::mem::take(&mut self.layers);
                 self.layers = self.optim.step(lr, layers, grads);
@@ -542,13 +542,7 @@ where
         if interval == 0 {
             return Ok(run_layers(layers, hidden));
         }
-        let options = self
-            .config
-            .activation_checkpointing
-            .as_ref()
-            .map(CheckpointOptions::from_config)
-            .unwrap_or_default();
-        Ok(with_options(options, || {
+        Ok(with_config_options(&self.config, || {
             layers.chunks(interval).fold(hidden, |h, run| {
                 checkpoint(&run.to_vec(), h, |run: &Vec<L>, h| run_layers(run, h))
             })

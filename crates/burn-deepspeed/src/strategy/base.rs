@@ -51,7 +51,7 @@ use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp, a
 use super::prepare::{Prepared, take_built, take_prepared};
 use super::settings::{Settings, Surroundings, resolve_settings};
 use crate::DeepSpeedConfig;
-use crate::activation::{CheckpointOptions, take_stats, with_options};
+use crate::activation::{take_stats, with_config_options};
 use crate::config::ZeroStage;
 use crate::engine::flat::ParamLayout;
 use crate::launch::{launch_with_leader, launched_by_mpirun, mpirun_world_size};
@@ -280,7 +280,6 @@ impl<M: LearnerModel> RankRun<'_, M> {
     ) -> crate::Result<Vec<<M as burn::train::TrainStep>::Output>> {
         let model = self.learner.model();
         let mut outputs = Vec::with_capacity(micro.len());
-        let checkpointing = self.settings.config.activation_checkpointing.clone();
         let scale = mixed
             .as_ref()
             .and_then(|m| m.scaler.as_ref())
@@ -288,24 +287,26 @@ impl<M: LearnerModel> RankRun<'_, M> {
         let mut unscaled = false;
         for item in micro {
             let learner = &mut self.learner;
-            let run = || with_loss_scale(scale, || learner.train_step(item));
-            let (out, scaled) = match &checkpointing {
-                Some(section) => with_options(CheckpointOptions::from_config(section), run),
-                None => run(),
-            };
+            let (out, scaled) = with_config_options(&self.settings.config, || {
+                with_loss_scale(scale, || learner.train_step(item))
+            });
             unscaled |= !scaled;
             sync.accumulate(&model, &out.grads);
             outputs.push(out.item);
         }
         let stats = take_stats();
-        if checkpointing.is_some_and(|c| c.profile) {
+        let section = self.settings.config.activation_checkpointing.as_ref();
+        if section.is_some_and(|c| c.profile) {
             stats.log(self.comm.rank());
         }
-        // Before the reduction's collectives: every rank learns whether one ran unscaled.
-        let failure = unscaled.then(unscaled_backward_message);
-        if let Err(e) = agree(self.comm.as_ref(), "fp16 loss scaling", failure.as_deref()) {
-            sync.discard();
-            return Err(e.into());
+        // fp16 (every rank has the same config): before the reduction's collectives, every
+        // rank learns whether one ran unscaled.
+        if scale.is_some() {
+            let failure = unscaled.then(unscaled_backward_message);
+            if let Err(e) = agree(self.comm.as_ref(), "fp16 loss scaling", failure.as_deref()) {
+                sync.discard();
+                return Err(e.into());
+            }
         }
         let reduced = sync.reduce(scale.unwrap_or(1.0))?;
         if let Some(scaler) = mixed.as_mut().and_then(|m| m.scaler.as_mut()) {

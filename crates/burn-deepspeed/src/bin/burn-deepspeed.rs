@@ -145,7 +145,8 @@ struct EstimateArgs {
     #[arg(long)]
     stage: Option<u8>,
     /// `fp32`, `mixed` (the paper's: 16-bit params and grads, fp32 masters, m and v) or
-    /// `mixed-fp32-grads` (what the engine keeps in fp16 and bf16: fp32 gradient buffers).
+    /// `mixed-fp32-grads` (what the engine keeps in bf16: fp32 gradient buffers; fp16 keeps
+    /// `mixed`).
     #[arg(long, default_value = "fp32")]
     precision: String,
     /// `reduce_bucket_size` in elements.

@@ -458,18 +458,24 @@ impl<M: Module> DeepSpeedEngine<M> {
     }
     /// What ZeRO's formula gives for this engine's parameters, world size, stage and
     /// precision: the figure the measured [`model_state_bytes`](Self::model_state_bytes) is
-    /// checked against. fp32 Adam: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N. fp16 and bf16, with the
-    /// fp32 gradient buffers the engine keeps ([`StatePrecision::MixedFp32Grads`]): 18Ψ,
-    /// 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N.
+    /// checked against. fp32 Adam: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N. fp16, with fp16
+    /// gradient buffers ([`StatePrecision::Mixed`], the paper's): 16Ψ, 4Ψ + 12Ψ/N,
+    /// 2Ψ + 14Ψ/N, 16Ψ/N. bf16, whose gradients accumulate in fp32 as in DeepSpeed's bf16
+    /// optimizer ([`StatePrecision::MixedFp32Grads`]): 18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N.
     pub fn model_state_bytes_formula(&self) -> u64 {
         let stage: u8 = self.config.zero_optimization.stage.into();
         let (params, world) = (self.num_params() as u64, self.comm.world_size() as u64);
-        let precision = if self.config.fp16.enabled || self.config.bf16.enabled {
+        estimate_model_states(params, world, stage, self.state_precision(), 0, 0).total
+    }
+    /// The bytes per parameter this engine's model states take ([`StatePrecision`]).
+    pub fn state_precision(&self) -> StatePrecision {
+        if self.config.fp16.enabled {
+            StatePrecision::Mixed
+        } else if self.config.bf16.enabled {
             StatePrecision::MixedFp32Grads
         } else {
             StatePrecision::Fp32
-        };
-        estimate_model_states(params, world, stage, precision, 0, 0).total
+        }
     }
     /// Burn's module optimizer, when the engine steps with one (ZeRO stage 0, no 1-bit
     /// optimizer).

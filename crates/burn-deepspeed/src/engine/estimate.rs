@@ -28,10 +28,10 @@ pub enum StatePrecision {
     /// trains today.
     Fp32,
     /// The paper's mixed precision: 16-bit parameters and gradients, fp32 master weights, m
-    /// and v (2 + 2 + 12 bytes per parameter).
+    /// and v (2 + 2 + 12 bytes per parameter): what the engine keeps under fp16.
     Mixed,
     /// Mixed precision with fp32 gradient buffers (2 + 4 + 12 bytes per parameter): what the
-    /// engine keeps in fp16 and bf16 today, and what DeepSpeed's bf16 optimizer keeps.
+    /// engine keeps under bf16, as DeepSpeed's bf16 optimizer does.
     MixedFp32Grads,
 }
 

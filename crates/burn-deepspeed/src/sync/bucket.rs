@@ -5,17 +5,18 @@
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::zero::FlatPartition;
 
+use super::elem::GradElem;
 use crate::DeepSpeedError;
 
 /// One micro-batch's stream of gradients into this rank's slice.
-pub(super) struct Bucket<'a> {
+pub(super) struct Bucket<'a, G: GradElem> {
     pub comm: &'a dyn Communicator,
     pub partition: &'a FlatPartition,
     /// Flat offset of `slice[0]`.
     pub own_start: usize,
     /// This rank's accumulated slice.
-    pub slice: &'a mut [f32],
-    pub buf: Vec<f32>,
+    pub slice: &'a mut [G],
+    pub buf: Vec<G>,
     pub cap: usize,
     /// Flat offset of `buf[0]`.
     pub start: usize,
@@ -29,13 +30,14 @@ pub(super) struct Bucket<'a> {
     pub peak_elems: usize,
 }
 
-impl Bucket<'_> {
+impl<G: GradElem> Bucket<'_, G> {
     /// Appends gradient values.
     pub fn push(&mut self, mut values: &[f32]) {
         while !values.is_empty() {
             let take = (self.cap - self.buf.len()).min(values.len());
             let pre = self.pre;
-            self.buf.extend(values[..take].iter().map(|&g| g * pre));
+            self.buf
+                .extend(values[..take].iter().map(|&g| G::narrow(g * pre)));
             values = &values[take..];
             if self.buf.len() == self.cap {
                 self.flush();
@@ -47,7 +49,7 @@ impl Bucket<'_> {
     pub fn push_zeros(&mut self, mut n: usize) {
         while n > 0 {
             let take = (self.cap - self.buf.len()).min(n);
-            self.buf.resize(self.buf.len() + take, 0.0);
+            self.buf.resize(self.buf.len() + take, G::default());
             n -= take;
             if self.buf.len() == self.cap {
                 self.flush();
@@ -66,7 +68,7 @@ impl Bucket<'_> {
             let rank = self.comm.rank();
             let mine = self.partition.own_in(rank, &range);
             let counts = self.partition.counts_in(&range);
-            let mut out = vec![0.0f32; mine.len()];
+            let mut out = vec![G::default(); mine.len()];
             self.peak_elems = self.peak_elems.max(self.buf.capacity() + out.len());
             let _span =
                 tracing::debug_span!("reduce_scatter_bucket", elems = range.len()).entered();
@@ -88,7 +90,9 @@ impl Bucket<'_> {
                 Ok(()) => {
                     let dst =
                         &mut self.slice[mine.start - self.own_start..mine.end - self.own_start];
-                    dst.iter_mut().zip(out).for_each(|(d, v)| *d += v);
+                    dst.iter_mut()
+                        .zip(out)
+                        .for_each(|(d, v)| *d = G::narrow(d.widen() + v.widen()));
                 }
                 Err(e) => self.error = Some(e.into()),
             }

@@ -10,6 +10,7 @@ use burn::tensor::Device;
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 
 use super::SyncOptions;
+use super::elem::{GradElem, add_into};
 use super::scale::{Scaling, all_reduce_mean};
 use crate::engine::flat::{
     ParamLayout, for_each_grad, grads_from_flat, params_from_flat, params_to_flat,
@@ -52,11 +53,12 @@ pub fn merge_presence(
     }
 }
 
-/// A rank's flat gradient accumulation buffer and its reduction over the world.
-pub struct GradBuffer {
+/// A rank's flat gradient accumulation buffer (of [`GradElem`] `G`: f32, or f16 under fp16)
+/// and its reduction over the world.
+pub struct GradBuffer<G: GradElem = f32> {
     comm: Arc<dyn Communicator>,
     layout: ParamLayout,
-    flat: Vec<f32>,
+    flat: Vec<G>,
     present: Vec<u8>,
     device: Option<Device>,
     micro_steps: u64,
@@ -64,12 +66,12 @@ pub struct GradBuffer {
     predivide: Option<f32>,
 }
 
-impl GradBuffer {
+impl<G: GradElem> GradBuffer<G> {
     /// A buffer for the parameters of `layout`, reduced over `comm` as `options` say.
     pub fn new(layout: ParamLayout, comm: Arc<dyn Communicator>, options: &SyncOptions) -> Self {
         Self {
             comm,
-            flat: vec![0.0; layout.numel],
+            flat: vec![G::default(); layout.numel],
             present: vec![0; layout.slots.len()],
             layout,
             device: None,
@@ -111,10 +113,7 @@ impl GradBuffer {
         let bytes = for_each_grad(module, layout, grads, &mut self.device, |i, values| {
             if let Some(values) = values {
                 let slot = &layout.slots[i];
-                flat[slot.offset..slot.offset + slot.numel]
-                    .iter_mut()
-                    .zip(values)
-                    .for_each(|(d, v)| *d += v);
+                add_into(&mut flat[slot.offset..slot.offset + slot.numel], &values);
                 present[i] = 1;
             }
         });
@@ -147,20 +146,26 @@ impl GradBuffer {
 
     /// Zeroes the buffer and the micro-batch count.
     pub fn reset(&mut self) {
-        self.flat.iter_mut().for_each(|g| *g = 0.0);
+        self.flat.iter_mut().for_each(|g| *g = G::default());
         self.micro_steps = 0;
     }
 
     /// The flat gradient buffer (in [`layout`](Self::layout) order).
-    pub fn flat_mut(&mut self) -> &mut [f32] {
+    pub fn flat_mut(&mut self) -> &mut [G] {
         &mut self.flat
+    }
+
+    /// The flat gradient buffer, read-only.
+    pub fn flat(&self) -> &[G] {
+        &self.flat
     }
 
     /// The buffer as [`GradientsParams`] of `module` (the parameters marked present); clears
     /// the buffer.
     pub fn take<M: Module>(&mut self, module: &M) -> GradientsParams {
         let device = self.device.clone().unwrap_or_default();
-        let grads = grads_from_flat(module, &self.layout, &self.flat, 0, &self.present, &device);
+        let flat = G::widen_all(&self.flat);
+        let grads = grads_from_flat(module, &self.layout, &flat, 0, &self.present, &device);
         self.reset();
         grads
     }

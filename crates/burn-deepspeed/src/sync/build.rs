@@ -4,9 +4,10 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn_deepspeed_strategies::comm::Communicator;
+use half::f16;
 
 use super::{
-    CompressedSync, GradSync, PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions,
+    CompressedSync, GradElem, GradSync, PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions,
     broadcast_params,
 };
 use crate::config::{DeepSpeedConfig, ZeroStage};
@@ -16,8 +17,21 @@ use crate::{DeepSpeedError, Result};
 
 /// The regime a resolved `config` names for `model` on `comm`, and the model as that regime
 /// stores it: rank 0's parameters broadcast to every rank, and at stage 3 cut into this
-/// rank's chunks. Collective: every rank calls it.
+/// rank's chunks. Under fp16 the gradient buffers are fp16 (the paper's 2Ψ); otherwise fp32.
+/// Collective: every rank calls it.
 pub fn build<M: Module>(
+    model: M,
+    config: &DeepSpeedConfig,
+    comm: Arc<dyn Communicator>,
+) -> Result<(M, Box<dyn GradSync<M>>)> {
+    if config.fp16.enabled {
+        build_with::<M, f16>(model, config, comm)
+    } else {
+        build_with::<M, f32>(model, config, comm)
+    }
+}
+
+fn build_with<M: Module, G: GradElem>(
     model: M,
     config: &DeepSpeedConfig,
     comm: Arc<dyn Communicator>,
@@ -35,7 +49,7 @@ pub fn build<M: Module>(
                 Some(sync) => (model, Box::new(sync)),
                 None => {
                     let optim = build_optimizer(optimizer)?;
-                    let sync = ReplicatedSync::new(layout, comm, &options, Some(optim))
+                    let sync = ReplicatedSync::<G>::new(layout, comm, &options, Some(optim))
                         .with_flat_kind(partitioned_kind(optimizer).ok());
                     (model, Box::new(sync))
                 }
@@ -43,13 +57,12 @@ pub fn build<M: Module>(
         }
         ZeroStage::OptimizerStates | ZeroStage::Gradients => {
             let kind = partitioned_kind(optimizer)?;
-            (
-                model,
-                Box::new(PartitionedSync::new(layout, comm, &options, kind)),
-            )
+            let sync = PartitionedSync::<G>::new(layout, comm, &options, kind);
+            (model, Box::new(sync))
         }
         ZeroStage::Parameters => {
-            let sync = ShardedSync::new(layout, comm, &options, partitioned_kind(optimizer)?);
+            let kind = partitioned_kind(optimizer)?;
+            let sync = ShardedSync::<G>::new(layout, comm, &options, kind);
             (sync.shard(model), Box::new(sync))
         }
     })
@@ -65,10 +78,10 @@ pub fn for_caller_optimizer<M: Module>(
     options: &SyncOptions,
 ) -> Result<Box<dyn GradSync<M>>> {
     Ok(match options.stage {
-        ZeroStage::Disabled => Box::new(ReplicatedSync::new(layout, comm, options, None)),
-        ZeroStage::OptimizerStates | ZeroStage::Gradients => {
-            Box::new(PartitionedSync::for_whole_tensors(layout, comm, options))
-        }
+        ZeroStage::Disabled => Box::new(ReplicatedSync::<f32>::new(layout, comm, options, None)),
+        ZeroStage::OptimizerStates | ZeroStage::Gradients => Box::new(
+            PartitionedSync::<f32>::for_whole_tensors(layout, comm, options),
+        ),
         ZeroStage::Parameters => {
             return Err(DeepSpeedError::Strategy(
                 "ZeRO stage 3 needs the model sharded first: build a ShardedSync::for_learner"

@@ -12,6 +12,7 @@
 //! slice with the [`PartitionedOptimizer`] (m and v of the slice only), and all-gather the
 //! updated slices in buckets of `allgather_bucket_size` elements into every rank's model.
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -24,6 +25,7 @@ use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, Partitione
 
 use super::bucket::Bucket;
 use super::buffer::merge_presence;
+use super::elem::{GradElem, add_into};
 use super::scale::{Scaling, clip_across};
 use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
 use crate::config::ZeroStage;
@@ -36,8 +38,9 @@ use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes
 use crate::precision::cast_module;
 use crate::{DeepSpeedError, Result};
 
-/// A rank's gradient reduction and optimizer step at ZeRO stage 1 or 2.
-pub struct PartitionedSync {
+/// A rank's gradient reduction and optimizer step at ZeRO stage 1 or 2, with gradient buffers
+/// of `G` (f32, or f16 under fp16).
+pub struct PartitionedSync<G: GradElem = f32> {
     /// Stage 2: gradients are reduce-scattered after every micro-batch.
     streams: bool,
     comm: Arc<dyn Communicator>,
@@ -45,9 +48,9 @@ pub struct PartitionedSync {
     partition: FlatPartition,
     own: Range<usize>,
     /// Stage 1: the whole accumulated gradient; stage 2: empty.
-    full: Vec<f32>,
+    full: Vec<G>,
     /// Stage 2: this rank's accumulated slice; stage 1: empty (the slice lives in `full`).
-    slice: Vec<f32>,
+    slice: Vec<G>,
     present: Vec<u8>,
     device: Option<Device>,
     micro_steps: u64,
@@ -63,7 +66,7 @@ pub struct PartitionedSync {
     master: Option<Vec<f32>>,
 }
 
-impl PartitionedSync {
+impl<G: GradElem> PartitionedSync<G> {
     /// The stage-1/2 state for `layout` on `comm`: a balanced flat partition stepped by the
     /// [`PartitionedOptimizer`] of `kind`.
     pub fn new(
@@ -104,10 +107,10 @@ impl PartitionedSync {
             full: if streams {
                 Vec::new()
             } else {
-                vec![0.0; layout.numel]
+                vec![G::default(); layout.numel]
             },
             slice: if streams {
-                vec![0.0; own.len()]
+                vec![G::default(); own.len()]
             } else {
                 Vec::new()
             },
@@ -138,7 +141,7 @@ impl PartitionedSync {
     }
 
     /// This rank's part of the reduced gradient.
-    fn own_grads(&mut self) -> &mut [f32] {
+    fn own_grads(&mut self) -> &mut [G] {
         if self.streams {
             &mut self.slice
         } else {
@@ -153,7 +156,7 @@ impl PartitionedSync {
         for range in bucket_ranges(self.layout.numel, self.options.reduce_bucket) {
             scaling.apply_pre(&mut self.full[range.clone()]);
             let mine = self.partition.own_in(comm.rank(), &range);
-            tmp.resize(mine.len(), 0.0);
+            tmp.resize(mine.len(), G::default());
             let counts = self.partition.counts_in(&range);
             let _span =
                 tracing::debug_span!("reduce_scatter_bucket", elems = range.len()).entered();
@@ -192,13 +195,13 @@ impl PartitionedSync {
     }
 
     fn reset(&mut self) {
-        self.full.iter_mut().for_each(|g| *g = 0.0);
-        self.slice.iter_mut().for_each(|g| *g = 0.0);
+        self.full.iter_mut().for_each(|g| *g = G::default());
+        self.slice.iter_mut().for_each(|g| *g = G::default());
         self.micro_steps = 0;
     }
 }
 
-impl<M: Module> GradSync<M> for PartitionedSync {
+impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
     fn layout(&self) -> &ParamLayout {
         &self.layout
     }
@@ -213,10 +216,7 @@ impl<M: Module> GradSync<M> for PartitionedSync {
             for_each_grad(model, layout, grads, &mut self.device, |i, values| {
                 if let Some(values) = values {
                     let s = &layout.slots[i];
-                    full[s.offset..s.offset + s.numel]
-                        .iter_mut()
-                        .zip(values)
-                        .for_each(|(d, v)| *d += v);
+                    add_into(&mut full[s.offset..s.offset + s.numel], &values);
                     present[i] = 1;
                 }
             })
@@ -255,7 +255,7 @@ impl<M: Module> GradSync<M> for PartitionedSync {
                 );
             bucket.flush();
             self.deferred = bucket.error;
-            tensors + 4 * bucket.peak_elems as u64
+            tensors + (size_of::<G>() * bucket.peak_elems) as u64
         };
         let held = GradSync::<M>::held(self, model);
         self.meter.observe(held, transient);
@@ -301,14 +301,20 @@ impl<M: Module> GradSync<M> for PartitionedSync {
         };
         {
             let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
-            let grads: &[f32] = if self.streams {
+            let grads: &[G] = if self.streams {
                 &self.slice
             } else {
                 &self.full[self.own.clone()]
             };
+            // A 16-bit slice is stepped through a transient fp32 copy.
+            let grads = G::widen_all(grads);
+            if let Cow::Owned(widened) = &grads {
+                let held = GradSync::<M>::held(self, &model);
+                self.meter.observe(held, vec_bytes(widened));
+            }
             let stepped: Result<()> = match self.optim.as_mut() {
                 Some(optim) => optim
-                    .step(comm.as_ref(), &mut params, grads, &self.present, lr)
+                    .step(comm.as_ref(), &mut params, &grads, &self.present, lr)
                     .map_err(Into::into),
                 None => Err(DeepSpeedError::Data(
                     "this ZeRO sync has no optimizer; step its tensors and call \
@@ -338,16 +344,17 @@ impl<M: Module> GradSync<M> for PartitionedSync {
     }
 
     fn reduced_gradients(&mut self, model: &M) -> Result<GradientsParams> {
-        let grads: &[f32] = if self.streams {
+        let grads: &[G] = if self.streams {
             &self.slice
         } else {
             &self.full[self.own.clone()]
         };
+        let grads = G::widen_all(grads);
         let device = self.device.clone().unwrap_or_default();
         Ok(grads_from_flat(
             model,
             &self.layout,
-            grads,
+            &grads,
             self.own.start,
             &self.present,
             &device,

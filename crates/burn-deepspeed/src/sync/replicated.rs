@@ -7,8 +7,9 @@
 //! model and steps them with the flat Adam/AdamW/LAMB that stages 1-3 use on their slices
 //! (here the slice is everything), then rounds them into the 16-bit working copy: DeepSpeed's
 //! 2Ψ + 2Ψ + 12Ψ replicated model states (arXiv 1910.02054 §3), with the gradient buffer in
-//! fp32.
+//! fp16 under fp16 and in fp32 under bf16 (as DeepSpeed's bf16 optimizer).
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -18,19 +19,21 @@ use burn_deepspeed_strategies::comm::{Communicator, ThreadWorld, ThreadWorldOpti
 use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, PartitionedOptimizer};
 
 use super::buffer::GradBuffer;
+use super::elem::GradElem;
 use super::scale::clip_local;
 use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
 use crate::engine::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat, restore_params};
 use crate::engine::memory::{
-    MemoryMeter, ModelStateBytes, burn_state_bytes_per_elem, grads_bytes, param_bytes,
+    MemoryMeter, ModelStateBytes, burn_state_bytes_per_elem, grads_bytes, param_bytes, vec_bytes,
 };
 use crate::precision::cast_module;
 use crate::{DeepSpeedError, Result};
 
-/// A rank's stage-0 state: the gradient buffer and, when the engine steps, Burn's optimizer.
-pub struct ReplicatedSync {
-    buffer: GradBuffer,
+/// A rank's stage-0 state: the gradient buffer (of `G`: f32, or f16 under fp16) and, when
+/// the engine steps, Burn's optimizer.
+pub struct ReplicatedSync<G: GradElem = f32> {
+    buffer: GradBuffer<G>,
     clip: f64,
     /// `None` when the caller steps with its own optimizer (the Learner strategy).
     optim: Option<ModuleOptimizer>,
@@ -59,7 +62,7 @@ struct Masters {
     alone: Arc<dyn Communicator>,
 }
 
-impl ReplicatedSync {
+impl<G: GradElem> ReplicatedSync<G> {
     /// Stage 0 over `layout` on `comm`, stepping with `optim` (`None`: the caller steps with
     /// [`GradSync::reduced_gradients`]).
     pub fn new(
@@ -92,17 +95,22 @@ impl ReplicatedSync {
     /// The mixed-precision step: the flat optimizer steps the masters with the reduced
     /// gradient, and the model receives them rounded to its dtype.
     fn step_masters<M: Module>(&mut self, model: M, lr: f64) -> Result<M> {
+        let held = GradSync::<M>::held(self, &model);
         let Some(masters) = self.masters.as_mut() else {
             return Ok(model);
         };
         {
             let _span = tracing::debug_span!("optimizer_step").entered();
-            let present = self.buffer.present().to_vec();
+            let grads = G::widen_all(self.buffer.flat());
+            // A 16-bit buffer is stepped through a transient fp32 copy.
+            if let Cow::Owned(widened) = &grads {
+                self.meter.observe(held, vec_bytes(widened));
+            }
             masters.optim.step(
                 masters.alone.as_ref(),
                 &mut masters.values,
-                self.buffer.flat_mut(),
-                &present,
+                &grads,
+                self.buffer.present(),
                 lr,
             )?;
         }
@@ -140,7 +148,7 @@ impl ReplicatedSync {
     }
 }
 
-impl<M: Module> GradSync<M> for ReplicatedSync {
+impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
     fn layout(&self) -> &ParamLayout {
         self.buffer.layout()
     }
@@ -195,9 +203,10 @@ impl<M: Module> GradSync<M> for ReplicatedSync {
     }
 
     fn held(&self, model: &M) -> ModelStateBytes {
-        let masters = self.masters.as_ref().map_or(0, |m| {
-            m.optim.state_bytes() + crate::engine::memory::vec_bytes(&m.values)
-        });
+        let masters = self
+            .masters
+            .as_ref()
+            .map_or(0, |m| m.optim.state_bytes() + vec_bytes(&m.values));
         ModelStateBytes {
             params: param_bytes(model),
             grads: self.buffer.bytes(),

@@ -4,6 +4,7 @@
 use burn_deepspeed_strategies::bucket::bucket_ranges;
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp, sum_f64};
 
+use super::elem::GradElem;
 use crate::Result;
 
 /// The factors applied to a gradient before and after its sum over ranks, so that the result
@@ -43,27 +44,29 @@ impl Scaling {
     }
 
     /// Multiplies `values` by the factor before the reduction.
-    pub fn apply_pre(&self, values: &mut [f32]) {
+    pub fn apply_pre<G: GradElem>(&self, values: &mut [G]) {
         scale(values, self.pre);
     }
 
     /// Multiplies `values` by the factor after the reduction.
-    pub fn apply_post(&self, values: &mut [f32]) {
+    pub fn apply_post<G: GradElem>(&self, values: &mut [G]) {
         scale(values, self.post);
     }
 }
 
-fn scale(values: &mut [f32], factor: f32) {
+fn scale<G: GradElem>(values: &mut [G], factor: f32) {
     if factor != 1.0 {
-        values.iter_mut().for_each(|g| *g *= factor);
+        values
+            .iter_mut()
+            .for_each(|g| *g = G::narrow(g.widen() * factor));
     }
 }
 
 /// All-reduces `flat` in buckets of `bucket_size` elements (0: one bucket) and leaves the mean
 /// that `scaling` describes.
-pub fn all_reduce_mean(
+pub fn all_reduce_mean<G: GradElem>(
     comm: &dyn Communicator,
-    flat: &mut [f32],
+    flat: &mut [G],
     bucket_size: usize,
     scaling: Scaling,
 ) -> Result<()> {
@@ -80,26 +83,31 @@ pub fn all_reduce_mean(
 }
 
 /// Σ g², summed in f64.
-pub fn squared_sum(values: &[f32]) -> f64 {
-    values.iter().map(|&g| (g as f64) * (g as f64)).sum()
+pub fn squared_sum<G: GradElem>(values: &[G]) -> f64 {
+    values
+        .iter()
+        .map(|&g| {
+            let g = g.widen() as f64;
+            g * g
+        })
+        .sum()
 }
 
 /// Scales `values`, whose norm (possibly over several ranks' buffers) is `norm`, so that the
 /// norm is at most `max_norm` (DeepSpeed: coefficient `max_norm / (norm + 1e-6)` when below
 /// 1; `max_norm` 0 disables clipping).
-pub fn clip_to(values: &mut [f32], norm: f64, max_norm: f64) {
+pub fn clip_to<G: GradElem>(values: &mut [G], norm: f64, max_norm: f64) {
     if max_norm > 0.0 {
         let coef = max_norm / (norm + 1e-6);
         if coef < 1.0 {
-            let c = coef as f32;
-            values.iter_mut().for_each(|g| *g *= c);
+            scale(values, coef as f32);
         }
     }
 }
 
 /// Clips a whole gradient held by this rank by its own norm; returns the norm before
 /// clipping.
-pub fn clip_local(values: &mut [f32], max_norm: f64) -> f64 {
+pub fn clip_local<G: GradElem>(values: &mut [G], max_norm: f64) -> f64 {
     let norm = squared_sum(values).sqrt();
     clip_to(values, norm, max_norm);
     norm
@@ -107,7 +115,11 @@ pub fn clip_local(values: &mut [f32], max_norm: f64) -> f64 {
 
 /// Clips every rank's part `values` of one gradient by the norm of the whole (one all-reduce
 /// of the parts' squared sums); returns the norm before clipping.
-pub fn clip_across(comm: &dyn Communicator, values: &mut [f32], max_norm: f64) -> Result<f64> {
+pub fn clip_across<G: GradElem>(
+    comm: &dyn Communicator,
+    values: &mut [G],
+    max_norm: f64,
+) -> Result<f64> {
     let norm = norm_across(comm, squared_sum(values))?;
     clip_to(values, norm, max_norm);
     Ok(norm)

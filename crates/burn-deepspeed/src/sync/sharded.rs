@@ -8,6 +8,7 @@
 //! persistent tensors are all-gathered after the step. The module rewriting lives in
 //! `shards.rs` beside this file.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -19,6 +20,7 @@ use burn_deepspeed_strategies::zero::{
 };
 
 use super::buffer::merge_presence;
+use super::elem::{GradElem, add_into};
 use super::scale::{Scaling, clip_across};
 use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
 use crate::engine::checkpoint::{Loaded, gather_moments, no_state_to_restore, save_slice};
@@ -28,8 +30,9 @@ use crate::precision::cast_module;
 use crate::zero3::{GatherGroup, GatherStats, shard_module};
 use crate::{DeepSpeedError, Result, agreed};
 
-/// A rank's stage-3 state: the gather group, its gradient pieces and its optimizer.
-pub struct ShardedSync {
+/// A rank's stage-3 state: the gather group, its gradient pieces (of `G`: f32, or f16 under
+/// fp16) and its optimizer.
+pub struct ShardedSync<G: GradElem = f32> {
     pub(super) comm: Arc<dyn Communicator>,
     pub(super) layout: ParamLayout,
     pub(super) group: Arc<GatherGroup>,
@@ -38,9 +41,9 @@ pub struct ShardedSync {
     /// Where tensor `t`'s piece starts in the rank's buffers, if it has one.
     pub(super) local_start: Vec<Option<usize>>,
     /// Accumulated gradient of this rank's pieces.
-    pub(super) grads: Vec<f32>,
+    pub(super) grads: Vec<G>,
     /// Accumulated whole gradients of the persistent tensors, back to back.
-    pub(super) persistent: Vec<f32>,
+    pub(super) persistent: Vec<G>,
     /// Where tensor `t` starts in `persistent`, if it is persistent.
     pub(super) persistent_at: Vec<Option<usize>>,
     pub(super) present: Vec<u8>,
@@ -69,7 +72,7 @@ pub fn shard_plan(layout: &ParamLayout, options: &SyncOptions, world: usize) -> 
     )
 }
 
-impl ShardedSync {
+impl<G: GradElem> ShardedSync<G> {
     /// The stage-3 state for a model of `layout` (whole shapes) on `comm`, stepped by the
     /// [`PartitionedOptimizer`] of `kind`.
     pub fn new(
@@ -126,8 +129,8 @@ impl ShardedSync {
             group,
             segments,
             local_start,
-            grads: vec![0.0; own_len],
-            persistent: vec![0.0; at],
+            grads: vec![G::default(); own_len],
+            persistent: vec![G::default(); at],
             persistent_at,
             present: vec![0; tensors],
             grad_device: None,
@@ -156,8 +159,8 @@ impl ShardedSync {
     }
 
     pub(super) fn reset(&mut self) {
-        self.grads.iter_mut().for_each(|g| *g = 0.0);
-        self.persistent.iter_mut().for_each(|g| *g = 0.0);
+        self.grads.iter_mut().for_each(|g| *g = G::default());
+        self.persistent.iter_mut().for_each(|g| *g = G::default());
         self.micro_steps = 0;
     }
 
@@ -167,7 +170,7 @@ impl ShardedSync {
     }
 }
 
-impl<M: Module> GradSync<M> for ShardedSync {
+impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     fn layout(&self) -> &ParamLayout {
         &self.layout
     }
@@ -193,16 +196,10 @@ impl<M: Module> GradSync<M> for ShardedSync {
                 Some(_) => values,
             };
             if let Some(at) = persistent_at[t] {
-                persistent[at..at + values.len()]
-                    .iter_mut()
-                    .zip(&values)
-                    .for_each(|(d, v)| *d += v);
+                add_into(&mut persistent[at..at + values.len()], &values);
             } else if let Some(at) = local_start[t] {
                 let own = plan.own(rank, t);
-                own_grads[at..at + own.len()]
-                    .iter_mut()
-                    .zip(&values)
-                    .for_each(|(d, v)| *d += v);
+                add_into(&mut own_grads[at..at + own.len()], &values);
             }
         });
         // Alive during the micro-batch beyond the held state: its chunk gradients, and what
@@ -267,9 +264,15 @@ impl<M: Module> GradSync<M> for ShardedSync {
         };
         let stepped = {
             let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
+            // A 16-bit buffer is stepped through a transient fp32 copy.
+            let grads = G::widen_all(&self.grads);
+            if let Cow::Owned(widened) = &grads {
+                let held = GradSync::<M>::held(self, &model);
+                self.meter.observe(held, vec_bytes(widened));
+            }
             match self.optim.as_mut() {
                 Some(optim) => optim
-                    .step(comm.as_ref(), &mut params, &self.grads, &self.present, lr)
+                    .step(comm.as_ref(), &mut params, &grads, &self.present, lr)
                     .map_err(DeepSpeedError::from),
                 None => Err(DeepSpeedError::Data(
                     "this stage-3 state steps with the caller's optimizer".into(),

@@ -8,19 +8,20 @@ use burn::tensor::{Device, Tensor, TensorData};
 use burn_deepspeed_strategies::comm::CommunicatorExt;
 
 use super::ShardedSync;
+use super::elem::GradElem;
 use crate::engine::flat::{ParamLayout, to_f32_vec};
 use crate::zero3::{chunk_of, chunk_shape};
 use crate::{DeepSpeedError, Result};
 
-impl ShardedSync {
+impl<G: GradElem> ShardedSync<G> {
     /// This rank's pieces of the model's parameters, in buffer order.
     pub(super) fn read_own<M: Module>(&self, model: &M, out: &mut [f32]) {
-        struct V<'a> {
-            sync: &'a ShardedSync,
+        struct V<'a, G: GradElem> {
+            sync: &'a ShardedSync<G>,
             out: &'a mut [f32],
             rank: usize,
         }
-        impl ModuleVisitor for V<'_> {
+        impl<G: GradElem> ModuleVisitor for V<'_, G> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 let s = self.sync;
                 let Some(t) = s.layout.slot_of(param.id) else {
@@ -104,15 +105,17 @@ impl ShardedSync {
     /// chunk's gradient (chunk shape, zero over the padding); a persistent tensor its whole
     /// gradient, the same on every rank (one all-gather of the persistent pieces).
     pub(super) fn chunk_gradients<M: Module>(&self, model: &M) -> Result<GradientsParams> {
-        let whole = self.gather_persistent(&self.grads)?;
-        struct V<'a> {
-            sync: &'a ShardedSync,
+        let grads = G::widen_all(&self.grads);
+        let whole = self.gather_persistent(&grads)?;
+        struct V<'a, G: GradElem> {
+            sync: &'a ShardedSync<G>,
+            grads: &'a [f32],
             whole: &'a [f32],
             device: Device,
             rank: usize,
             out: GradientsParams,
         }
-        impl ModuleVisitor for V<'_> {
+        impl<G: GradElem> ModuleVisitor for V<'_, G> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 let s = self.sync;
                 let Some(t) = s.layout.slot_of(param.id) else {
@@ -131,7 +134,7 @@ impl ShardedSync {
                         let mut values = vec![0.0f32; chunk];
                         if let Some(at) = s.local_start[t] {
                             let n = s.plan().own(self.rank, t).len();
-                            values[..n].copy_from_slice(&s.grads[at..at + n]);
+                            values[..n].copy_from_slice(&self.grads[at..at + n]);
                         }
                         TensorData::new(values, chunk_shape(chunk, D))
                     }
@@ -142,6 +145,7 @@ impl ShardedSync {
         }
         let mut v = V {
             sync: self,
+            grads: &grads,
             whole: &whole,
             device: self.grad_device.clone().unwrap_or_default(),
             rank: self.comm.rank(),
@@ -153,8 +157,8 @@ impl ShardedSync {
 
     /// Records `model`'s current chunks for prefetching, after a caller stepped them.
     pub(super) fn track_shards<M: Module>(&self, model: &M) {
-        struct V<'a>(&'a ShardedSync);
-        impl ModuleVisitor for V<'_> {
+        struct V<'a, G: GradElem>(&'a ShardedSync<G>);
+        impl<G: GradElem> ModuleVisitor for V<'_, G> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 let s = self.0;
                 let Some(t) = s.layout.slot_of(param.id) else {
@@ -283,12 +287,12 @@ impl ShardedSync {
         values: impl Fn(usize, bool) -> Vec<f32>,
         whole: bool,
     ) -> M {
-        struct Mapper<'a, F> {
-            sync: &'a ShardedSync,
+        struct Mapper<'a, G: GradElem, F> {
+            sync: &'a ShardedSync<G>,
             values: F,
             whole: bool,
         }
-        impl<F: Fn(usize, bool) -> Vec<f32>> ModuleMapper for Mapper<'_, F> {
+        impl<G: GradElem, F: Fn(usize, bool) -> Vec<f32>> ModuleMapper for Mapper<'_, G, F> {
             fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
                 let s = self.sync;
                 let Some(t) = s.layout.slot_of(param.id) else {

@@ -202,7 +202,7 @@ fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
 }
 
 /// Mixed precision: fp16 and bf16 with fp32 masters run in the engine (stages 0-3, the 1-bit
-/// optimizers), the pipeline engine, and the Learner strategy at stages 0-2 without Burn's
+/// optimizers), the pipeline engine, and the Learner strategy (stages 0-3) without Burn's
 /// checkpointer.
 fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     if config.fp16.enabled && config.fp16.auto_cast {
@@ -218,13 +218,6 @@ fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     let key = format!("{}.enabled", config.precision_name());
     match entry {
         EntryPoint::Engine | EntryPoint::Pipeline => Ok(()),
-        EntryPoint::Strategy { .. } if config.zero_optimization.stage == ZeroStage::Parameters => {
-            refuse(
-                &key,
-                "the Learner strategy trains in 16-bit at ZeRO stages 0-2; at stage 3 its \
-                 chunks have no fp32 masters yet: use stage 2, or DeepSpeedEngine",
-            )
-        }
         EntryPoint::Strategy { checkpointer: true } => refuse(
             &key,
             "Burn's checkpointer would save the Learner's 16-bit working copy, not the fp32 \
@@ -374,8 +367,8 @@ mod tests {
             refused_key(&staged, EntryPoint::Strategy { checkpointer: true }).as_deref(),
             Some("zero_optimization.stage")
         );
-        // 16-bit in the Learner strategy: stages 0-2 without Burn's checkpointer.
-        for (zero, checkpointer, refused) in [(2, false, false), (3, false, true), (0, true, true)]
+        // 16-bit in the Learner strategy: stages 0-3 without Burn's checkpointer.
+        for (zero, checkpointer, refused) in [(2, false, false), (3, false, false), (0, true, true)]
         {
             let c = config(&format!(
                 r#"{{{base}, "bf16": {{"enabled": true}}, "zero_optimization": {{"stage": {zero}}}}}"#

@@ -176,7 +176,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
     ) -> crate::Result<M> {
         let shard = self.shard();
         let (mut sync, _answering) = self.build_sync()?;
-        let mut mixed = self.mixed_precision()?;
+        let mut mixed = self.mixed_precision(sync.as_mut())?;
         let per_step = self.settings.grad_accumulation;
         for epoch in epochs {
             if !on_epoch(EpochEvent::Start(epoch, shard.num_items())) {
@@ -241,15 +241,19 @@ impl<M: LearnerModel> RankRun<'_, M> {
             }
         }
         match mixed {
-            // The trained model is the fp32 masters, not their 16-bit copy.
-            Some(mixed) => sync.whole_model(&mixed.masters),
+            // The trained model is the fp32 masters, not their 16-bit copy (at stage 3
+            // their chunks are gathered in f32).
+            Some(mixed) => {
+                sync.track_working_copy(&mixed.masters, FloatDType::F32);
+                sync.whole_model(&mixed.masters)
+            }
             None => sync.whole_model(&self.learner.model()),
         }
     }
 
-    /// Mixed precision: keeps the (broadcast) f32 model as fp32 masters and hands the Learner
-    /// their 16-bit working copy; `None` in fp32.
-    fn mixed_precision(&mut self) -> crate::Result<Option<Mixed<M>>> {
+    /// Mixed precision: keeps the (broadcast) f32 model as fp32 masters (at stage 3 this
+    /// rank's chunks) and hands the Learner their 16-bit working copy; `None` in fp32.
+    fn mixed_precision(&mut self, sync: &mut dyn GradSync<M>) -> crate::Result<Option<Mixed<M>>> {
         let config = &self.settings.config;
         let Some(dtype) = config.working_dtype() else {
             return Ok(None);
@@ -259,8 +263,9 @@ impl<M: LearnerModel> RankRun<'_, M> {
             false => None,
         };
         let masters = self.learner.model();
-        self.learner
-            .load_model(cast_module(masters.clone(), dtype).into_record());
+        let working = cast_module(masters.clone(), dtype);
+        sync.track_working_copy(&working, dtype);
+        self.learner.load_model(working.into_record());
         Ok(Some(Mixed {
             dtype,
             masters,
@@ -341,8 +346,9 @@ impl<M: LearnerModel> RankRun<'_, M> {
         if let Some(updated) = sync.finish_external_step(&masters)? {
             masters = updated;
         }
-        self.learner
-            .load_model(cast_module(masters.clone(), mixed.dtype).into_record());
+        let working = cast_module(masters.clone(), mixed.dtype);
+        sync.track_working_copy(&working, mixed.dtype);
+        self.learner.load_model(working.into_record());
         mixed.masters = masters;
         Ok(outputs)
     }

@@ -154,6 +154,15 @@ pub trait GradSync<M: Module> {
         None
     }
 
+    /// Mixed precision with the caller's optimizer (the Learner strategy): the caller steps
+    /// fp32 masters itself and runs `working`, their copy in `dtype`. At stage 3 the gathers
+    /// send chunks in `dtype` from now on and prefetch from `working`; the other regimes need
+    /// nothing. Call it again whenever the working copy is rebuilt, and with the masters and
+    /// f32 before gathering the masters whole.
+    fn track_working_copy(&mut self, working: &M, dtype: FloatDType) {
+        let _ = (working, dtype);
+    }
+
     /// Mixed precision: keeps fp32 master copies of this rank's parameters, taken from
     /// `model` (still in f32), and returns the model's working copy in `dtype` (f16 or bf16).
     /// From then on the optimizer steps the masters and the model receives them rounded.

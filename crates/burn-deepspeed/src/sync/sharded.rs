@@ -340,6 +340,11 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
         Ok(model)
     }
 
+    fn track_working_copy(&mut self, working: &M, dtype: FloatDType) {
+        self.track_shards(working);
+        self.group.set_wire(Some(dtype));
+    }
+
     fn peak(&self) -> u64 {
         self.meter.peak()
     }

@@ -385,7 +385,9 @@ def precision(directory, cores):
         "",
         "Tokens/s over fp32 stage 0's from the same process (first step not timed). Model "
         "state per rank is measured where it is allocated; the formula (fp32: 16Ψ, 8Ψ + 8Ψ/N, "
-        "4Ψ + 12Ψ/N, 16Ψ/N; 16-bit with fp32 gradient buffers: 2Ψ + 4Ψ + 12Ψ cut by stage) "
+        "4Ψ + 12Ψ/N, 16Ψ/N; fp16, with fp16 gradient buffers, the paper's 2Ψ + 2Ψ + 12Ψ; "
+        "bf16, with fp32 gradient buffers as DeepSpeed's bf16 optimizer, 2Ψ + 4Ψ + 12Ψ; each "
+        "cut by stage) "
         "sits beside it. Tail loss: mean of the last 20 steps, against fp32 at the same stage. "
         "Activation heap: the most heap one micro-batch's forward and backward held above what "
         "was live before them, for the whole process (both thread ranks).",

@@ -217,9 +217,9 @@ mod tests {
                 "gradient_clipping",
             ),
             (
-                r#"{"fp16": {"enabled": true}, "zero_optimization": {"stage": 3}}"#,
+                r#"{"fp16": {"enabled": true, "auto_cast": true}}"#,
                 around(2, None),
-                "fp16.enabled",
+                "fp16.auto_cast",
             ),
             (
                 r#"{"progressive_layer_drop": {"enabled": true}}"#,

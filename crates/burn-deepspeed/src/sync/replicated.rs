@@ -95,27 +95,25 @@ impl<G: GradElem> ReplicatedSync<G> {
     /// The mixed-precision step: the flat optimizer steps the masters with the reduced
     /// gradient, and the model receives them rounded to its dtype.
     fn step_masters<M: Module>(&mut self, model: M, lr: f64) -> Result<M> {
-        let held = GradSync::<M>::held(self, &model);
+        let span = tracing::debug_span!("optimizer_step").entered();
+        let grads = G::widen_all(self.buffer.flat());
+        // A 16-bit buffer is stepped through a transient fp32 copy.
+        if let Cow::Owned(widened) = &grads {
+            let held = GradSync::<M>::held(self, &model);
+            self.meter.observe(held, vec_bytes(widened));
+        }
         let Some(masters) = self.masters.as_mut() else {
             return Ok(model);
         };
-        {
-            let _span = tracing::debug_span!("optimizer_step").entered();
-            let grads = G::widen_all(self.buffer.flat());
-            // A 16-bit buffer is stepped through a transient fp32 copy.
-            if let Cow::Owned(widened) = &grads {
-                self.meter.observe(held, vec_bytes(widened));
-            }
-            masters.optim.step(
-                masters.alone.as_ref(),
-                &mut masters.values,
-                &grads,
-                self.buffer.present(),
-                lr,
-            )?;
-        }
-        let layout = self.buffer.layout().clone();
-        let model = params_from_flat(model, &layout, &masters.values);
+        masters.optim.step(
+            masters.alone.as_ref(),
+            &mut masters.values,
+            &grads,
+            self.buffer.present(),
+            lr,
+        )?;
+        drop((grads, span));
+        let model = params_from_flat(model, self.buffer.layout(), &masters.values);
         self.buffer.reset();
         self.buffer.clear_marks();
         // The rounded parameters are built while the old ones are alive.

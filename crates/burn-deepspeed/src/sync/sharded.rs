@@ -335,8 +335,7 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
         self.master = Some(master);
         let model = cast_module(model, dtype);
         // The gathers read the 16-bit chunks from now on, and send them as they are.
-        self.track_shards(&model);
-        self.group.set_wire(Some(dtype));
+        GradSync::<M>::track_working_copy(self, &model, dtype);
         Ok(model)
     }
 

@@ -61,6 +61,16 @@ pub enum CommError {
         /// What does not fit.
         detail: String,
     },
+    /// A swap file (ZeRO-Infinity's NVMe offload) could not be created, read or written.
+    #[error("swap file {path}: {op} failed: {source}")]
+    Swap {
+        /// The file (or its folder).
+        path: std::path::PathBuf,
+        /// What was being done.
+        op: &'static str,
+        /// The system's error.
+        source: std::io::Error,
+    },
     /// The MPI backend could not be used.
     #[error("MPI: {0}")]
     Mpi(String),

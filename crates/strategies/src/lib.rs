@@ -1,6 +1,7 @@
 //! Parallel-training strategies for burn-deepspeed: the [`Communicator`](comm::Communicator)
 //! that SPMD ranks talk through, the gradient bucketing of data parallelism, pipeline plans,
-//! the error-compensated 1-bit all-reduce and the 1-bit optimizers built on it.
+//! the error-compensated 1-bit all-reduce and the 1-bit optimizers built on it, and the NVMe
+//! swapper of ZeRO-Infinity.
 //!
 //! Ranks are SPMD, as in DeepSpeed: every rank runs the same program and calls the same
 //! collectives in the same order. Three worlds implement [`comm::Communicator`]: in-process
@@ -15,6 +16,7 @@ pub mod compressed;
 mod error;
 pub mod onebit;
 pub mod pipe;
+pub mod swap;
 pub mod zero;
 
 pub use error::*;

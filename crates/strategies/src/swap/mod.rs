@@ -1,0 +1,23 @@
+//! ZeRO-Infinity's swapping (arXiv 2104.07857): state that does not fit in memory lives in
+//! files on a fast disk, read and written in aligned tiles with `O_DIRECT` (so that it never
+//! fills the page cache) through io_uring, or `pread`/`pwrite` where io_uring is unavailable.
+//!
+//! - [`AioOptions`]: DeepSpeed's `aio` section (block size, queue depth, threads).
+//! - [`IoEngine`]: which system calls move the bytes, chosen once per process.
+//! - [`AlignedBuf`]: the page-aligned host buffers `O_DIRECT` needs.
+//! - [`SwapFile`]: one file read and written in blocks, many in flight.
+//! - [`TilePlan`]: how a flat state of several fields is cut into tiles (plain data).
+//! - [`SwapStore`]: a swapped state, visited tile by tile with the next read and the previous
+//!   write overlapping the work on the current tile.
+
+mod aio;
+mod buffer;
+mod file;
+mod store;
+mod tiles;
+
+pub use aio::*;
+pub use buffer::*;
+pub use file::*;
+pub use store::*;
+pub use tiles::*;

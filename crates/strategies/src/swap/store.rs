@@ -1,0 +1,401 @@
+//! [`SwapStore`]: a flat state of several fields kept in a [`SwapFile`] and visited tile by
+//! tile, with the read of tile i+1 and the write of tile i-1 overlapping the work on tile i
+//! (DeepSpeed's `pipeline_read` and `pipeline_write`).
+
+use std::io;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use super::{AioOptions, AlignedBuf, IoEngine, SwapFile, TilePlan, free_bytes};
+use crate::{CommError, Result};
+
+/// How a [`SwapStore`] moves its tiles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SwapOptions {
+    /// Request size and queueing.
+    pub aio: AioOptions,
+    /// The system calls.
+    pub engine: IoEngine,
+    /// Read the next tile while the current one is worked on (one more tile buffer).
+    pub pipeline_read: bool,
+    /// Write the previous tile while the current one is worked on (one more tile buffer).
+    pub pipeline_write: bool,
+}
+
+/// Bytes moved and time spent in transfers, measured where they happen.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SwapStats {
+    /// Bytes read from the file.
+    pub bytes_read: u64,
+    /// Bytes written to the file.
+    pub bytes_written: u64,
+    /// Seconds spent in reads (summed over transfers, overlapped or not).
+    pub read_secs: f64,
+    /// Seconds spent in writes.
+    pub write_secs: f64,
+}
+
+impl SwapStats {
+    /// The counters added up.
+    pub fn add(self, other: SwapStats) -> SwapStats {
+        SwapStats {
+            bytes_read: self.bytes_read + other.bytes_read,
+            bytes_written: self.bytes_written + other.bytes_written,
+            read_secs: self.read_secs + other.read_secs,
+            write_secs: self.write_secs + other.write_secs,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    read_ns: AtomicU64,
+    write_ns: AtomicU64,
+}
+
+/// A state of [`TilePlan::fields`] `f32` fields of [`TilePlan::len`] elements each, in a
+/// swap file. Memory held: one tile record, or three when reads or writes are pipelined.
+#[derive(Debug)]
+pub struct SwapStore {
+    file: SwapFile,
+    plan: TilePlan,
+    options: SwapOptions,
+    bufs: [AlignedBuf; 3],
+    counters: Counters,
+}
+
+impl SwapStore {
+    /// Creates the swap file `path` for `plan`, zeroed. Refused, naming the folder, when the
+    /// folder is missing or not writable, or has less free space than the file needs.
+    pub fn create(path: &Path, plan: TilePlan, options: SwapOptions) -> Result<Self> {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let needed = plan.file_bytes();
+        let free = free_bytes(dir)?;
+        if needed > free {
+            return Err(CommError::Swap {
+                path: dir.to_path_buf(),
+                op: "reserve space in",
+                source: io::Error::new(
+                    io::ErrorKind::StorageFull,
+                    format!(
+                        "the swapped state needs {needed} bytes ({:.2} GB) and the disk has \
+                         {free} bytes ({:.2} GB) free",
+                        needed as f64 / 1e9,
+                        free as f64 / 1e9
+                    ),
+                ),
+            });
+        }
+        let file = SwapFile::create(path, needed, options.engine, options.aio)?;
+        let record = plan.record_bytes();
+        let spare = |on: bool| AlignedBuf::new(if on { record } else { 0 });
+        let pipelined = options.pipeline_read || options.pipeline_write;
+        Ok(Self {
+            file,
+            plan,
+            options,
+            bufs: [AlignedBuf::new(record), spare(pipelined), spare(pipelined)],
+            counters: Counters::default(),
+        })
+    }
+
+    /// The layout.
+    pub fn plan(&self) -> TilePlan {
+        self.plan
+    }
+
+    /// The file.
+    pub fn file(&self) -> &SwapFile {
+        &self.file
+    }
+
+    /// Bytes the state occupies on disk.
+    pub fn disk_bytes(&self) -> u64 {
+        self.plan.file_bytes()
+    }
+
+    /// Bytes of host memory held (the tile buffers).
+    pub fn buffer_bytes(&self) -> u64 {
+        self.bufs.iter().map(|b| b.len() as u64).sum()
+    }
+
+    /// Transfers so far.
+    pub fn stats(&self) -> SwapStats {
+        let c = &self.counters;
+        SwapStats {
+            bytes_read: c.bytes_read.load(Ordering::Relaxed),
+            bytes_written: c.bytes_written.load(Ordering::Relaxed),
+            read_secs: c.read_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            write_secs: c.write_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+        }
+    }
+
+    /// Writes whole fields: `fields[f]` holds [`TilePlan::len`] elements, or is `None` for
+    /// zeros.
+    pub fn write_all(&mut self, fields: &[Option<&[f32]>]) -> Result<()> {
+        let plan = self.plan;
+        for (f, values) in fields.iter().enumerate() {
+            if let Some(v) = values
+                && (v.len() != plan.len() || f >= plan.fields())
+            {
+                return Err(CommError::InvalidArgument {
+                    rank: 0,
+                    op: "swap write",
+                    detail: format!(
+                        "field {f} of {} elements; the store has {} fields of {}",
+                        v.len(),
+                        plan.fields(),
+                        plan.len()
+                    ),
+                });
+            }
+        }
+        for i in 0..plan.count() {
+            let range = plan.range(i);
+            let floats = self.bufs[0].floats_mut();
+            floats.fill(0.0);
+            for (f, values) in fields.iter().enumerate() {
+                if let Some(v) = values {
+                    floats[plan.at(f, 0)..plan.at(f, range.len())]
+                        .copy_from_slice(&v[range.clone()]);
+                }
+            }
+            write(&self.file, &self.counters, plan, i, &self.bufs[0])?;
+        }
+        Ok(())
+    }
+
+    /// Reads the fields `which` whole, one pass over the file.
+    pub fn read_fields(&self, which: &[usize]) -> Result<Vec<Vec<f32>>> {
+        let plan = self.plan;
+        let mut out: Vec<Vec<f32>> = which
+            .iter()
+            .map(|_| Vec::with_capacity(plan.len()))
+            .collect();
+        let mut buf = AlignedBuf::new(plan.record_bytes());
+        for i in 0..plan.count() {
+            read(&self.file, &self.counters, plan, i, &mut buf)?;
+            let n = plan.range(i).len();
+            for (o, &f) in out.iter_mut().zip(which) {
+                o.extend_from_slice(&buf.floats()[plan.at(f, 0)..plan.at(f, n)]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Visits every tile in order: `work(i, elements, fields)` gets the tile's fields (each
+    /// `elements.len()` long) to read and update, and the tile is written back. With
+    /// pipelining, the next tile is read and the previous one written while `work` runs.
+    /// Stops at the first error; tiles before it are written back.
+    pub fn update(
+        &mut self,
+        mut work: impl FnMut(usize, Range<usize>, &mut [&mut [f32]]) -> Result<()>,
+    ) -> Result<()> {
+        let plan = self.plan;
+        let n = plan.count();
+        let (pr, pw) = (self.options.pipeline_read, self.options.pipeline_write);
+        let (file, counters) = (&self.file, &self.counters);
+        if n == 0 {
+            return Ok(());
+        }
+        read(file, counters, plan, 0, &mut self.bufs[0])?;
+        for i in 0..n {
+            // Without pipelining every tile goes through the one full-sized buffer.
+            let (cur, next, prev) = pick(&mut self.bufs, if pr || pw { i } else { 0 });
+            if i > 0 && !pr {
+                read(file, counters, plan, i, cur)?;
+            }
+            let range = plan.range(i);
+            std::thread::scope(|s| {
+                let reader =
+                    (pr && i + 1 < n).then(|| s.spawn(|| read(file, counters, plan, i + 1, next)));
+                let writer =
+                    (pw && i > 0).then(|| s.spawn(|| write(file, counters, plan, i - 1, prev)));
+                let worked = {
+                    let mut fields = fields_of(plan, cur, range.len());
+                    work(i, range.clone(), &mut fields)
+                };
+                let joined = [reader, writer].into_iter().flatten().map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(CommError::Swap {
+                            path: file.path().to_path_buf(),
+                            op: "transfer (thread panicked)",
+                            source: io::Error::other("panicked"),
+                        })
+                    })
+                });
+                joined.fold(worked, |acc, r| acc.and(r))
+            })?;
+            if !pw {
+                write(file, counters, plan, i, cur)?;
+            }
+        }
+        if pw {
+            let (last, _, _) = pick(&mut self.bufs, n - 1);
+            write(file, counters, plan, n - 1, last)?;
+        }
+        Ok(())
+    }
+}
+
+/// Tile `i`'s buffer, the next tile's and the previous tile's: three distinct buffers.
+fn pick(b: &mut [AlignedBuf; 3], i: usize) -> (&mut AlignedBuf, &mut AlignedBuf, &mut AlignedBuf) {
+    let [x, y, z] = b;
+    match i % 3 {
+        0 => (x, y, z),
+        1 => (y, z, x),
+        _ => (z, x, y),
+    }
+}
+
+/// The fields of a record holding `n` elements.
+fn fields_of(plan: TilePlan, buf: &mut AlignedBuf, n: usize) -> Vec<&mut [f32]> {
+    let stride = plan.field_bytes() / 4;
+    buf.floats_mut()
+        .chunks_mut(stride)
+        .take(plan.fields())
+        .map(|c| &mut c[..n])
+        .collect()
+}
+
+fn read(
+    file: &SwapFile,
+    c: &Counters,
+    plan: TilePlan,
+    i: usize,
+    buf: &mut AlignedBuf,
+) -> Result<()> {
+    let bytes = plan.record_bytes();
+    let start = Instant::now();
+    file.read(plan.offset(i), &mut buf.bytes_mut()[..bytes])?;
+    c.read_ns
+        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    c.bytes_read.fetch_add(bytes as u64, Ordering::Relaxed);
+    Ok(())
+}
+
+fn write(file: &SwapFile, c: &Counters, plan: TilePlan, i: usize, buf: &AlignedBuf) -> Result<()> {
+    let bytes = plan.record_bytes();
+    let start = Instant::now();
+    file.write(plan.offset(i), &buf.bytes()[..bytes])?;
+    c.write_ns
+        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    c.bytes_written.fetch_add(bytes as u64, Ordering::Relaxed);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(engine: IoEngine, pr: bool, pw: bool) -> SwapOptions {
+        SwapOptions {
+            aio: AioOptions {
+                block_size: 8192,
+                ..AioOptions::default()
+            },
+            engine,
+            pipeline_read: pr,
+            pipeline_write: pw,
+        }
+    }
+
+    fn engines() -> Vec<IoEngine> {
+        if crate::swap::aio::uring_available() {
+            vec![IoEngine::Pread, IoEngine::Uring]
+        } else {
+            eprintln!("io_uring is not available here: only the pread engine is tested");
+            vec![IoEngine::Pread]
+        }
+    }
+
+    /// An update visits every element once, in order, whatever the tiling and pipelining,
+    /// and what it writes is what the next pass reads.
+    #[test]
+    fn updates_see_every_tile_once_and_persist() {
+        let dir = tempfile::tempdir().unwrap();
+        let len = 5000;
+        let a: Vec<f32> = (0..len).map(|i| i as f32).collect();
+        for engine in engines() {
+            for tile in [13, 1024, 1999, 5000, 9000] {
+                for (pr, pw) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let plan = TilePlan::new(len, tile, 3);
+                    let path = dir.path().join("state.swp");
+                    let mut store =
+                        SwapStore::create(&path, plan, options(engine, pr, pw)).unwrap();
+                    store.write_all(&[Some(&a), None, Some(&a)]).unwrap();
+                    let mut seen = Vec::new();
+                    for pass in 0..2 {
+                        store
+                            .update(|i, r, f| {
+                                assert_eq!(r, plan.range(i));
+                                if pass == 0 {
+                                    seen.extend(r.clone());
+                                }
+                                for (k, e) in r.enumerate() {
+                                    assert_eq!(f[0][k], e as f32);
+                                    assert_eq!(f[1][k], pass as f32);
+                                    f[1][k] += 1.0;
+                                    f[2][k] *= 2.0;
+                                }
+                                Ok(())
+                            })
+                            .unwrap();
+                    }
+                    assert_eq!(seen, (0..len).collect::<Vec<_>>());
+                    let back = store.read_fields(&[1, 2]).unwrap();
+                    assert!(back[0].iter().all(|&x| x == 2.0));
+                    let quad: Vec<f32> = a.iter().map(|x| 4.0 * x).collect();
+                    assert_eq!(back[1], quad, "{engine:?} tile {tile} {pr} {pw}");
+                    let s = store.stats();
+                    let record = plan.record_bytes() as u64;
+                    assert_eq!(s.bytes_written, record * plan.count() as u64 * 3);
+                    assert_eq!(s.bytes_read, record * plan.count() as u64 * 3);
+                    let expect = plan.record_bytes() * if pr || pw { 3 } else { 1 };
+                    assert!(store.buffer_bytes() >= expect as u64);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_state_larger_than_the_free_space_is_refused_up_front() {
+        let dir = tempfile::tempdir().unwrap();
+        let free = free_bytes(dir.path()).unwrap();
+        let len = (free / 4 + 1_000_000) as usize;
+        let plan = TilePlan::new(len, 1 << 20, 3);
+        let e = SwapStore::create(
+            &dir.path().join("x"),
+            plan,
+            options(IoEngine::Pread, false, false),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("free") && e.contains("needs"), "{e}");
+        assert!(!dir.path().join("x").exists());
+    }
+
+    #[test]
+    fn a_failing_update_reports_the_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let plan = TilePlan::new(100, 10, 1);
+        let mut store = SwapStore::create(
+            &dir.path().join("s"),
+            plan,
+            options(IoEngine::Pread, true, true),
+        )
+        .unwrap();
+        let e = store.update(|i, _, _| {
+            if i == 4 {
+                Err(CommError::Pipeline("stop".into()))
+            } else {
+                Ok(())
+            }
+        });
+        assert!(e.unwrap_err().to_string().contains("stop"));
+    }
+}

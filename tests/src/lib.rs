@@ -1,5 +1,8 @@
 //! Integration tests live in `tests/tests/`. This library holds what several of them share: a
-//! small regression model whose batches a test can poison with NaN or inf.
+//! small regression model whose batches a test can poison with NaN or inf, and the configs and
+//! comparisons of the offload tests.
+
+pub mod offload;
 
 use burn::module::{Module, Param};
 use burn::nn::loss::{MseLoss, Reduction};

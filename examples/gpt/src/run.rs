@@ -153,6 +153,12 @@ pub struct RunReport {
     /// ZeRO stage 3: rank 0's gather counters.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gather_stats: Option<burn_deepspeed::zero3::GatherStats>,
+    /// Where the optimizer state lived (`zero_optimization.offload_optimizer.device`:
+    /// `none`, `cpu` or `nvme`).
+    pub offload_optimizer: String,
+    /// NVMe offload: rank 0's swap file and its transfers over the run (measured).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub swap: Option<SwapReport>,
     /// Data-parallel runs: the parameters after the last step, flat in layout order (for
     /// comparisons in tests; not serialized).
     #[serde(skip)]
@@ -162,6 +168,46 @@ pub struct RunReport {
     /// serialized).
     #[serde(skip)]
     pub final_moments: Option<(FlatParams, FlatParams)>,
+}
+
+/// A swap file's figures in a report (ZeRO-Infinity), measured where transfers happen.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SwapReport {
+    /// `io_uring` or `pread`.
+    pub engine: String,
+    /// Whether transfers bypassed the page cache (`O_DIRECT`).
+    pub direct: bool,
+    /// Bytes of the swap file on disk.
+    pub disk_bytes: u64,
+    /// Bytes of host memory its tile buffers held.
+    pub buffer_bytes: u64,
+    /// Bytes read from it.
+    pub bytes_read: u64,
+    /// Bytes written to it.
+    pub bytes_written: u64,
+    /// Read throughput: bytes read over the time spent in reads (GB/s).
+    pub read_gb_per_s: f64,
+    /// Write throughput (GB/s).
+    pub write_gb_per_s: f64,
+}
+
+impl From<burn_deepspeed::swap::SwapSummary> for SwapReport {
+    fn from(s: burn_deepspeed::swap::SwapSummary) -> Self {
+        let rate = |bytes: u64, secs: f64| match secs > 0.0 {
+            true => bytes as f64 / secs / 1e9,
+            false => 0.0,
+        };
+        Self {
+            engine: s.engine.name().into(),
+            direct: s.direct,
+            disk_bytes: s.disk_bytes,
+            buffer_bytes: s.buffer_bytes,
+            bytes_read: s.stats.bytes_read,
+            bytes_written: s.stats.bytes_written,
+            read_gb_per_s: rate(s.stats.bytes_read, s.stats.read_secs),
+            write_gb_per_s: rate(s.stats.bytes_written, s.stats.write_secs),
+        }
+    }
 }
 
 impl RunReport {
@@ -312,6 +358,13 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         bubble_fraction: None,
         peak_live_activations_per_stage: None,
         gather_stats: engine.gather_stats(),
+        offload_optimizer: engine
+            .config()
+            .zero_optimization
+            .optimizer_offload()
+            .name()
+            .into(),
+        swap: engine.swap().map(SwapReport::from),
         final_params: FlatParams(engine.flat_params()?),
         final_moments: moments,
     })
@@ -475,6 +528,8 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
                 .collect(),
         ),
         gather_stats: None,
+        offload_optimizer: "none".into(),
+        swap: None,
         final_params: FlatParams::default(),
         final_moments: None,
     })

@@ -13,9 +13,9 @@ use serde_json::Value;
 
 use super::serde_util::{count, opt_count};
 use super::{
-    ActivationCheckpointingConfig, BatchSizes, Bf16Config, FlopsProfilerConfig, Fp16Config,
-    OptimizerConfig, OptimizerKind, PipelineConfig, PldConfig, SchedulerConfig, ZeroConfig,
-    ZeroStage, resolve_batch,
+    ActivationCheckpointingConfig, AioConfig, BatchSizes, Bf16Config, FlopsProfilerConfig,
+    Fp16Config, OptimizerConfig, OptimizerKind, PipelineConfig, PldConfig, SchedulerConfig,
+    ZeroConfig, ZeroStage, resolve_batch,
 };
 use crate::{DeepSpeedError, Result};
 
@@ -74,6 +74,8 @@ pub struct DeepSpeedConfig {
     pub flops_profiler: FlopsProfilerConfig,
     /// Activation checkpointing.
     pub activation_checkpointing: Option<ActivationCheckpointingConfig>,
+    /// Swap-file transfers (ZeRO-Infinity).
+    pub aio: AioConfig,
     /// Print progress every this many optimizer steps.
     #[serde(deserialize_with = "count")]
     pub steps_per_print: u64,
@@ -99,6 +101,7 @@ impl Default for DeepSpeedConfig {
             progressive_layer_drop: PldConfig::default(),
             flops_profiler: FlopsProfilerConfig::default(),
             activation_checkpointing: None,
+            aio: AioConfig::default(),
             steps_per_print: 10,
             wall_clock_breakdown: false,
         }
@@ -124,7 +127,6 @@ impl fmt::Display for ConfigWarning {
 /// Top-level DeepSpeed keys that this version does not implement: they load, are ignored, and
 /// produce a [`ConfigWarning`].
 const UNIMPLEMENTED_KEYS: &[&str] = &[
-    "aio",
     "amp",
     "autotuning",
     "checkpoint",

@@ -32,6 +32,7 @@ fn refuse(key: &str, reason: impl Into<String>) -> Result<()> {
 /// Refuses, with the key and the alternative, what `entry` cannot run under `config`.
 pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     check_zero_keys(config)?;
+    check_offload(config, entry)?;
     check_precision(config, entry)?;
     check_activation_checkpointing(config)?;
     check_optimizer(config, entry)?;
@@ -152,18 +153,88 @@ fn check_optimizer(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     Ok(())
 }
 
+/// ZeRO-Offload and ZeRO-Infinity's optimizer offload: where it applies and what it needs.
+fn check_offload(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
+    let z = &config.zero_optimization;
+    if config.aio.use_gds {
+        return refuse(
+            "aio.use_gds",
+            "GPUDirect Storage is not available; swap files go through host memory (set it \
+             to false)",
+        );
+    }
+    let device = z.optimizer_offload();
+    if device == OffloadDevice::None {
+        return Ok(());
+    }
+    let key = match z.offload_optimizer {
+        Some(_) => "zero_optimization.offload_optimizer.device",
+        None => "zero_optimization.cpu_offload",
+    };
+    if z.stage == ZeroStage::Disabled {
+        return refuse(
+            key,
+            "optimizer offload needs ZeRO stage 1, 2 or 3 (as in DeepSpeed); set \
+             zero_optimization.stage",
+        );
+    }
+    if !matches!(entry, EntryPoint::Engine) {
+        return refuse(
+            key,
+            "optimizer offload runs in DeepSpeedEngine, which steps its own Adam on the \
+             offloaded state; this entry point steps another optimizer",
+        );
+    }
+    if let Some(o) = &config.optimizer
+        && !matches!(o.kind, OptimizerKind::Adam | OptimizerKind::AdamW)
+    {
+        return refuse(
+            "optimizer.type",
+            format!(
+                "optimizer offload steps Adam or AdamW (DeepSpeed's CPU Adam); {:?} cannot be \
+                 offloaded",
+                o.kind
+            ),
+        );
+    }
+    let Some(o) = &z.offload_optimizer else {
+        return Ok(());
+    };
+    if o.ratio != 1.0 {
+        return refuse(
+            "zero_optimization.offload_optimizer.ratio",
+            "partial optimizer offload is not implemented; set it to 1.0",
+        );
+    }
+    if device == OffloadDevice::Nvme {
+        let Some(path) = o.nvme_path.as_deref() else {
+            return refuse(
+                "zero_optimization.offload_optimizer.nvme_path",
+                "device \"nvme\" needs a folder on a fast disk for the swap files",
+            );
+        };
+        check_nvme_path("zero_optimization.offload_optimizer.nvme_path", path)?;
+    }
+    Ok(())
+}
+
+/// An NVMe swap folder must exist and be a writable folder (its free space is checked
+/// against the state's size when the swap files are created).
+fn check_nvme_path(key: &str, path: &str) -> Result<()> {
+    let dir = std::path::Path::new(path);
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() && !m.permissions().readonly() => Ok(()),
+        Ok(m) if m.is_dir() => refuse(key, format!("{path} is not writable")),
+        Ok(_) => refuse(key, format!("{path} is not a folder")),
+        Err(e) => refuse(key, format!("{path} cannot be used: {e}")),
+    }
+}
+
 /// The `zero_optimization` settings no entry point runs yet. Everything else is honoured (see
 /// the book's ZeRO chapter for what each key does here).
 fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
     let z = &config.zero_optimization;
     let offloaded = |d: Option<OffloadDevice>| d.is_some_and(|d| d != OffloadDevice::None);
-    if offloaded(z.offload_optimizer.as_ref().map(|o| o.device)) || z.cpu_offload == Some(true) {
-        return refuse(
-            "zero_optimization.offload_optimizer",
-            "ZeRO-Offload (optimizer state on the CPU or NVMe) is not implemented yet; remove \
-             the section or set its device to \"none\"",
-        );
-    }
     if offloaded(z.offload_param.as_ref().map(|o| o.device)) {
         return refuse(
             "zero_optimization.offload_param",
@@ -382,5 +453,65 @@ mod tests {
             );
             assert_eq!(refused_key(&c, EntryPoint::Engine), None);
         }
+    }
+
+    /// Optimizer offload runs in the engine at stages 1-3 with Adam or AdamW, with a
+    /// writable NVMe folder; everything else is refused naming the key.
+    #[test]
+    fn offload_is_checked_where_it_runs() {
+        let dir = std::env::temp_dir();
+        let dir = dir.to_string_lossy();
+        let engine = |extra: &str, optimizer: &str| {
+            let c = config(&format!(
+                r#"{{"train_batch_size": 4, "optimizer": {{"type": "{optimizer}"}}, {extra}}}"#
+            ));
+            refused_key(&c, EntryPoint::Engine)
+        };
+        let zero = |stage: u8, offload: &str| {
+            format!(r#""zero_optimization": {{"stage": {stage}, "offload_optimizer": {offload}}}"#)
+        };
+        let nvme = format!(r#"{{"device": "nvme", "nvme_path": "{dir}"}}"#);
+        for stage in 1..=3 {
+            assert_eq!(engine(&zero(stage, r#"{"device": "cpu"}"#), "AdamW"), None);
+            assert_eq!(engine(&zero(stage, &nvme), "Adam"), None);
+        }
+        let cpu_offload = r#""zero_optimization": {"stage": 2, "cpu_offload": true}"#;
+        assert_eq!(engine(cpu_offload, "AdamW"), None);
+        let device = Some("zero_optimization.offload_optimizer.device".to_string());
+        assert_eq!(engine(&zero(0, r#"{"device": "cpu"}"#), "AdamW"), device);
+        let c = config(&format!(
+            r#"{{"train_batch_size": 4, {}}}"#,
+            zero(2, r#"{"device": "cpu"}"#)
+        ));
+        for entry in [
+            EntryPoint::Pipeline,
+            EntryPoint::Strategy {
+                checkpointer: false,
+            },
+        ] {
+            assert_eq!(refused_key(&c, entry), device, "{entry:?}");
+        }
+        assert_eq!(
+            engine(&zero(2, &nvme), "Lamb").as_deref(),
+            Some("optimizer.type")
+        );
+        let path = Some("zero_optimization.offload_optimizer.nvme_path".to_string());
+        assert_eq!(engine(&zero(1, r#"{"device": "nvme"}"#), "AdamW"), path);
+        let missing = r#"{"device": "nvme", "nvme_path": "/no/such/folder"}"#;
+        assert_eq!(engine(&zero(1, missing), "AdamW"), path);
+        let partial = r#"{"device": "cpu", "ratio": 0.5}"#;
+        assert_eq!(
+            engine(&zero(3, partial), "AdamW").as_deref(),
+            Some("zero_optimization.offload_optimizer.ratio")
+        );
+        assert_eq!(
+            engine(r#""aio": {"use_gds": true}"#, "AdamW").as_deref(),
+            Some("aio.use_gds")
+        );
+        let aio =
+            config(r#"{"train_batch_size": 4, "aio": {"block_size": 262144, "thread_count": 2}}"#)
+                .aio;
+        assert_eq!((aio.block_size, aio.intra_op_parallelism), (262_144, 2));
+        assert!(DeepSpeedConfig::from_json_str(r#"{"aio": {"queue_dpeth": 4}}"#).is_err());
     }
 }

@@ -55,6 +55,17 @@ pub enum OffloadDevice {
     Nvme,
 }
 
+impl OffloadDevice {
+    /// Its name in the config.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Cpu => "cpu",
+            Self::Nvme => "nvme",
+        }
+    }
+}
+
 /// `offload_optimizer` (stages 1-3).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -123,6 +134,42 @@ impl Default for OffloadParamConfig {
             buffer_size: 100_000_000,
             max_in_cpu: 1_000_000_000,
             pin_memory: false,
+        }
+    }
+}
+
+/// The top-level `aio` section: how ZeRO-Infinity's swap files are read and written
+/// (DeepSpeed's `swap_tensor/constants.py` defaults).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AioConfig {
+    /// Bytes per read or write request.
+    #[serde(deserialize_with = "count")]
+    pub block_size: u64,
+    /// Requests in flight per thread.
+    #[serde(deserialize_with = "count")]
+    pub queue_depth: u64,
+    /// Threads a transfer is split across (`thread_count` before DeepSpeed 0.14).
+    #[serde(deserialize_with = "count", alias = "thread_count")]
+    pub intra_op_parallelism: u64,
+    /// Submit requests one at a time.
+    pub single_submit: bool,
+    /// Refill the queue as each request completes.
+    pub overlap_events: bool,
+    /// NVIDIA GPUDirect Storage.
+    pub use_gds: bool,
+}
+
+impl Default for AioConfig {
+    fn default() -> Self {
+        let o = burn_deepspeed_strategies::swap::AioOptions::default();
+        Self {
+            block_size: o.block_size as u64,
+            queue_depth: o.queue_depth as u64,
+            intra_op_parallelism: o.intra_op_parallelism as u64,
+            single_submit: o.single_submit,
+            overlap_events: o.overlap_events,
+            use_gds: false,
         }
     }
 }
@@ -278,6 +325,16 @@ impl Default for ZeroConfig {
 }
 
 impl ZeroConfig {
+    /// Where the optimizer state lives: `offload_optimizer.device`, or `cpu` under the
+    /// deprecated `cpu_offload: true`.
+    pub fn optimizer_offload(&self) -> OffloadDevice {
+        match &self.offload_optimizer {
+            Some(o) if o.device != OffloadDevice::None => o.device,
+            _ if self.cpu_offload == Some(true) => OffloadDevice::Cpu,
+            _ => OffloadDevice::None,
+        }
+    }
+
     /// `overlap_comm` as DeepSpeed resolves it: unset means true for stage 3 only.
     pub fn overlap_comm(&self) -> bool {
         self.overlap_comm

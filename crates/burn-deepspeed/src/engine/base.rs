@@ -413,6 +413,11 @@ impl<M: Module> DeepSpeedEngine<M> {
     pub fn gather_stats(&self) -> Option<crate::zero3::GatherStats> {
         self.sync.gather_stats()
     }
+    /// ZeRO-Infinity's optimizer offload to NVMe: the swap file's size, the I/O engine and
+    /// the bytes moved so far on this rank (measured where the transfers happen).
+    pub fn swap(&self) -> Option<burn_deepspeed_strategies::swap::SwapSummary> {
+        self.sync.swap()
+    }
     /// The resolved config.
     pub fn config(&self) -> &DeepSpeedConfig {
         &self.config

@@ -21,6 +21,9 @@ pub struct ModelStateBytes {
     pub grads: u64,
     /// Optimizer state.
     pub optimizer: u64,
+    /// Bytes of state kept in swap files instead of memory (ZeRO-Infinity), not counted in
+    /// [`total`](Self::total).
+    pub offloaded: u64,
 }
 
 impl ModelStateBytes {

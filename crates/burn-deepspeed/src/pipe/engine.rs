@@ -683,6 +683,7 @@ where
             params: self.layers.iter().map(param_bytes).sum(),
             grads: self.grads.bytes(),
             optimizer: self.optim_bytes + masters,
+            offloaded: 0,
         }
     }
     /// This rank's counters over the world, pipeline and data-parallel communicators:

@@ -5,6 +5,7 @@ use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::FloatDType;
 use burn_deepspeed_strategies::onebit::OneBitOptimizer;
+use burn_deepspeed_strategies::swap::SwapSummary;
 use burn_deepspeed_strategies::zero::PartitionState;
 
 use crate::Result;
@@ -137,6 +138,11 @@ pub trait GradSync<M: Module> {
     /// a 1-bit optimizer).
     fn whole_moments(&self) -> Result<Option<PartitionState>> {
         Ok(None)
+    }
+
+    /// ZeRO-Infinity: the optimizer's swap file (size, engine, transfers), when offloaded.
+    fn swap(&self) -> Option<SwapSummary> {
+        None
     }
 
     /// ZeRO stage 3's gather counters.

@@ -7,8 +7,8 @@ use burn_deepspeed_strategies::comm::Communicator;
 use half::f16;
 
 use super::{
-    CompressedSync, GradElem, GradSync, PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions,
-    broadcast_params,
+    CompressedSync, GradElem, GradSync, OptimizerOffload, PartitionedSync, ReplicatedSync,
+    ShardedSync, SyncOptions, broadcast_params,
 };
 use crate::config::{DeepSpeedConfig, ZeroStage};
 use crate::engine::flat::ParamLayout;
@@ -18,7 +18,8 @@ use crate::{DeepSpeedError, Result};
 /// The regime a resolved `config` names for `model` on `comm`, and the model as that regime
 /// stores it: rank 0's parameters broadcast to every rank, and at stage 3 cut into this
 /// rank's chunks. Under fp16 the gradient buffers are fp16 (the paper's 2Ψ); otherwise fp32.
-/// Collective: every rank calls it.
+/// With `offload_optimizer.device: "nvme"` the optimizer state of stages 1-3 moves to its swap
+/// files here. Collective: every rank calls it.
 pub fn build<M: Module>(
     model: M,
     config: &DeepSpeedConfig,
@@ -41,6 +42,7 @@ fn build_with<M: Module, G: GradElem>(
         .as_ref()
         .ok_or_else(|| DeepSpeedError::Data("the config was not resolved".into()))?;
     let options = SyncOptions::of(config);
+    let offload = OptimizerOffload::of(config)?;
     let layout = ParamLayout::of(&model);
     let model = broadcast_params(comm.as_ref(), &layout, model)?;
     Ok(match options.stage {
@@ -57,13 +59,20 @@ fn build_with<M: Module, G: GradElem>(
         }
         ZeroStage::OptimizerStates | ZeroStage::Gradients => {
             let kind = partitioned_kind(optimizer)?;
-            let sync = PartitionedSync::<G>::new(layout, comm, &options, kind);
+            let mut sync = PartitionedSync::<G>::new(layout, comm, &options, kind);
+            if let OptimizerOffload::Nvme(nvme) = &offload {
+                sync.offload_optimizer(&model, nvme)?;
+            }
             (model, Box::new(sync))
         }
         ZeroStage::Parameters => {
             let kind = partitioned_kind(optimizer)?;
-            let sync = ShardedSync::<G>::new(layout, comm, &options, kind);
-            (sync.shard(model), Box::new(sync))
+            let mut sync = ShardedSync::<G>::new(layout, comm, &options, kind);
+            let model = sync.shard(model);
+            if let OptimizerOffload::Nvme(nvme) = &offload {
+                sync.offload_optimizer(&model, nvme)?;
+            }
+            (model, Box::new(sync))
         }
     })
 }

@@ -136,6 +136,7 @@ impl<M: Module> GradSync<M> for CompressedSync {
             params: param_bytes(model),
             grads: self.buffer.bytes(),
             optimizer: self.optim.state_bytes() + self.master.as_ref().map_or(0, vec_bytes),
+            offloaded: 0,
         }
     }
 

@@ -27,7 +27,9 @@ use super::bucket::Bucket;
 use super::buffer::merge_presence;
 use super::elem::{GradElem, add_into};
 use super::scale::{Scaling, clip_across};
-use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
+use super::{
+    GradSync, NvmeOffload, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters,
+};
 use crate::config::ZeroStage;
 use crate::engine::checkpoint::{Loaded, save_slice};
 use crate::engine::flat::{
@@ -36,7 +38,7 @@ use crate::engine::flat::{
 };
 use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
 use crate::precision::cast_module;
-use crate::{DeepSpeedError, Result};
+use crate::{DeepSpeedError, Result, agreed};
 
 /// A rank's gradient reduction and optimizer step at ZeRO stage 1 or 2, with gradient buffers
 /// of `G` (f32, or f16 under fp16).
@@ -127,6 +129,38 @@ impl<G: GradElem> PartitionedSync<G> {
             deferred: None,
             meter: MemoryMeter::default(),
             master: None,
+        }
+    }
+
+    /// Moves the optimizer state of this rank's slice, with its fp32 masters read from
+    /// `model` (still in f32), to its swap file (ZeRO-Infinity). Collective: the ranks agree
+    /// on every rank's outcome, so that a full disk on one fails them all.
+    pub fn offload_optimizer<M: Module>(&mut self, model: &M, nvme: &NvmeOffload) -> Result<()> {
+        let local = (|| {
+            let optim = self.optim.as_mut().ok_or_else(|| {
+                DeepSpeedError::Data("this ZeRO sync has no optimizer to offload".into())
+            })?;
+            let masters = params_range(model, &self.layout, self.own.clone());
+            optim.offload(nvme.store(self.comm.rank(), self.own.len())?, &masters)?;
+            Ok(())
+        })();
+        agreed(self.comm.as_ref(), "optimizer offload", local)
+    }
+
+    /// Whether the optimizer state lives in a swap file.
+    fn offloaded(&self) -> bool {
+        self.optim.as_ref().is_some_and(|o| o.is_offloaded())
+    }
+
+    /// The fp32 masters of this rank's slice, where they are kept apart from the model
+    /// (mixed precision, or an offloaded optimizer's swap file).
+    fn masters(&self) -> Result<Option<Cow<'_, [f32]>>> {
+        if let Some(m) = &self.master {
+            return Ok(Some(Cow::Borrowed(m)));
+        }
+        match &self.optim {
+            Some(o) if o.is_offloaded() => Ok(o.masters()?.map(Cow::Owned)),
+            _ => Ok(None),
         }
     }
 
@@ -295,8 +329,11 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
     fn step(&mut self, model: M, lr: f64) -> Result<M> {
         let comm = self.comm.clone();
         let keep = self.master.is_some();
+        let offloaded = self.offloaded();
         let mut params = match self.master.take() {
             Some(master) => master,
+            // The swapped optimizer hands out its masters.
+            None if offloaded => vec![0.0f32; self.own.len()],
             None => params_range(&model, &self.layout, self.own.clone()),
         };
         {
@@ -321,6 +358,11 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
                      finish_external_step"
                         .into(),
                 )),
+            };
+            // A swap file can fail on one rank: all agree before the gather.
+            let stepped = match offloaded {
+                true => agreed(comm.as_ref(), "offloaded optimizer step", stepped),
+                false => stepped,
             };
             if let Err(e) = stepped {
                 if keep {
@@ -374,6 +416,7 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
             params: param_bytes(model),
             grads: vec_bytes(&self.full) + vec_bytes(&self.slice),
             optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()) + masters,
+            offloaded: self.optim.as_ref().map_or(0, |o| o.disk_bytes()),
         }
     }
 
@@ -381,22 +424,32 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
         if self.optim.is_none() {
             return Err(caller_optimizer_keeps_no_masters(dtype));
         }
-        self.master = Some(params_range(&model, &self.layout, self.own.clone()));
+        // An offloaded optimizer keeps the masters in its swap file already.
+        if !self.offloaded() {
+            self.master = Some(params_range(&model, &self.layout, self.own.clone()));
+        }
         Ok(cast_module(model, dtype))
     }
 
     /// With masters, every rank gathers them (a collective), so that checkpoints hold fp32
     /// values, not the rounded working copy.
     fn whole_params(&self, model: &M, wanted: bool) -> Result<Option<Vec<f32>>> {
-        let Some(master) = &self.master else {
+        if self.master.is_none() && !self.offloaded() {
             return Ok(wanted.then(|| params_to_flat(model, &self.layout)));
-        };
+        }
+        // Reading a swap file can fail on one rank: all agree before the gather.
+        let master = agreed(self.comm.as_ref(), "read masters", self.masters())?;
+        let master = master.ok_or_else(|| DeepSpeedError::Data("no masters".into()))?;
         let mut flat = vec![0.0f32; self.layout.numel];
         let counts: Vec<usize> = (0..self.comm.world_size())
             .map(|r| self.partition.range(r).len())
             .collect();
-        self.comm.all_gather(master, &mut flat, &counts)?;
+        self.comm.all_gather(&master, &mut flat, &counts)?;
         Ok(wanted.then_some(flat))
+    }
+
+    fn swap(&self) -> Option<burn_deepspeed_strategies::swap::SwapSummary> {
+        self.optim.as_ref().and_then(|o| o.swap_summary())
     }
 
     fn peak(&self) -> u64 {
@@ -413,7 +466,10 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
         let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
         let state = loaded.slice_state(&sizes, std::slice::from_ref(&self.own))?;
         match &mut self.optim {
-            Some(o) => o.restore(state)?,
+            Some(o) => {
+                let masters = o.is_offloaded().then(|| &loaded.params[self.own.clone()]);
+                o.restore(state, masters)?
+            }
             None => return Err(crate::engine::checkpoint::no_state_to_restore()),
         }
         if self.master.is_some() {

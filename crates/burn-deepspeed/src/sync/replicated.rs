@@ -209,6 +209,7 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
             params: param_bytes(model),
             grads: self.buffer.bytes(),
             optimizer: self.optim_bytes + masters,
+            offloaded: 0,
         }
     }
 
@@ -257,7 +258,13 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
 
     fn save(&self, root: bool) -> Result<SavedState> {
         if let Some(m) = &self.masters {
-            let bytes = root.then(|| partition_state_bytes(m.optim.export()));
+            let bytes = match root {
+                true => {
+                    let state = m.optim.export()?;
+                    Some(partition_state_bytes(&state))
+                }
+                false => None,
+            };
             return Ok(SavedState::Replicated(bytes));
         }
         let optim = self.optim.as_ref().ok_or_else(no_optimizer)?;
@@ -277,7 +284,7 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
         let optim = match &mut self.masters {
             Some(m) => {
                 m.optim
-                    .restore(partition_state_from_bytes(bytes, "optim.bin")?)?;
+                    .restore(partition_state_from_bytes(bytes, "optim.bin")?, None)?;
                 m.values = loaded.params.clone();
                 None
             }

@@ -22,7 +22,9 @@ use burn_deepspeed_strategies::zero::{
 use super::buffer::merge_presence;
 use super::elem::{GradElem, add_into};
 use super::scale::{Scaling, clip_across};
-use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
+use super::{
+    GradSync, NvmeOffload, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters,
+};
 use crate::engine::checkpoint::{Loaded, gather_moments, no_state_to_restore, save_slice};
 use crate::engine::flat::{ParamLayout, for_each_grad, set_param_ids};
 use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
@@ -143,6 +145,47 @@ impl<G: GradElem> ShardedSync<G> {
         }
     }
 
+    /// Moves the optimizer state of this rank's pieces, with their fp32 masters read from the
+    /// sharded `model` (still in f32), to its swap file (ZeRO-Infinity). Collective: the
+    /// ranks agree on every rank's outcome, so that a full disk on one fails them all.
+    pub fn offload_optimizer<M: Module>(&mut self, model: &M, nvme: &NvmeOffload) -> Result<()> {
+        let mut masters = vec![0.0f32; self.grads.len()];
+        self.read_own(model, &mut masters);
+        let rank = self.comm.rank();
+        let local = match self.optim.as_mut() {
+            Some(optim) => nvme
+                .store(rank, masters.len())
+                .and_then(|store| Ok(optim.offload(store, &masters)?)),
+            None => Err(DeepSpeedError::Data(
+                "this stage-3 state has no optimizer to offload".into(),
+            )),
+        };
+        agreed(self.comm.as_ref(), "optimizer offload", local)
+    }
+
+    /// Whether the optimizer state lives in a swap file.
+    fn offloaded(&self) -> bool {
+        self.optim.as_ref().is_some_and(|o| o.is_offloaded())
+    }
+
+    /// The fp32 masters of this rank's pieces where they are kept apart from the model
+    /// (mixed precision, or an offloaded optimizer's swap file); a rank-local read that the
+    /// ranks agree on, so that a failed read fails them all before the gather that follows.
+    fn agreed_masters(&self) -> Result<Option<Cow<'_, [f32]>>> {
+        let local = match (&self.master, &self.optim) {
+            (Some(m), _) => Ok(Some(Cow::Borrowed(&m[..]))),
+            (None, Some(o)) if o.is_offloaded() => o
+                .masters()
+                .map(|m| m.map(Cow::Owned))
+                .map_err(DeepSpeedError::from),
+            _ => Ok(None),
+        };
+        if self.master.is_some() || !self.offloaded() {
+            return local;
+        }
+        agreed(self.comm.as_ref(), "read masters", local)
+    }
+
     /// Shards a model whose parameters are whole (and identical on every rank).
     pub fn shard<M: Module>(&self, model: M) -> M {
         shard_module(model, &self.group)
@@ -254,8 +297,11 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     fn step(&mut self, model: M, lr: f64) -> Result<M> {
         let comm = self.comm.clone();
         let mixed = self.master.is_some();
+        let offloaded = self.offloaded();
         let mut params = match self.master.take() {
             Some(master) => master,
+            // The swapped optimizer hands out its masters.
+            None if offloaded => vec![0.0f32; self.grads.len()],
             None => {
                 let mut params = vec![0.0f32; self.grads.len()];
                 self.read_own(&model, &mut params);
@@ -278,6 +324,11 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
                     "this stage-3 state steps with the caller's optimizer".into(),
                 )),
             }
+        };
+        // A swap file can fail on one rank: all agree before the gather.
+        let stepped = match offloaded {
+            true => agreed(comm.as_ref(), "offloaded optimizer step", stepped),
+            false => stepped,
         };
         let whole = match stepped.and_then(|()| self.gather_persistent(&params)) {
             Ok(whole) => whole,
@@ -323,6 +374,7 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
             params: param_bytes(model),
             grads: vec_bytes(&self.grads) + vec_bytes(&self.persistent),
             optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()) + masters,
+            offloaded: self.optim.as_ref().map_or(0, |o| o.disk_bytes()),
         }
     }
 
@@ -330,9 +382,12 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
         if self.optim.is_none() {
             return Err(caller_optimizer_keeps_no_masters(dtype));
         }
-        let mut master = vec![0.0f32; self.grads.len()];
-        self.read_own(&model, &mut master);
-        self.master = Some(master);
+        // An offloaded optimizer keeps the masters in its swap file already.
+        if !self.offloaded() {
+            let mut master = vec![0.0f32; self.grads.len()];
+            self.read_own(&model, &mut master);
+            self.master = Some(master);
+        }
         let model = cast_module(model, dtype);
         // The gathers read the 16-bit chunks from now on, and send them as they are.
         GradSync::<M>::track_working_copy(self, &model, dtype);
@@ -344,14 +399,18 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
         self.group.set_wire(Some(dtype));
     }
 
+    fn swap(&self) -> Option<burn_deepspeed_strategies::swap::SwapSummary> {
+        self.optim.as_ref().and_then(|o| o.swap_summary())
+    }
+
     fn peak(&self) -> u64 {
         self.meter.peak()
     }
 
     /// A collective; with masters, the fp32 values, not the rounded chunks.
     fn whole_params(&self, model: &M, _wanted: bool) -> Result<Option<Vec<f32>>> {
-        match &self.master {
-            Some(master) => self.full_from_pieces(master).map(Some),
+        match self.agreed_masters()? {
+            Some(master) => self.full_from_pieces(&master).map(Some),
             None => self.full_params(model).map(Some),
         }
     }
@@ -366,8 +425,8 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     }
 
     fn release_whole(&self, model: M) -> Result<M> {
-        let flat = match &self.master {
-            Some(master) => self.full_from_pieces(master)?,
+        let flat = match self.agreed_masters()? {
+            Some(master) => self.full_from_pieces(&master)?,
             None => self.full_params(&model)?,
         };
         Ok(self.unshard(model, &flat))
@@ -385,10 +444,10 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
         let ranges: Vec<_> = self.segments.iter().map(|s| s.global.clone()).collect();
         let state = loaded.slice_state(&sizes, &ranges)?;
         // `restore` checks the state before it replaces anything.
-        self.optim
-            .as_mut()
-            .ok_or_else(no_state_to_restore)?
-            .restore(state)?;
+        let offloaded = self.optim.as_ref().is_some_and(|o| o.is_offloaded());
+        let masters = offloaded.then(|| self.pieces_of(&loaded.params));
+        let optim = self.optim.as_mut().ok_or_else(no_state_to_restore)?;
+        optim.restore(state, masters.as_deref())?;
         let model = self.load_flat(model, &loaded.params);
         let model = set_param_ids(model, &loaded.meta.param_ids);
         if self.master.is_some() {

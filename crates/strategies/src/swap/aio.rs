@@ -67,7 +67,7 @@ impl IoEngine {
         CHOSEN
             .get_or_init(|| {
                 let forced = std::env::var(IO_ENGINE_ENV).ok();
-                Self::choose(forced.as_deref(), uring_available())
+                Self::choose(forced.as_deref(), io_uring_available())
             })
             .clone()
             .map_err(|detail| CommError::InvalidArgument {
@@ -103,14 +103,15 @@ impl IoEngine {
     }
 }
 
-/// Whether an io_uring ring can be created in this process.
+/// Whether an io_uring ring can be created in this process (kernel support, and no seccomp
+/// profile blocking it).
 #[cfg(target_os = "linux")]
-pub(crate) fn uring_available() -> bool {
+pub fn io_uring_available() -> bool {
     io_uring::IoUring::new(2).is_ok()
 }
 
 #[cfg(not(target_os = "linux"))]
-pub(crate) fn uring_available() -> bool {
+pub fn io_uring_available() -> bool {
     false
 }
 

@@ -107,9 +107,9 @@ impl SwapFile {
     }
 
     fn transfer(&self, dir: Dir, span: Span) -> Result<()> {
-        if span.offset % ALIGN as u64 != 0
-            || span.len % ALIGN != 0
-            || span.ptr as usize % ALIGN != 0
+        if !span.offset.is_multiple_of(ALIGN as u64)
+            || !span.len.is_multiple_of(ALIGN)
+            || !(span.ptr as usize).is_multiple_of(ALIGN)
         {
             return Err(CommError::InvalidArgument {
                 rank: 0,
@@ -344,7 +344,7 @@ mod tests {
     use crate::swap::AlignedBuf;
 
     fn engines() -> Vec<IoEngine> {
-        if crate::swap::aio::uring_available() {
+        if crate::swap::io_uring_available() {
             vec![IoEngine::Pread, IoEngine::Uring]
         } else {
             eprintln!("io_uring is not available here: only the pread engine is tested");

@@ -37,9 +37,10 @@ pub struct SwapStats {
     pub write_secs: f64,
 }
 
-impl SwapStats {
-    /// The counters added up.
-    pub fn add(self, other: SwapStats) -> SwapStats {
+impl std::ops::Add for SwapStats {
+    type Output = SwapStats;
+
+    fn add(self, other: SwapStats) -> SwapStats {
         SwapStats {
             bytes_read: self.bytes_read + other.bytes_read,
             bytes_written: self.bytes_written + other.bytes_written,
@@ -47,6 +48,21 @@ impl SwapStats {
             write_secs: self.write_secs + other.write_secs,
         }
     }
+}
+
+/// What a swapped state looks like from outside: where its bytes go and how fast they moved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SwapSummary {
+    /// The engine moving the bytes.
+    pub engine: IoEngine,
+    /// Whether transfers bypass the page cache (`O_DIRECT`).
+    pub direct: bool,
+    /// Bytes of the swap file.
+    pub disk_bytes: u64,
+    /// Bytes of host memory the tile buffers hold.
+    pub buffer_bytes: u64,
+    /// Transfers so far.
+    pub stats: SwapStats,
 }
 
 #[derive(Debug, Default)]
@@ -121,6 +137,17 @@ impl SwapStore {
     /// Bytes of host memory held (the tile buffers).
     pub fn buffer_bytes(&self) -> u64 {
         self.bufs.iter().map(|b| b.len() as u64).sum()
+    }
+
+    /// Its size, engine and transfers so far.
+    pub fn summary(&self) -> SwapSummary {
+        SwapSummary {
+            engine: self.file.engine(),
+            direct: self.file.is_direct(),
+            disk_bytes: self.disk_bytes(),
+            buffer_bytes: self.buffer_bytes(),
+            stats: self.stats(),
+        }
     }
 
     /// Transfers so far.
@@ -305,7 +332,7 @@ mod tests {
     }
 
     fn engines() -> Vec<IoEngine> {
-        if crate::swap::aio::uring_available() {
+        if crate::swap::io_uring_available() {
             vec![IoEngine::Pread, IoEngine::Uring]
         } else {
             eprintln!("io_uring is not available here: only the pread engine is tested");

@@ -5,7 +5,12 @@
 //! norms of whole tensors, and a tensor may straddle ranks: each rank sums ‖p‖² and ‖u‖² over
 //! its pieces, one all-reduce of `2 × tensors` values adds them up, and every rank then applies
 //! the ratio of the whole tensor to its pieces.
+//!
+//! With ZeRO-Infinity's optimizer offload (arXiv 2104.07857) the slice's fp32 masters, m and v
+//! live in a [`SwapStore`] instead of memory, and Adam steps them tile by tile
+//! (`sub_group_size` elements) while the next tile is read and the previous one written.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use burn_deepspeed_cubecl_kernels::adam::{AdamParams, AdamTensor, adam_step_multi};
@@ -15,6 +20,7 @@ use burn_deepspeed_cubecl_kernels::lamb::{
 
 use super::{FlatPartition, Segment};
 use crate::comm::{Communicator, CommunicatorExt, ReduceOp};
+use crate::swap::{SwapStore, SwapSummary};
 use crate::{CommError, Result};
 
 /// Which update the partitioned optimizer applies (the learning rate is given per step).
@@ -39,13 +45,22 @@ pub struct PartitionState {
 }
 
 /// Adam/AdamW/LAMB state and step for one rank's slice of a flat parameter buffer.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct PartitionedOptimizer {
     kind: PartitionedKind,
     segments: Vec<Segment>,
     own: Range<usize>,
+    /// The steps; m and v too unless swapped (then they are empty).
     state: PartitionState,
+    /// ZeRO-Infinity: the fp32 masters, m and v of the slice, in a swap file (fields 0, 1
+    /// and 2).
+    swap: Option<SwapStore>,
 }
+
+/// The fields of a swapped optimizer state's records.
+const MASTERS: usize = 0;
+const M: usize = 1;
+const V: usize = 2;
 
 impl PartitionedOptimizer {
     /// The optimizer of `rank`'s slice of `partition`, over tensors of `sizes` elements laid
@@ -78,6 +93,82 @@ impl PartitionedOptimizer {
                 v: vec![0.0; own.len()],
             },
             own,
+            swap: None,
+        }
+    }
+
+    /// Moves this rank's state to `swap` (ZeRO-Infinity's `offload_optimizer.device: nvme`),
+    /// with `masters` (the slice's fp32 parameters) beside it: from now on the optimizer holds
+    /// the masters, and [`step`](Self::step) hands them out instead of reading the caller's.
+    /// Adam and AdamW only: LAMB needs whole-tensor norms before it can update a tile, and
+    /// DeepSpeed offloads Adam-family optimizers only.
+    pub fn offload(&mut self, mut swap: SwapStore, masters: &[f32]) -> Result<()> {
+        let plan = swap.plan();
+        let detail = if matches!(self.kind, PartitionedKind::Lamb(_)) {
+            Some(
+                "LAMB cannot be offloaded: its trust ratio needs every tile's norms before \
+                  any tile is updated; use Adam or AdamW"
+                    .to_string(),
+            )
+        } else if plan.len() != self.own.len() || plan.fields() != 3 {
+            Some(format!(
+                "a swap store of {} fields of {} elements for a slice of {} (3 fields: \
+                 masters, m, v)",
+                plan.fields(),
+                plan.len(),
+                self.own.len()
+            ))
+        } else if masters.len() != self.own.len() {
+            Some(format!(
+                "{} masters for a slice of {}",
+                masters.len(),
+                self.own.len()
+            ))
+        } else {
+            None
+        };
+        if let Some(detail) = detail {
+            return Err(CommError::Optimizer {
+                optimizer: "PartitionedOptimizer",
+                detail,
+            });
+        }
+        let (m, v) = match &self.swap {
+            Some(old) => {
+                let mut both = old.read_fields(&[M, V])?;
+                let v = both.pop().unwrap_or_default();
+                (both.pop().unwrap_or_default(), v)
+            }
+            None => (
+                std::mem::take(&mut self.state.m),
+                std::mem::take(&mut self.state.v),
+            ),
+        };
+        swap.write_all(&[Some(masters), Some(&m), Some(&v)])?;
+        self.swap = Some(swap);
+        Ok(())
+    }
+
+    /// Whether the state lives in a swap file (and the optimizer holds the masters).
+    pub fn is_offloaded(&self) -> bool {
+        self.swap.is_some()
+    }
+
+    /// The swap file's size, engine and transfers so far, when offloaded.
+    pub fn swap_summary(&self) -> Option<SwapSummary> {
+        self.swap.as_ref().map(SwapStore::summary)
+    }
+
+    /// Bytes of state on disk (masters, m and v), when offloaded.
+    pub fn disk_bytes(&self) -> u64 {
+        self.swap.as_ref().map_or(0, SwapStore::disk_bytes)
+    }
+
+    /// When offloaded, the fp32 masters of the slice, read from the swap file.
+    pub fn masters(&self) -> Result<Option<Vec<f32>>> {
+        match &self.swap {
+            Some(s) => Ok(s.read_fields(&[MASTERS])?.pop()),
+            None => Ok(None),
         }
     }
 
@@ -86,14 +177,18 @@ impl PartitionedOptimizer {
         self.own.clone()
     }
 
-    /// Bytes of optimizer state this rank holds (m and v of its slice).
+    /// Bytes of optimizer state this rank holds in memory (m and v of its slice; when
+    /// offloaded, the swap buffers).
     pub fn state_bytes(&self) -> u64 {
-        4 * (self.state.m.len() + self.state.v.len()) as u64
+        let buffers = self.swap.as_ref().map_or(0, SwapStore::buffer_bytes);
+        4 * (self.state.m.len() + self.state.v.len()) as u64 + buffers
     }
 
     /// One step on this rank's slice: `params` and `grads` are the slice (of
     /// [`own`](Self::own)`.len()` elements); `present[t]` says whether tensor `t` had a
     /// gradient on any rank (tensors without one are left alone, as Burn's optimizers do).
+    /// When [offloaded](Self::offload), the optimizer steps its own masters and `params`
+    /// receives them (its values on entry are not read).
     /// Collective for LAMB at world size > 1: every rank calls it.
     pub fn step(
         &mut self,
@@ -125,28 +220,22 @@ impl PartitionedOptimizer {
         match self.kind {
             PartitionedKind::Adam(mut h) => {
                 h.lr = lr as f32;
-                let mut tensors = Vec::new();
-                let (mut p_rest, mut g_rest) = (&mut params[..], grads);
-                let (mut m_rest, mut v_rest) = (&mut self.state.m[..], &mut self.state.v[..]);
-                let mut at = 0;
-                for seg in live {
-                    let skip = seg.local.start - at;
-                    let len = seg.local.len();
-                    let (p, pr) = std::mem::take(&mut p_rest)[skip..].split_at_mut(len);
-                    let (g, gr) = g_rest[skip..].split_at(len);
-                    let (m, mr) = std::mem::take(&mut m_rest)[skip..].split_at_mut(len);
-                    let (v, vr) = std::mem::take(&mut v_rest)[skip..].split_at_mut(len);
-                    (p_rest, g_rest, m_rest, v_rest) = (pr, gr, mr, vr);
-                    at = seg.local.end;
-                    tensors.push(AdamTensor {
-                        p,
-                        g,
-                        m,
-                        v,
-                        step: steps[seg.tensor],
-                    });
+                let live: Vec<&Segment> = live.collect();
+                match &mut self.swap {
+                    None => {
+                        let (m, v) = (&mut self.state.m[..], &mut self.state.v[..]);
+                        adam_pieces(&h, steps, &live, 0..n, params, grads, m, v);
+                    }
+                    Some(swap) => swap.update(|_, r, fields| {
+                        let [p, m, v] = fields else {
+                            unreachable!("offload checked three fields")
+                        };
+                        let g = &grads[r.clone()];
+                        adam_pieces(&h, steps, &live, r.clone(), p, g, m, v);
+                        params[r].copy_from_slice(p);
+                        Ok(())
+                    })?,
                 }
-                adam_step_multi(&h, &mut tensors);
             }
             PartitionedKind::Lamb(mut h) => {
                 h.lr = lr as f32;
@@ -190,39 +279,112 @@ impl PartitionedOptimizer {
         Ok(())
     }
 
-    /// This rank's state, to save.
-    pub fn export(&self) -> &PartitionState {
-        &self.state
+    /// This rank's state, to save (read from the swap file when offloaded).
+    pub fn export(&self) -> Result<Cow<'_, PartitionState>> {
+        let Some(swap) = &self.swap else {
+            return Ok(Cow::Borrowed(&self.state));
+        };
+        let mut both = swap.read_fields(&[M, V])?;
+        let v = both.pop().unwrap_or_default();
+        Ok(Cow::Owned(PartitionState {
+            steps: self.state.steps.clone(),
+            m: both.pop().unwrap_or_default(),
+            v,
+        }))
     }
 
-    /// Replaces this rank's state with `state` (steps for every tensor, moments of this slice).
-    pub fn restore(&mut self, state: PartitionState) -> Result<()> {
+    /// Replaces this rank's state with `state` (steps for every tensor, moments of this
+    /// slice). When offloaded, `masters` (the slice's fp32 parameters) are written beside
+    /// it and are required.
+    pub fn restore(&mut self, state: PartitionState, masters: Option<&[f32]>) -> Result<()> {
+        let masters_fit = match (&self.swap, masters) {
+            (Some(_), Some(p)) => p.len() == self.own.len(),
+            (Some(_), None) => false,
+            (None, _) => true,
+        };
         if state.steps.len() != self.state.steps.len()
             || state.m.len() != self.own.len()
             || state.v.len() != self.own.len()
+            || !masters_fit
         {
             return Err(CommError::Optimizer {
                 optimizer: "PartitionedOptimizer",
                 detail: format!(
-                    "saved state has {} tensors and moments of {}/{} elements; this slice \
-                     has {} tensors and {} elements",
+                    "saved state has {} tensors and moments of {}/{} elements ({} masters); \
+                     this slice has {} tensors and {} elements{}",
                     state.steps.len(),
                     state.m.len(),
                     state.v.len(),
+                    masters.map_or(0, <[f32]>::len),
                     self.state.steps.len(),
-                    self.own.len()
+                    self.own.len(),
+                    if self.swap.is_some() {
+                        ", offloaded with its masters"
+                    } else {
+                        ""
+                    }
                 ),
             });
         }
-        self.state = state;
+        match &mut self.swap {
+            Some(swap) => {
+                swap.write_all(&[masters, Some(&state.m), Some(&state.v)])?;
+                self.state.steps = state.steps;
+            }
+            None => self.state = state,
+        }
         Ok(())
     }
+}
+
+/// Adam on the pieces of the `live` segments that fall in `range` (of the slice): `p`, `g`,
+/// `m` and `v` hold that range. The in-memory step passes the whole slice, the swapped step
+/// one tile at a time; the update is element-wise, so both give the same bits.
+#[allow(clippy::too_many_arguments)]
+fn adam_pieces(
+    h: &AdamParams,
+    steps: &[u32],
+    live: &[&Segment],
+    range: Range<usize>,
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+) {
+    let mut tensors = Vec::new();
+    let (mut p_rest, mut g_rest, mut m_rest, mut v_rest) = (p, g, m, v);
+    let mut at = range.start;
+    for seg in live {
+        let (lo, hi) = (
+            seg.local.start.max(range.start),
+            seg.local.end.min(range.end),
+        );
+        if lo >= hi {
+            continue;
+        }
+        let (skip, len) = (lo - at, hi - lo);
+        let (p, pr) = std::mem::take(&mut p_rest)[skip..].split_at_mut(len);
+        let (g, gr) = g_rest[skip..].split_at(len);
+        let (m, mr) = std::mem::take(&mut m_rest)[skip..].split_at_mut(len);
+        let (v, vr) = std::mem::take(&mut v_rest)[skip..].split_at_mut(len);
+        (p_rest, g_rest, m_rest, v_rest) = (pr, gr, mr, vr);
+        at = hi;
+        tensors.push(AdamTensor {
+            p,
+            g,
+            m,
+            v,
+            step: steps[seg.tensor],
+        });
+    }
+    adam_step_multi(h, &mut tensors);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::comm::{ThreadWorld, ThreadWorldOptions};
+    use crate::swap::{AioOptions, IoEngine, SwapOptions, TilePlan};
     use burn_deepspeed_cubecl_kernels::adam::adam_step;
     use burn_deepspeed_cubecl_kernels::lamb::lamb_step;
 
@@ -315,6 +477,119 @@ mod tests {
         }
     }
 
+    fn swap_options(engine: IoEngine, pipelined: bool) -> SwapOptions {
+        SwapOptions {
+            aio: AioOptions {
+                block_size: 4096,
+                queue_depth: 4,
+                ..AioOptions::default()
+            },
+            engine,
+            pipeline_read: pipelined,
+            pipeline_write: pipelined,
+        }
+    }
+
+    /// ZeRO-Infinity's tiled step from a swap file gives the in-memory step's bits: the
+    /// masters it hands out, the moments it saves, and after a restore, for odd tile sizes,
+    /// both engines, pipelined or not.
+    #[test]
+    fn swapped_adam_steps_bit_identically_to_in_memory_adam() {
+        let sizes = [5usize, 17, 1, 9, 3000];
+        let numel: usize = sizes.iter().sum();
+        let present = [1u8, 1, 0, 1, 1];
+        let kind = kinds()[0];
+        let dir = tempfile::tempdir().unwrap();
+        let mut engines = vec![IoEngine::Pread];
+        if crate::swap::io_uring_available() {
+            engines.push(IoEngine::Uring);
+        }
+        let world = 2;
+        let part = FlatPartition::new(numel, world);
+        // Adam talks to no other rank: one world of one lends the step a communicator.
+        ThreadWorld::run(1, ThreadWorldOptions::default(), |c| {
+            for &engine in &engines {
+                for (tile, pipelined) in [
+                    (1usize, false),
+                    (7, true),
+                    (1000, true),
+                    (1517, false),
+                    (99_999, true),
+                ] {
+                    for rank in 0..world {
+                        let mut ram = PartitionedOptimizer::new(kind, &part, rank, &sizes);
+                        let mut disk = PartitionedOptimizer::new(kind, &part, rank, &sizes);
+                        let own = ram.own();
+                        let init = values(numel, 1)[own.clone()].to_vec();
+                        let plan = TilePlan::new(own.len(), tile, 3);
+                        let path = dir.path().join(format!("r{rank}.swp"));
+                        let store = SwapStore::create(&path, plan, swap_options(engine, pipelined))
+                            .unwrap();
+                        let buffers = store.buffer_bytes();
+                        disk.offload(store, &init).unwrap();
+                        // Only the tile buffers stay in memory.
+                        assert_eq!(disk.state_bytes(), buffers);
+                        assert_eq!(disk.disk_bytes(), plan.file_bytes());
+                        let (mut p_ram, mut p_disk) = (init.clone(), vec![f32::NAN; own.len()]);
+                        for step in 1..=3u32 {
+                            let g = values(numel, 10 + step);
+                            ram.step(&c, &mut p_ram, &g[own.clone()], &present, 0.01)
+                                .unwrap();
+                            disk.step(&c, &mut p_disk, &g[own.clone()], &present, 0.01)
+                                .unwrap();
+                            let same = p_ram
+                                .iter()
+                                .zip(&p_disk)
+                                .all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(same, "{engine:?} tile {tile} step {step}");
+                        }
+                        assert_eq!(*disk.export().unwrap(), *ram.export().unwrap());
+                        assert_eq!(disk.masters().unwrap().unwrap(), p_ram);
+                        let s = disk.swap_summary().unwrap().stats;
+                        assert!(s.bytes_read > 0 && s.bytes_written > 0);
+                        // A restore writes masters and moments back to the file.
+                        let saved = ram.export().unwrap().into_owned();
+                        assert!(
+                            disk.restore(saved.clone(), None).is_err(),
+                            "masters are required"
+                        );
+                        disk.restore(saved, Some(&p_ram)).unwrap();
+                        let g = values(numel, 99);
+                        ram.step(&c, &mut p_ram, &g[own.clone()], &present, 0.01)
+                            .unwrap();
+                        disk.step(&c, &mut p_disk, &g[own.clone()], &present, 0.01)
+                            .unwrap();
+                        assert_eq!(p_ram, p_disk);
+                    }
+                }
+            }
+        })
+        .into_iter()
+        .for_each(|r| r.unwrap());
+    }
+
+    #[test]
+    fn lamb_and_mismatched_stores_are_not_offloaded() {
+        let dir = tempfile::tempdir().unwrap();
+        let part = FlatPartition::new(10, 1);
+        let store = |len| {
+            let plan = TilePlan::new(len, 4, 3);
+            SwapStore::create(
+                &dir.path().join(format!("{len}")),
+                plan,
+                swap_options(IoEngine::Pread, false),
+            )
+            .unwrap()
+        };
+        let mut lamb = PartitionedOptimizer::new(kinds()[1], &part, 0, &[10]);
+        let e = lamb.offload(store(10), &[0.0; 10]).unwrap_err().to_string();
+        assert!(e.contains("LAMB"), "{e}");
+        let mut adam = PartitionedOptimizer::new(kinds()[0], &part, 0, &[10]);
+        let e = adam.offload(store(9), &[0.0; 10]).unwrap_err().to_string();
+        assert!(e.contains("9 elements"), "{e}");
+        assert!(!adam.is_offloaded());
+    }
+
     #[test]
     fn restore_refuses_a_state_of_another_slice() {
         let part = FlatPartition::new(10, 2);
@@ -324,6 +599,6 @@ mod tests {
             m: vec![0.0; 4],
             v: vec![0.0; 4],
         };
-        assert!(opt.restore(bad).is_err());
+        assert!(opt.restore(bad, None).is_err());
     }
 }

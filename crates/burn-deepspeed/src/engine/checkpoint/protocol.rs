@@ -253,9 +253,9 @@ fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta) -> Result<Lo
 
 /// A partitioned optimizer's slice, to save.
 pub fn save_slice(optim: Option<&PartitionedOptimizer>) -> Result<SavedState> {
-    optim
-        .map(|o| SavedState::Slice(partition_state_bytes(o.export())))
-        .ok_or_else(no_state_to_restore)
+    let optim = optim.ok_or_else(no_state_to_restore)?;
+    let state = optim.export()?;
+    Ok(SavedState::Slice(partition_state_bytes(&state)))
 }
 
 /// The refusal of a rank that steps with its caller's optimizer and so keeps no state.
@@ -279,7 +279,8 @@ pub fn gather_moments(
     let Some(optim) = optim else {
         return Ok(None);
     };
-    let mine = partition_state_bytes(optim.export());
+    let state = optim.export()?;
+    let mine = partition_state_bytes(&state);
     let world = comm.world_size();
     // The lengths travel as u64 little-endian bytes, then the slices themselves.
     let mut lengths = vec![0u8; 8 * world];

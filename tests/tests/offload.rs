@@ -1,0 +1,189 @@
+//! ZeRO-Offload and ZeRO-Infinity's optimizer offload on the GPT example: with the optimizer
+//! state in host memory (`cpu`) or in swap files (`nvme`, stepped tile by tile), training
+//! follows the in-memory run bit for bit at ZeRO stages 1-3, in fp32 and with 16-bit working
+//! copies; the state on disk is measured; checkpoints of offloaded runs resume exactly; a bad
+//! `nvme_path` is refused by name.
+//!
+//! The I/O engine is the process's (io_uring here when the kernel allows it); the
+//! `offload_pread` test binary runs the same comparison on the `pread` fallback.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use burn::tensor::Device;
+use burn_deepspeed::launch::launch;
+use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
+use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
+use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
+use burn_deepspeed_example_gpt::run::RunReport;
+use burn_deepspeed_tests::offload::{offload_config, same_run};
+
+const SHAPE: GptShape = GptShape {
+    d_model: 32,
+    layers: 2,
+    heads: 2,
+    seq_len: 16,
+};
+
+fn run(config: DeepSpeedConfig, shape: GptShape, steps: u64) -> RunReport {
+    common::train(2, &common::spec(config, shape, steps, 5, 9))
+}
+
+/// GPT `tiny`, 2 ranks, 20 steps, stages 1-3: `cpu` and `nvme` (odd tiles, pipelined or
+/// not) give the in-memory run's losses, parameters and moments bit for bit.
+#[test]
+fn offloaded_optimizer_steps_are_bit_identical_at_stages_1_to_3() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for stage in 1..=3u8 {
+        let base = run(offload_config(stage, "fp32", None), GptShape::TINY, 20);
+        let cpu = run(
+            offload_config(stage, "fp32", Some(("cpu", dir.path(), 0, false))),
+            GptShape::TINY,
+            20,
+        );
+        same_run(&base, &cpu, &format!("stage {stage} cpu"));
+        assert_eq!(cpu.offload_optimizer, "cpu");
+        for (tile, pipelined) in [(99_991, true), (12_345, false)] {
+            let nvme = run(
+                offload_config(stage, "fp32", Some(("nvme", dir.path(), tile, pipelined))),
+                GptShape::TINY,
+                20,
+            );
+            let what = format!("stage {stage} nvme, tile {tile}, pipelined {pipelined}");
+            same_run(&base, &nvme, &what);
+            let swap = nvme
+                .swap
+                .as_ref()
+                .expect("an nvme run reports its swap file");
+            println!("{what}: {swap:?}; losses {:?}", &nvme.losses[..3]);
+            if burn_deepspeed::swap::io_uring_available() {
+                assert_eq!(swap.engine, "io_uring");
+            }
+            assert!(swap.bytes_read > 0 && swap.bytes_written > 0);
+            // Every step reads and writes each tile once (masters, m, v).
+            assert_eq!(swap.bytes_written % swap.disk_bytes, 0, "{what}");
+            assert!(swap.bytes_written >= 20 * swap.disk_bytes, "{what}");
+        }
+    }
+    assert!(
+        std::fs::read_dir(dir.path().join("zero_stage_1/optimizer"))
+            .expect("the swap folder")
+            .next()
+            .is_none(),
+        "the swap files are removed when the engine is dropped"
+    );
+}
+
+/// With a 16-bit working copy the swapped optimizer holds the fp32 masters itself: bf16 at
+/// stage 2 and fp16 (with loss scaling) at stage 3 follow their in-memory runs exactly.
+#[test]
+fn offloaded_masters_follow_the_in_memory_mixed_precision_runs() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (stage, precision) in [(2u8, "bf16"), (3, "fp16"), (1, "fp16")] {
+        let base = run(offload_config(stage, precision, None), SHAPE, 12);
+        let nvme = run(
+            offload_config(stage, precision, Some(("nvme", dir.path(), 777, true))),
+            SHAPE,
+            12,
+        );
+        same_run(&base, &nvme, &format!("stage {stage} {precision} nvme"));
+        assert_eq!(nvme.dtype, precision);
+    }
+}
+
+/// What a rank holds in memory with its optimizer on disk: the tile buffers, not m and v;
+/// the swap file's size is reported apart (`offloaded`).
+#[test]
+fn the_offloaded_state_is_measured_on_disk_not_in_memory() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let held = |offload| {
+        let config = offload_config(3, "fp32", offload);
+        let (_, states) = launch(2, Duration::from_secs(120), |comm| {
+            let device = Device::flex().autodiff();
+            let engine = DeepSpeedEngine::new(Gpt::new(SHAPE, 5, &device), config.clone(), comm)?;
+            Ok((engine.model_state_bytes(), engine.swap()))
+        })
+        .expect("engines build");
+        states.into_iter().next().expect("rank 0")
+    };
+    let (ram, none) = held(None);
+    let (disk, swap) = held(Some(("nvme", dir.path(), 1000, true)));
+    assert!(none.is_none());
+    let swap = swap.expect("swapped");
+    println!("in memory {ram:?}; offloaded {disk:?}; {swap:?}");
+    assert_eq!((ram.params, ram.grads), (disk.params, disk.grads));
+    assert_eq!(disk.offloaded, swap.disk_bytes);
+    assert_eq!(disk.optimizer, swap.buffer_bytes);
+    // The file holds fp32 masters beside m and v: at least the 8 bytes per element that
+    // memory held, plus 4 for the masters.
+    let elems = ram.optimizer / 8;
+    assert!(
+        swap.disk_bytes >= 12 * elems,
+        "{} for {elems}",
+        swap.disk_bytes
+    );
+    assert_eq!(ram.offloaded, 0);
+}
+
+/// A checkpoint of an offloaded run holds the state read back from the swap files: resumed
+/// offloaded, or in memory, the run continues with the uninterrupted run's losses.
+#[test]
+fn checkpoints_of_offloaded_runs_resume_exactly_on_or_off_disk() {
+    let swap_dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = tempfile::tempdir().expect("temp dir");
+    let corpus = ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 7);
+    let nvme = Some(("nvme", swap_dir.path(), 333, true));
+    let train = |offload: Option<(&str, &Path, usize, bool)>,
+                 steps: std::ops::Range<u64>,
+                 save_at: Option<u64>,
+                 load: bool| {
+        let config = offload_config(2, "bf16", offload);
+        let (_, losses) = launch(2, Duration::from_secs(120), |comm| {
+            let rank = comm.rank() as u64;
+            let device = Device::flex().autodiff();
+            let mut engine =
+                DeepSpeedEngine::new(Gpt::new(SHAPE, 5, &device), config.clone(), comm)?;
+            if load {
+                engine.load_checkpoint(ckpt.path(), None)?;
+            }
+            let mut losses = Vec::new();
+            for step in steps.clone() {
+                let batch = corpus.batch(step, rank * 8, 8, SHAPE.seq_len, &Device::flex());
+                losses.push(engine.train_batch(std::iter::once(batch))?.loss);
+                if save_at == Some(step) {
+                    engine.save_checkpoint(ckpt.path(), None)?;
+                }
+            }
+            Ok(losses)
+        })
+        .expect("training runs");
+        losses.into_iter().next().expect("rank 0")
+    };
+    let whole = train(nvme, 0..8, Some(3), false);
+    let resumed = train(nvme, 4..8, None, true);
+    let in_memory = train(None, 4..8, None, true);
+    println!("offloaded {whole:?}; resumed offloaded {resumed:?}; in memory {in_memory:?}");
+    assert_eq!(&whole[4..], &resumed[..]);
+    assert_eq!(&whole[4..], &in_memory[..]);
+}
+
+/// `nvme_path` must name a writable folder: a file in its place is refused by key.
+#[test]
+fn a_bad_nvme_path_is_refused_by_name() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("not-a-folder");
+    std::fs::write(&file, b"x").expect("write");
+    let config = offload_config(2, "fp32", Some(("nvme", &file, 1000, false)));
+    let e = launch(1, Duration::from_secs(60), |comm| {
+        let device = Device::flex().autodiff();
+        DeepSpeedEngine::new(Gpt::new(SHAPE, 5, &device), config.clone(), comm).map(|_| ())
+    })
+    .expect_err("refused")
+    .to_string();
+    assert!(
+        e.contains("zero_optimization.offload_optimizer.nvme_path") && e.contains("not a folder"),
+        "{e}"
+    );
+}

@@ -1,0 +1,32 @@
+//! ZeRO-Infinity's optimizer offload on the `pread`/`pwrite` fallback, the engine chosen
+//! where io_uring is unavailable (seccomp, old kernels): forced here by `BURN_DEEPSPEED_AIO`,
+//! it steps bit-identically to the in-memory run at stages 1-3. The only test of its binary,
+//! so that setting the variable races with no other thread.
+
+use burn_deepspeed::swap::IO_ENGINE_ENV;
+use burn_deepspeed_example_gpt::model::GptShape;
+use burn_deepspeed_example_gpt::run::{RunSpec, run_in_threads};
+use burn_deepspeed_tests::offload::{offload_config, same_run};
+
+#[test]
+fn the_pread_fallback_steps_bit_identically_at_stages_1_to_3() {
+    // SAFETY: this binary's only test sets it before any other thread starts.
+    unsafe { std::env::set_var(IO_ENGINE_ENV, "pread") };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let run = |config| {
+        let spec = RunSpec::on_embedded_corpus(config, GptShape::TINY, 20, 5, 9);
+        run_in_threads(2, &spec, std::time::Duration::from_secs(300)).expect("trains")
+    };
+    for stage in 1..=3u8 {
+        let base = run(offload_config(stage, "fp32", None));
+        let nvme = run(offload_config(
+            stage,
+            "fp32",
+            Some(("nvme", dir.path(), 65_537, stage != 2)),
+        ));
+        same_run(&base, &nvme, &format!("stage {stage} nvme on pread"));
+        let swap = nvme.swap.expect("swap figures");
+        println!("stage {stage}: {swap:?}");
+        assert_eq!(swap.engine, "pread");
+    }
+}

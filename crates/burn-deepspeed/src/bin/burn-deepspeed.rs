@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::engine::checkpoint::consolidate;
-use burn_deepspeed::engine::{StatePrecision, estimate_model_states};
+use burn_deepspeed::engine::{StatePrecision, estimate_model_states, offload_estimates};
 use burn_deepspeed_strategies::pipe::{PipeInstruction, TrainSchedule};
 use clap::{Parser, Subcommand};
 
@@ -156,9 +156,70 @@ struct EstimateArgs {
     /// `stage3_max_live_parameters`).
     #[arg(long, default_value_t = 0.0)]
     live_params: f64,
-    /// Print one JSON object per stage.
+    /// Print one JSON object per stage (per row with `--offload`).
     #[arg(long)]
     json: bool,
+    /// Print DeepSpeed's offload table instead (`estimate_zero2_model_states_mem_needs` and
+    /// `estimate_zero3_model_states_mem_needs` for every offload option), with `--world` the
+    /// devices per node.
+    #[arg(long)]
+    offload: bool,
+    /// `--offload`: parameters of the largest layer.
+    #[arg(long, default_value_t = 0.0)]
+    largest_layer: f64,
+    /// `--offload`: nodes.
+    #[arg(long, default_value_t = 1)]
+    nodes: u64,
+}
+
+/// DeepSpeed's offload table (host and device bytes for each option), by its formulas.
+fn estimate_offload(a: &EstimateArgs) -> ExitCode {
+    if a.largest_layer.is_nan() || a.largest_layer < 0.0 || a.nodes == 0 {
+        eprintln!("error: --largest-layer must be at least 0 and --nodes at least 1");
+        return ExitCode::FAILURE;
+    }
+    let rows = offload_estimates(
+        a.params as u64,
+        a.largest_layer as u64,
+        a.world,
+        a.nodes,
+        1.5,
+    );
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    if !a.json {
+        println!(
+            "DeepSpeed's estimate (formula, fp16 mixed precision with Adam) for Ψ = {} \
+             parameters, largest layer {}, {} node(s) x {} device(s):",
+            a.params as u64, a.largest_layer as u64, a.nodes, a.world
+        );
+        println!(
+            "{:>5} | {:>12} | {:>12} | options",
+            "stage", "per host GiB", "per dev. GiB"
+        );
+    }
+    for r in rows {
+        if a.json {
+            println!("{}", serde_json::to_value(r).expect("serializes"));
+            continue;
+        }
+        let device = |on: bool| if on { "cpu " } else { "none" };
+        let options = match r.stage {
+            2 => format!("offload_optimizer={}", device(r.offload_optimizer)),
+            _ => format!(
+                "offload_param={}, offload_optimizer={}, zero_init={}",
+                device(r.offload_param),
+                device(r.offload_optimizer),
+                u8::from(r.zero_init)
+            ),
+        };
+        println!(
+            "{:>5} | {:>12.2} | {:>12.2} | {options}",
+            r.stage,
+            gib(r.host_bytes),
+            gib(r.device_bytes)
+        );
+    }
+    ExitCode::SUCCESS
 }
 
 fn estimate_memory(a: EstimateArgs) -> ExitCode {
@@ -176,6 +237,9 @@ fn estimate_memory(a: EstimateArgs) -> ExitCode {
     if a.params.is_nan() || a.params < 1.0 || a.world == 0 || a.stage.is_some_and(|s| s > 3) {
         eprintln!("error: --params must be at least 1, --world at least 1 and --stage 0-3");
         return ExitCode::FAILURE;
+    }
+    if a.offload {
+        return estimate_offload(&a);
     }
     let gb = |b: u64| b as f64 / 1e9;
     if !a.json {

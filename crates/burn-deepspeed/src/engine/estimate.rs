@@ -78,9 +78,164 @@ pub fn estimate_model_states(
     }
 }
 
+/// One row of DeepSpeed's offload estimate (`estimate_zero2_model_states_mem_needs` and
+/// `estimate_zero3_model_states_mem_needs`): per-process host ("CPU") and per-device ("GPU")
+/// bytes of model state for a model of Ψ parameters, by DeepSpeed's formulas (fp16 mixed
+/// precision with Adam), not measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct OffloadEstimate {
+    /// ZeRO stage (2 or 3).
+    pub stage: u8,
+    /// `offload_optimizer` is `cpu`.
+    pub offload_optimizer: bool,
+    /// `offload_param` is `cpu` (stage 3).
+    pub offload_param: bool,
+    /// Parameters created already partitioned (`zero.Init`; stage 3).
+    pub zero_init: bool,
+    /// Host bytes per node, as DeepSpeed prints "per CPU".
+    pub host_bytes: u64,
+    /// Bytes per device, as DeepSpeed prints "per GPU".
+    pub device_bytes: u64,
+}
+
+/// DeepSpeed's ZeRO-2 estimate for Ψ = `params` over `gpus_per_node` × `nodes` devices, with
+/// `buffer_factor` (DeepSpeed's `additional_buffer_factor`, 1.5) on host memory.
+pub fn zero2_offload_estimate(
+    params: u64,
+    gpus_per_node: u64,
+    nodes: u64,
+    offload_optimizer: bool,
+    buffer_factor: f64,
+) -> OffloadEstimate {
+    let (p, gpus) = (params as f64, (gpus_per_node * nodes).max(1) as f64);
+    let (host, device) = if offload_optimizer {
+        (p * (4.0 * gpus).max(16.0) * buffer_factor, 2.0 * p)
+    } else {
+        (
+            p * 4.0 * gpus_per_node as f64 * buffer_factor,
+            4.0 * p + (16.0 * p / gpus).floor(),
+        )
+    };
+    OffloadEstimate {
+        stage: 2,
+        offload_optimizer,
+        offload_param: false,
+        zero_init: false,
+        host_bytes: host as u64,
+        device_bytes: device as u64,
+    }
+}
+
+/// DeepSpeed's ZeRO-3 estimate for Ψ = `params` whose largest layer has `largest_layer`
+/// parameters, over `gpus_per_node` × `nodes` devices.
+#[allow(clippy::too_many_arguments)]
+pub fn zero3_offload_estimate(
+    params: u64,
+    largest_layer: u64,
+    gpus_per_node: u64,
+    nodes: u64,
+    offload_optimizer: bool,
+    offload_param: bool,
+    zero_init: bool,
+    buffer_factor: f64,
+) -> OffloadEstimate {
+    let p = params as f64;
+    let gpus = (gpus_per_node * nodes).max(1) as f64;
+    let per_node = 1.0 / nodes.max(1) as f64;
+    let local = gpus_per_node as f64;
+    let largest = 4.0 * largest_layer as f64;
+    let (host, device) = match (offload_optimizer, offload_param) {
+        (true, true) => (
+            match zero_init {
+                true => p * 18.0 * per_node,
+                false => p * (4.0 * local).max(18.0 * per_node),
+            } * buffer_factor,
+            largest,
+        ),
+        (true, false) => (
+            match zero_init {
+                true => p * 16.0 * per_node,
+                false => p * (4.0 * local).max(16.0 * per_node),
+            } * buffer_factor,
+            largest + (2.0 * p / gpus).floor(),
+        ),
+        (false, _) => (
+            match zero_init {
+                true => largest_layer as f64 * 4.0 * local,
+                false => p * 4.0 * local,
+            } * buffer_factor,
+            largest + (18.0 * p / gpus).floor(),
+        ),
+    };
+    OffloadEstimate {
+        stage: 3,
+        offload_optimizer,
+        offload_param: offload_param && offload_optimizer,
+        zero_init,
+        host_bytes: host as u64,
+        device_bytes: device as u64,
+    }
+}
+
+/// Every row DeepSpeed's `estimate_zero2_model_states_mem_needs_all_cold` and
+/// `estimate_zero3_model_states_mem_needs_all_cold` print, in their order.
+pub fn offload_estimates(
+    params: u64,
+    largest_layer: u64,
+    gpus_per_node: u64,
+    nodes: u64,
+    buffer_factor: f64,
+) -> Vec<OffloadEstimate> {
+    let mut rows = vec![
+        zero2_offload_estimate(params, gpus_per_node, nodes, true, buffer_factor),
+        zero2_offload_estimate(params, gpus_per_node, nodes, false, buffer_factor),
+    ];
+    for (optimizer, param) in [(true, true), (true, false), (false, false)] {
+        for init in [true, false] {
+            rows.push(zero3_offload_estimate(
+                params,
+                largest_layer,
+                gpus_per_node,
+                nodes,
+                optimizer,
+                param,
+                init,
+                buffer_factor,
+            ));
+        }
+    }
+    rows
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// DeepSpeed's documented example (its "Memory Requirements" page): t5-3b, 2,851,598,336
+    /// parameters, largest layer the 32,128 x 1,024 embedding, one node of 8 GPUs. The
+    /// printed GiB figures, rounded to two places as DeepSpeed prints them.
+    #[test]
+    fn deepspeeds_documented_offload_table() {
+        let rows = offload_estimates(2_851_598_336, 32_128 * 1024, 8, 1, 1.5);
+        let gib = |b: u64| format!("{:.2}", b as f64 / (1u64 << 30) as f64);
+        let got: Vec<(String, String)> = rows
+            .iter()
+            .map(|r| (gib(r.host_bytes), gib(r.device_bytes)))
+            .collect();
+        let want = [
+            ("127.48", "5.31"),
+            ("127.48", "15.93"),
+            ("71.71", "0.12"),
+            ("127.48", "0.12"),
+            ("63.74", "0.79"),
+            ("127.48", "0.79"),
+            ("1.47", "6.10"),
+            ("127.48", "6.10"),
+        ];
+        for (row, (g, w)) in rows.iter().zip(got.iter().zip(want)) {
+            assert_eq!((g.0.as_str(), g.1.as_str()), w, "{row:?}");
+        }
+    }
 
     /// The paper's check value: Ψ = 7.5B, N = 64, mixed precision (K = 12).
     #[test]

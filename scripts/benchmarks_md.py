@@ -7,6 +7,7 @@ Usage: benchmarks_md.py pipeline BENCH_JSON GRID_MPI_JSON GRID_THREADS_JSON CORE
        benchmarks_md.py learner DIR CORES
        benchmarks_md.py kernels KERNELS_JSON CORES
        benchmarks_md.py precision DIR CORES
+       benchmarks_md.py offload DIR CORES
 """
 import json
 import re
@@ -437,6 +438,76 @@ def precision(directory, cores):
     return "\n".join(lines) + "\n"
 
 
+def offload(directory, cores):
+    d = Path(directory)
+    s = json.load(open(d / "swap.json"))
+    g = {k: json.load(open(d / f"gpt_{k}.json")) for k in ("none", "nvme")}
+    gb = s["state_bytes"] / 1e9
+    lines = [
+        "## ZeRO-Offload and ZeRO-Infinity",
+        "",
+        f"`bash scripts/bench-offload.sh` on a machine with {cores} CPU cores; swap files in "
+        "the system's temp folder (ext4 on a virtual disk here).",
+        "",
+        f"### The swapper against the disk, one optimizer state of {gb:.2f} GB "
+        f"({s['elements']:,} elements of fp32 masters, m and v, tiles of {s['tile']:,})",
+        "",
+        "The disk's own bandwidth: one thread writing, then reading, the same number of bytes "
+        "sequentially in 8 MiB `O_DIRECT` requests (`dd oflag=direct bs=8M`), measured in the "
+        "same run. A swap pass reads and writes every tile back (no work on it), pipelined, "
+        "with DeepSpeed's `aio` defaults (1 MiB requests, 8 in flight). Its efficiency is the "
+        "disk's time to read and write the state at the rates above, over the pass's wall "
+        f"time. Median of {s['reps']}.",
+        "",
+        "| what | engine | seconds | GB/s | efficiency |",
+        "|---|---|---|---|---|",
+        f"| disk write, `O_DIRECT` 8 MiB | pwrite | {s['state_bytes'] / 1e9 / s['raw_write_gb_per_s']:.2f} "
+        f"| {s['raw_write_gb_per_s']:.3f} | |",
+        f"| disk read, `O_DIRECT` 8 MiB | pread | {s['state_bytes'] / 1e9 / s['raw_read_gb_per_s']:.2f} "
+        f"| {s['raw_read_gb_per_s']:.3f} | |",
+    ]
+    for p in s["swap_passes"]:
+        lines.append(
+            f"| swap pass (read + write back) | {p['engine']} | {p['seconds']:.2f} "
+            f"| {p['read_write_gb_per_s']:.3f} (read + written) | {p['efficiency']:.2f} |"
+        )
+    lines += [
+        f"| Adam step from the swap file | {s['adam_swapped_engine']} "
+        f"| {s['adam_swapped_seconds']:.2f} | | {s['adam_swapped_efficiency']:.2f} |",
+        f"| Adam step in memory | | {s['adam_in_memory_seconds']:.2f} | | |",
+        "",
+        f"### GPT `small` at ZeRO stage 3, {g['none']['world']} thread ranks, "
+        f"{g['none']['steps']} steps of {g['none']['train_batch_size']} sequences",
+        "",
+        "Model state in memory per rank is measured where it is allocated (the largest over "
+        "ranks); with `nvme` the optimizer holds only its tile buffers, and the swap file "
+        "(rank 0's) holds fp32 masters, m and v. Swap GB/s: bytes moved over the time spent "
+        "in transfers (which overlap the step).",
+        "",
+        "| `offload_optimizer` | tokens/s | model state in memory per rank (B) "
+        "| swap file (B) | swap read / write GB/s | final loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    for k in ("none", "nvme"):
+        r = g[k]
+        sw = r.get("swap")
+        swap_cols = (
+            f"{sw['disk_bytes']:,} | {sw['read_gb_per_s']:.3f} / {sw['write_gb_per_s']:.3f}"
+            if sw else " | "
+        )
+        lines.append(
+            f"| {k} | {r['tokens_per_s']:.0f} | {r['model_state_bytes_per_rank']:,} "
+            f"| {swap_cols} | {r['losses'][-1]:.4f} |"
+        )
+    same = g["none"]["losses"] == g["nvme"]["losses"]
+    lines += [
+        "",
+        f"Losses identical with and without offload: {'yes' if same else 'no'}.",
+        "",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def write_section(name, body):
     text = PATH.read_text() if PATH.exists() else HEADER
     block = f"<!-- section: {name} -->\n{body}<!-- end: {name} -->\n"
@@ -465,5 +536,7 @@ if __name__ == "__main__":
         write_section("learner", learner(*sys.argv[2:4]))
     elif kind == "precision":
         write_section("precision", precision(*sys.argv[2:4]))
+    elif kind == "offload":
+        write_section("offload", offload(*sys.argv[2:4]))
     else:
         sys.exit(f"unknown section {kind}")

@@ -283,7 +283,8 @@ fn all_reduce_path_matches_reduce_scatter() {
     }
 }
 
-/// Offload and ZeRO++ settings are refused with the key and the reason.
+/// Parameter offload, partial optimizer offload and ZeRO++ settings are refused with the key
+/// and the reason.
 #[test]
 fn unsupported_zero_settings_are_refused() {
     for (extra, key) in [
@@ -296,8 +297,8 @@ fn unsupported_zero_settings_are_refused() {
             "zero_optimization.zero_quantized_weights",
         ),
         (
-            r#", "offload_optimizer": {"device": "cpu"}"#,
-            "zero_optimization.offload_optimizer",
+            r#", "offload_optimizer": {"device": "cpu", "ratio": 0.5}"#,
+            "zero_optimization.offload_optimizer.ratio",
         ),
     ] {
         let spec = common::spec(config(3, "AdamW", 1, extra), SHAPE, 1, 5, 9);

@@ -19,7 +19,7 @@ for offload in none nvme; do
     cat > "$out/ds_$offload.json" <<JSON
 {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8,
  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
- "zero_optimization": {"stage": 3, "sub_group_size": 4000000,
+ "zero_optimization": {"stage": 3, "sub_group_size": 500000,
    "offload_optimizer": {"device": "$offload", "nvme_path": "$DIR",
                          "pipeline_read": true, "pipeline_write": true}}}
 JSON

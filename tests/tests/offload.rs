@@ -128,43 +128,51 @@ fn the_offloaded_state_is_measured_on_disk_not_in_memory() {
     assert_eq!(ram.offloaded, 0);
 }
 
+/// Trains steps `steps` of [`SHAPE`] on `world` thread ranks (the same 16 sequences per step
+/// whatever the world size), first loading the checkpoint in `ckpt` when `load`, and saving
+/// one there after step `save_at`. Returns rank 0's losses.
+fn train_steps(
+    config: &DeepSpeedConfig,
+    world: usize,
+    steps: std::ops::Range<u64>,
+    ckpt: &Path,
+    save_at: Option<u64>,
+    load: bool,
+) -> Vec<f64> {
+    let corpus = ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 7);
+    let (_, losses) = launch(world, Duration::from_secs(120), |comm| {
+        let (rank, per) = (comm.rank() as u64, 16 / comm.world_size() as u64);
+        let device = Device::flex().autodiff();
+        let mut engine = DeepSpeedEngine::new(Gpt::new(SHAPE, 5, &device), config.clone(), comm)?;
+        if load {
+            engine.load_checkpoint(ckpt, None)?;
+        }
+        let mut losses = Vec::new();
+        for step in steps.clone() {
+            let flex = Device::flex();
+            let batch = corpus.batch(step, rank * per, per as usize, SHAPE.seq_len, &flex);
+            losses.push(engine.train_batch(std::iter::once(batch))?.loss);
+            if save_at == Some(step) {
+                engine.save_checkpoint(ckpt, None)?;
+            }
+        }
+        Ok(losses)
+    })
+    .expect("training runs");
+    losses.into_iter().next().expect("rank 0")
+}
+
 /// A checkpoint of an offloaded run holds the state read back from the swap files: resumed
 /// offloaded, or in memory, the run continues with the uninterrupted run's losses.
 #[test]
 fn checkpoints_of_offloaded_runs_resume_exactly_on_or_off_disk() {
     let swap_dir = tempfile::tempdir().expect("temp dir");
     let ckpt = tempfile::tempdir().expect("temp dir");
-    let corpus = ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 7);
-    let nvme = Some(("nvme", swap_dir.path(), 333, true));
-    let train = |offload: Option<(&str, &Path, usize, bool)>,
-                 steps: std::ops::Range<u64>,
-                 save_at: Option<u64>,
-                 load: bool| {
-        let config = offload_config(2, "bf16", offload);
-        let (_, losses) = launch(2, Duration::from_secs(120), |comm| {
-            let rank = comm.rank() as u64;
-            let device = Device::flex().autodiff();
-            let mut engine =
-                DeepSpeedEngine::new(Gpt::new(SHAPE, 5, &device), config.clone(), comm)?;
-            if load {
-                engine.load_checkpoint(ckpt.path(), None)?;
-            }
-            let mut losses = Vec::new();
-            for step in steps.clone() {
-                let batch = corpus.batch(step, rank * 8, 8, SHAPE.seq_len, &Device::flex());
-                losses.push(engine.train_batch(std::iter::once(batch))?.loss);
-                if save_at == Some(step) {
-                    engine.save_checkpoint(ckpt.path(), None)?;
-                }
-            }
-            Ok(losses)
-        })
-        .expect("training runs");
-        losses.into_iter().next().expect("rank 0")
-    };
-    let whole = train(nvme, 0..8, Some(3), false);
-    let resumed = train(nvme, 4..8, None, true);
-    let in_memory = train(None, 4..8, None, true);
+    let nvme = offload_config(2, "bf16", Some(("nvme", swap_dir.path(), 333, true)));
+    let whole = train_steps(&nvme, 2, 0..8, ckpt.path(), Some(3), false);
+    let resumed = train_steps(&nvme, 2, 4..8, ckpt.path(), None, true);
+    let memory = offload_config(2, "bf16", None);
+    let in_memory = train_steps(&memory, 2, 4..8, ckpt.path(), None, true);
     println!("offloaded {whole:?}; resumed offloaded {resumed:?}; in memory {in_memory:?}");
     assert_eq!(&whole[4..], &resumed[..]);
     assert_eq!(&whole[4..], &in_memory[..]);
@@ -177,40 +185,9 @@ fn checkpoints_of_offloaded_runs_resume_exactly_on_or_off_disk() {
 fn an_offloaded_checkpoint_resumes_at_another_world_size() {
     let swap_dir = tempfile::tempdir().expect("temp dir");
     let ckpt = tempfile::tempdir().expect("temp dir");
-    let corpus = ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 7);
     let config = offload_config(3, "fp32", Some(("nvme", swap_dir.path(), 999, true)));
-    let train = |world: usize, steps: std::ops::Range<u64>, save_at: Option<u64>, load: bool| {
-        let (_, losses) = launch(world, Duration::from_secs(120), |comm| {
-            let (rank, world) = (comm.rank() as u64, comm.world_size() as u64);
-            let device = Device::flex().autodiff();
-            let mut engine =
-                DeepSpeedEngine::new(Gpt::new(SHAPE, 5, &device), config.clone(), comm)?;
-            if load {
-                engine.load_checkpoint(ckpt.path(), None)?;
-            }
-            let mut losses = Vec::new();
-            for step in steps.clone() {
-                // The same 16 sequences per step whatever the world size.
-                let per = 16 / world;
-                let batch = corpus.batch(
-                    step,
-                    rank * per,
-                    per as usize,
-                    SHAPE.seq_len,
-                    &Device::flex(),
-                );
-                losses.push(engine.train_batch(std::iter::once(batch))?.loss);
-                if save_at == Some(step) {
-                    engine.save_checkpoint(ckpt.path(), None)?;
-                }
-            }
-            Ok(losses)
-        })
-        .expect("training runs");
-        losses.into_iter().next().expect("rank 0")
-    };
-    let whole = train(2, 0..8, Some(3), false);
-    let resumed = train(1, 4..8, None, true);
+    let whole = train_steps(&config, 2, 0..8, ckpt.path(), Some(3), false);
+    let resumed = train_steps(&config, 1, 4..8, ckpt.path(), None, true);
     println!("2 ranks {whole:?}; resumed on 1 rank {resumed:?}");
     for (a, b) in whole[4..].iter().zip(&resumed) {
         assert!((a - b).abs() <= 1e-4 * a.abs(), "{a} vs {b}");

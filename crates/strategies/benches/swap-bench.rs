@@ -125,15 +125,7 @@ fn noisy(len: usize, seed: u64) -> Vec<f32> {
 }
 
 fn adam() -> PartitionedKind {
-    PartitionedKind::Adam(AdamParams {
-        lr: 0.0,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.01,
-        decoupled: true,
-        bias_correction: true,
-    })
+    PartitionedKind::Adam(AdamParams::adamw(0.0, 0.01))
 }
 
 fn main() {

@@ -7,8 +7,8 @@ use burn_deepspeed_strategies::comm::Communicator;
 use half::f16;
 
 use super::{
-    CompressedSync, GradElem, GradSync, OptimizerOffload, PartitionedSync, ReplicatedSync,
-    ShardedSync, SyncOptions, broadcast_params,
+    CompressedSync, GradElem, GradSync, NvmeOffload, PartitionedSync, ReplicatedSync, ShardedSync,
+    SyncOptions, broadcast_params,
 };
 use crate::config::{DeepSpeedConfig, ZeroStage};
 use crate::engine::flat::ParamLayout;
@@ -42,7 +42,7 @@ fn build_with<M: Module, G: GradElem>(
         .as_ref()
         .ok_or_else(|| DeepSpeedError::Data("the config was not resolved".into()))?;
     let options = SyncOptions::of(config);
-    let offload = OptimizerOffload::of(config)?;
+    let offload = NvmeOffload::of(config)?;
     let layout = ParamLayout::of(&model);
     let model = broadcast_params(comm.as_ref(), &layout, model)?;
     Ok(match options.stage {
@@ -60,7 +60,7 @@ fn build_with<M: Module, G: GradElem>(
         ZeroStage::OptimizerStates | ZeroStage::Gradients => {
             let kind = partitioned_kind(optimizer)?;
             let mut sync = PartitionedSync::<G>::new(layout, comm, &options, kind);
-            if let OptimizerOffload::Nvme(nvme) = &offload {
+            if let Some(nvme) = &offload {
                 sync.offload_optimizer(&model, nvme)?;
             }
             (model, Box::new(sync))
@@ -69,7 +69,7 @@ fn build_with<M: Module, G: GradElem>(
             let kind = partitioned_kind(optimizer)?;
             let mut sync = ShardedSync::<G>::new(layout, comm, &options, kind);
             let model = sync.shard(model);
-            if let OptimizerOffload::Nvme(nvme) = &offload {
+            if let Some(nvme) = &offload {
                 sync.offload_optimizer(&model, nvme)?;
             }
             (model, Box::new(sync))

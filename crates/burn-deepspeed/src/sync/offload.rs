@@ -1,4 +1,4 @@
-//! [`OptimizerOffload`]: where a ZeRO regime keeps its optimizer state, from the config's
+//! [`NvmeOffload`]: the swap files of a ZeRO regime's optimizer state, from the config's
 //! `offload_optimizer`, `sub_group_size` and `aio` sections (ZeRO-Offload, arXiv 2101.06840;
 //! ZeRO-Infinity, arXiv 2104.07857).
 
@@ -8,18 +8,6 @@ use burn_deepspeed_strategies::swap::{AioOptions, IoEngine, SwapOptions, SwapSto
 
 use crate::Result;
 use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
-
-/// Where the optimizer state of stages 1-3 lives.
-#[derive(Debug, Clone, PartialEq)]
-pub enum OptimizerOffload {
-    /// In host memory beside the model: the default.
-    None,
-    /// In host memory (`device: "cpu"`). With the model on the host (Flex) this is where
-    /// the state is anyway; the step is the same fused CPU Adam.
-    Cpu,
-    /// In swap files (`device: "nvme"`): fp32 masters, m and v, stepped tile by tile.
-    Nvme(NvmeOffload),
-}
 
 /// The swap files of an NVMe offload.
 #[derive(Debug, Clone, PartialEq)]
@@ -34,51 +22,38 @@ pub struct NvmeOffload {
     pub swap: SwapOptions,
 }
 
-impl OptimizerOffload {
-    /// What a resolved, [checked](crate::config::check_supported) config asks for. Chooses
-    /// the I/O engine (io_uring, or `pread` where it is unavailable or
-    /// `BURN_DEEPSPEED_AIO=pread`).
-    pub fn of(config: &DeepSpeedConfig) -> Result<Self> {
-        let z = &config.zero_optimization;
-        Ok(match z.optimizer_offload() {
-            OffloadDevice::None => Self::None,
-            OffloadDevice::Cpu => Self::Cpu,
-            OffloadDevice::Nvme => {
-                let o = z.offload_optimizer.clone().unwrap_or_default();
-                let a = &config.aio;
-                let aio = AioOptions {
-                    block_size: a.block_size as usize,
-                    queue_depth: a.queue_depth as usize,
-                    intra_op_parallelism: a.intra_op_parallelism as usize,
-                    single_submit: a.single_submit,
-                    overlap_events: a.overlap_events,
-                };
-                Self::Nvme(NvmeOffload {
-                    dir: PathBuf::from(o.nvme_path.unwrap_or_default()),
-                    stage: z.stage,
-                    tile: z.sub_group_size as usize,
-                    swap: SwapOptions {
-                        aio,
-                        engine: IoEngine::select()?,
-                        pipeline_read: o.pipeline_read,
-                        pipeline_write: o.pipeline_write,
-                    },
-                })
-            }
-        })
-    }
-
-    /// The config's name for it.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::None => "none",
-            Self::Cpu => "cpu",
-            Self::Nvme(_) => "nvme",
-        }
-    }
-}
-
 impl NvmeOffload {
+    /// The swap files a resolved, [checked](crate::config::check_supported) config asks for:
+    /// `Some` under `offload_optimizer.device: "nvme"`. (`cpu` keeps the state in host memory,
+    /// where it is on Flex anyway.) Chooses the I/O engine: io_uring, or `pread` where it is
+    /// unavailable or `BURN_DEEPSPEED_AIO=pread`.
+    pub fn of(config: &DeepSpeedConfig) -> Result<Option<Self>> {
+        let z = &config.zero_optimization;
+        if z.optimizer_offload() != OffloadDevice::Nvme {
+            return Ok(None);
+        }
+        let o = z.offload_optimizer.clone().unwrap_or_default();
+        let a = &config.aio;
+        let aio = AioOptions {
+            block_size: a.block_size as usize,
+            queue_depth: a.queue_depth as usize,
+            intra_op_parallelism: a.intra_op_parallelism as usize,
+            single_submit: a.single_submit,
+            overlap_events: a.overlap_events,
+        };
+        Ok(Some(Self {
+            dir: PathBuf::from(o.nvme_path.unwrap_or_default()),
+            stage: z.stage,
+            tile: z.sub_group_size as usize,
+            swap: SwapOptions {
+                aio,
+                engine: IoEngine::select()?,
+                pipeline_read: o.pipeline_read,
+                pipeline_write: o.pipeline_write,
+            },
+        }))
+    }
+
     /// The swap file of `rank`'s optimizer state: `len` elements of fp32 masters, m and v,
     /// in `nvme_path/zero_stage_N/optimizer/rankR.swp`.
     pub fn store(&self, rank: usize, len: usize) -> Result<SwapStore> {

@@ -438,7 +438,10 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
             return Ok(wanted.then(|| params_to_flat(model, &self.layout)));
         }
         // Reading a swap file can fail on one rank: all agree before the gather.
-        let master = agreed(self.comm.as_ref(), "read masters", self.masters())?;
+        let master = match self.master.is_some() {
+            true => self.masters()?,
+            false => agreed(self.comm.as_ref(), "read masters", self.masters())?,
+        };
         let master = master.ok_or_else(|| DeepSpeedError::Data("no masters".into()))?;
         let mut flat = vec![0.0f32; self.layout.numel];
         let counts: Vec<usize> = (0..self.comm.world_size())

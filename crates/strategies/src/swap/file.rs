@@ -343,21 +343,12 @@ mod tests {
     use super::*;
     use crate::swap::AlignedBuf;
 
-    fn engines() -> Vec<IoEngine> {
-        if crate::swap::io_uring_available() {
-            vec![IoEngine::Pread, IoEngine::Uring]
-        } else {
-            eprintln!("io_uring is not available here: only the pread engine is tested");
-            vec![IoEngine::Pread]
-        }
-    }
-
     /// Every engine and queue setting writes and reads back the same bytes, in blocks that do
     /// not divide the transfer, on one or several threads.
     #[test]
     fn bytes_round_trip_on_every_engine_and_setting() {
         let dir = tempfile::tempdir().unwrap();
-        for engine in engines() {
+        for engine in crate::swap::engines_here() {
             for (block, depth, threads, single, overlap) in [
                 (4096, 1, 1, false, true),
                 (8192, 3, 1, true, false),
@@ -396,7 +387,7 @@ mod tests {
     #[test]
     fn unaligned_transfers_and_reads_past_the_end_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        for engine in engines() {
+        for engine in crate::swap::engines_here() {
             let path = dir.path().join(engine.name());
             let file =
                 SwapFile::create(&path, ALIGN as u64, engine, AioOptions::default()).unwrap();

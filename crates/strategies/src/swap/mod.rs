@@ -21,3 +21,14 @@ pub use buffer::*;
 pub use file::*;
 pub use store::*;
 pub use tiles::*;
+
+/// The engines the tests run here: `pread` always, io_uring where the kernel allows it.
+#[cfg(test)]
+pub(crate) fn engines_here() -> Vec<IoEngine> {
+    if io_uring_available() {
+        vec![IoEngine::Pread, IoEngine::Uring]
+    } else {
+        eprintln!("io_uring is not available here: only the pread engine is tested");
+        vec![IoEngine::Pread]
+    }
+}

@@ -37,19 +37,6 @@ pub struct SwapStats {
     pub write_secs: f64,
 }
 
-impl std::ops::Add for SwapStats {
-    type Output = SwapStats;
-
-    fn add(self, other: SwapStats) -> SwapStats {
-        SwapStats {
-            bytes_read: self.bytes_read + other.bytes_read,
-            bytes_written: self.bytes_written + other.bytes_written,
-            read_secs: self.read_secs + other.read_secs,
-            write_secs: self.write_secs + other.write_secs,
-        }
-    }
-}
-
 /// What a swapped state looks like from outside: where its bytes go and how fast they moved.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SwapSummary {
@@ -341,15 +328,6 @@ mod tests {
         }
     }
 
-    fn engines() -> Vec<IoEngine> {
-        if crate::swap::io_uring_available() {
-            vec![IoEngine::Pread, IoEngine::Uring]
-        } else {
-            eprintln!("io_uring is not available here: only the pread engine is tested");
-            vec![IoEngine::Pread]
-        }
-    }
-
     /// An update visits every element once, in order, whatever the tiling and pipelining,
     /// and what it writes is what the next pass reads.
     #[test]
@@ -357,7 +335,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let len = 5000;
         let a: Vec<f32> = (0..len).map(|i| i as f32).collect();
-        for engine in engines() {
+        for engine in crate::swap::engines_here() {
             for tile in [13, 1024, 1999, 5000, 9000] {
                 for (pr, pw) in [(false, false), (true, false), (false, true), (true, true)] {
                     let plan = TilePlan::new(len, tile, 3);

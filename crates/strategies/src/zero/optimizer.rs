@@ -500,10 +500,7 @@ mod tests {
         let present = [1u8, 1, 0, 1, 1];
         let kind = kinds()[0];
         let dir = tempfile::tempdir().unwrap();
-        let mut engines = vec![IoEngine::Pread];
-        if crate::swap::io_uring_available() {
-            engines.push(IoEngine::Uring);
-        }
+        let engines = crate::swap::engines_here();
         let world = 2;
         let part = FlatPartition::new(numel, world);
         // Adam talks to no other rank: one world of one lends the step a communicator.

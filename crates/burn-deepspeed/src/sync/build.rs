@@ -10,10 +10,10 @@ use super::{
     CompressedSync, GradElem, GradSync, NvmeOffload, PartitionedSync, ReplicatedSync, ShardedSync,
     SyncOptions, broadcast_params,
 };
-use crate::config::{DeepSpeedConfig, ZeroStage};
+use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
 use crate::engine::flat::ParamLayout;
 use crate::engine::{build_optimizer, partitioned_kind};
-use crate::{DeepSpeedError, Result};
+use crate::{DeepSpeedError, Result, agreed};
 
 /// The regime a resolved `config` names for `model` on `comm`, and the model as that regime
 /// stores it: rank 0's parameters broadcast to every rank, and at stage 3 cut into this
@@ -42,7 +42,13 @@ fn build_with<M: Module, G: GradElem>(
         .as_ref()
         .ok_or_else(|| DeepSpeedError::Data("the config was not resolved".into()))?;
     let options = SyncOptions::of(config);
-    let offload = NvmeOffload::of(config)?;
+    // The I/O engine is chosen per process (a node may lack io_uring): the ranks agree on
+    // every one's choice before the first collective. The config, and so the branch, is the
+    // same on every rank.
+    let offload = match config.zero_optimization.optimizer_offload() {
+        OffloadDevice::Nvme => agreed(comm.as_ref(), "optimizer offload", NvmeOffload::of(config))?,
+        _ => None,
+    };
     let layout = ParamLayout::of(&model);
     let model = broadcast_params(comm.as_ref(), &layout, model)?;
     Ok(match options.stage {

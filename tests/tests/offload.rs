@@ -16,7 +16,6 @@ use std::time::Duration;
 use burn::tensor::Device;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
-use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
 use burn_deepspeed_example_gpt::run::RunReport;
 use burn_deepspeed_tests::offload::{offload_config, same_run};
@@ -128,9 +127,6 @@ fn the_offloaded_state_is_measured_on_disk_not_in_memory() {
     assert_eq!(ram.offloaded, 0);
 }
 
-/// Trains steps `steps` of [`SHAPE`] on `world` thread ranks (the same 16 sequences per step
-/// whatever the world size), first loading the checkpoint in `ckpt` when `load`, and saving
-/// one there after step `save_at`. Returns rank 0's losses.
 fn train_steps(
     config: &DeepSpeedConfig,
     world: usize,
@@ -139,27 +135,7 @@ fn train_steps(
     save_at: Option<u64>,
     load: bool,
 ) -> Vec<f64> {
-    let corpus = ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 7);
-    let (_, losses) = launch(world, Duration::from_secs(120), |comm| {
-        let (rank, per) = (comm.rank() as u64, 16 / comm.world_size() as u64);
-        let device = Device::flex().autodiff();
-        let mut engine = DeepSpeedEngine::new(Gpt::new(SHAPE, 5, &device), config.clone(), comm)?;
-        if load {
-            engine.load_checkpoint(ckpt, None)?;
-        }
-        let mut losses = Vec::new();
-        for step in steps.clone() {
-            let flex = Device::flex();
-            let batch = corpus.batch(step, rank * per, per as usize, SHAPE.seq_len, &flex);
-            losses.push(engine.train_batch(std::iter::once(batch))?.loss);
-            if save_at == Some(step) {
-                engine.save_checkpoint(ckpt, None)?;
-            }
-        }
-        Ok(losses)
-    })
-    .expect("training runs");
-    losses.into_iter().next().expect("rank 0")
+    burn_deepspeed_tests::offload::train_steps(config, SHAPE, world, steps, ckpt, save_at, load)
 }
 
 /// A checkpoint of an offloaded run holds the state read back from the swap files: resumed

@@ -1,12 +1,13 @@
 //! ZeRO-Infinity's optimizer offload on the `pread`/`pwrite` fallback, the engine chosen
 //! where io_uring is unavailable (seccomp, old kernels): forced here by `BURN_DEEPSPEED_AIO`,
-//! it steps bit-identically to the in-memory run at stages 1-3. The only test of its binary,
-//! so that setting the variable races with no other thread.
+//! it steps bit-identically to the in-memory run at stages 1-3, and with the stage-3
+//! parameters on disk too. The only test of its binary, so that setting the variable races
+//! with no other thread.
 
 use burn_deepspeed::swap::IO_ENGINE_ENV;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunSpec, run_in_threads};
-use burn_deepspeed_tests::offload::{offload_config, same_run};
+use burn_deepspeed_tests::offload::{offload_config, same_run, with_params_offloaded};
 
 #[test]
 fn the_pread_fallback_steps_bit_identically_at_stages_1_to_3() {
@@ -28,5 +29,12 @@ fn the_pread_fallback_steps_bit_identically_at_stages_1_to_3() {
         let swap = nvme.swap.expect("swap figures");
         println!("stage {stage}: {swap:?}");
         assert_eq!(swap.engine, "pread");
+        if stage == 3 {
+            let config = offload_config(3, "fp32", Some(("nvme", dir.path(), 65_537, true)));
+            let params = run(with_params_offloaded(config, "nvme", dir.path(), 3, 50_000));
+            same_run(&base, &params, "stage 3, parameters and optimizer on pread");
+            let store = params.param_store.expect("a parameter store");
+            assert_eq!(store.swap.expect("a swap file").engine, "pread");
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! Trains the byte-level GPT with burn-deepspeed.
 //!
 //! ```text
-//! cargo run --release --example gpt -- [--config FILE] [--model tiny|small] [--ranks N]
+//! cargo run --release --example gpt -- [--config FILE] [--model tiny|small|medium|xl] [--ranks N]
 //!     [--steps N] [--data PATH] [--seed S] [--json]
 //! mpirun -n N target/release/examples/gpt ...        # built with --features mpi
 //! ```
@@ -29,7 +29,7 @@ struct Args {
     #[arg(long)]
     config: Option<std::path::PathBuf>,
     /// Model size.
-    #[arg(long, default_value = "tiny", value_parser = ["tiny", "small", "medium"])]
+    #[arg(long, default_value = "tiny", value_parser = ["tiny", "small", "medium", "xl"])]
     model: String,
     /// Data-parallel ranks as threads (under mpirun, the MPI world decides).
     #[arg(long, default_value_t = 1)]
@@ -94,6 +94,7 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         progress: true,
         save_dir: args.save_dir.clone(),
         resume_from: args.resume.clone(),
+        keep_final_state: false,
     };
     // ANCHOR: launch
     let (_, reports) = launch(args.ranks, Duration::from_secs(args.timeout), |comm| {

@@ -89,6 +89,7 @@ fn main() -> ExitCode {
         progress: false,
         save_dir: None,
         resume_from: None,
+        keep_final_state: true,
     });
     let outcome = launch(1, Duration::from_secs(3600), |comm| {
         let device = Device::flex().autodiff();

@@ -51,12 +51,24 @@ impl GptShape {
         seq_len: 256,
     };
 
-    /// A preset by name (`tiny`, `small`, `medium`).
+    /// d 2048, 40 layers, 16 heads, context 128 (about 2.01B parameters: its fp32 Adam
+    /// state alone, 16 bytes per parameter, is 32 GB). Built lazily: [`Gpt::new`] makes no
+    /// values until a parameter is read, so that ZeRO-3 with `offload_param` cuts it into
+    /// its store one tensor at a time.
+    pub const XL: GptShape = GptShape {
+        d_model: 2048,
+        layers: 40,
+        heads: 16,
+        seq_len: 128,
+    };
+
+    /// A preset by name (`tiny`, `small`, `medium`, `xl`).
     pub fn preset(name: &str) -> Option<GptShape> {
         match name {
             "tiny" => Some(Self::TINY),
             "small" => Some(Self::SMALL),
             "medium" => Some(Self::MEDIUM),
+            "xl" => Some(Self::XL),
             _ => None,
         }
     }
@@ -421,30 +433,35 @@ impl ModuleMapper for GptInit {
         self.path.pop();
     }
 
+    /// Lazy: the values are made when the parameter is first read, so that a model larger
+    /// than memory is never whole (ZeRO-3 with `offload_param` cuts it tensor by tensor).
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let (id, tensor, mapper) = param.consume();
-        let shape = tensor.shape().to_vec();
-        let n: usize = shape.iter().product();
+        let (id, shape, device) = (param.id, param.lazy_shape(), param.lazy_device());
+        let n = shape.num_elements();
         let name = self.path.last().map(String::as_str).unwrap_or("");
         let in_residual_out = self.path.iter().any(|p| p == "attn_out" || p == "mlp_out");
-        let mut rng = SplitMix64::new(self.seed ^ (self.index.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        let seed = self.seed ^ (self.index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         self.index += 1;
-        let values: Vec<f32> = match name {
-            "gamma" => vec![1.0; n],
-            "beta" | "bias" => vec![0.0; n],
-            _ => {
-                let std = if in_residual_out {
-                    0.02 / (2.0 * self.layers as f64).sqrt()
-                } else {
-                    0.02
-                };
-                (0..n).map(|_| (rng.normal() * std) as f32).collect()
-            }
+        let std = match name {
+            "gamma" => None,
+            "beta" | "bias" => Some(0.0),
+            _ if in_residual_out => Some(0.02 / (2.0 * self.layers as f64).sqrt()),
+            _ => Some(0.02),
         };
-        let require_grad = tensor.is_require_grad();
-        let new = Tensor::<D>::from_data(TensorData::new(values, shape), &tensor.device())
-            .set_require_grad(require_grad);
-        Param::from_mapped_value(id, new, mapper)
+        let dims = shape.clone();
+        let init = move |device: &Device, require_grad: bool| {
+            let values: Vec<f32> = match std {
+                None => vec![1.0; n],
+                Some(0.0) => vec![0.0; n],
+                Some(std) => {
+                    let mut rng = SplitMix64::new(seed);
+                    (0..n).map(|_| (rng.normal() * std) as f32).collect()
+                }
+            };
+            Tensor::<D>::from_data(TensorData::new(values, dims), device)
+                .set_require_grad(require_grad)
+        };
+        Param::uninitialized(id, init, device, true, shape)
     }
 }
 

@@ -35,6 +35,9 @@ pub struct RunSpec {
     /// Resume from the latest checkpoint here (data-parallel runs); training continues at the
     /// saved step, on the batches an uninterrupted run would see.
     pub resume_from: Option<PathBuf>,
+    /// Gather the whole parameters and moments after the last step into the report (for
+    /// tests' comparisons; a model larger than memory must not).
+    pub keep_final_state: bool,
 }
 
 impl RunSpec {
@@ -56,6 +59,7 @@ impl RunSpec {
             progress: false,
             save_dir: None,
             resume_from: None,
+            keep_final_state: true,
         }
     }
 }
@@ -159,6 +163,12 @@ pub struct RunReport {
     /// NVMe offload: rank 0's swap file and its transfers over the run (measured).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub swap: Option<SwapReport>,
+    /// Where the stage-3 parameter pieces lived (`zero_optimization.offload_param.device`).
+    pub offload_param: String,
+    /// Parameter offload: rank 0's pieces in host memory and swap file, and its transfers
+    /// over the run (measured).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub param_store: Option<ParamStoreReport>,
     /// Data-parallel runs: the parameters after the last step, flat in layout order (for
     /// comparisons in tests; not serialized).
     #[serde(skip)]
@@ -168,6 +178,31 @@ pub struct RunReport {
     /// serialized).
     #[serde(skip)]
     pub final_moments: Option<(FlatParams, FlatParams)>,
+}
+
+/// A parameter store's figures in a report (ZeRO-Infinity's `offload_param`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ParamStoreReport {
+    /// Bytes of pieces kept in host memory.
+    pub host_bytes: u64,
+    /// The swap file, under `nvme`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub swap: Option<SwapReport>,
+    /// Gathers that found their piece read ahead.
+    pub read_ahead_hits: u64,
+    /// Gathers that read their piece themselves.
+    pub reads_on_demand: u64,
+}
+
+impl From<burn_deepspeed::zero3::ParamStoreSummary> for ParamStoreReport {
+    fn from(s: burn_deepspeed::zero3::ParamStoreSummary) -> Self {
+        Self {
+            host_bytes: s.host_bytes,
+            swap: s.swap.map(SwapReport::from),
+            read_ahead_hits: s.read_ahead_hits,
+            reads_on_demand: s.reads_on_demand,
+        }
+    }
 }
 
 /// A swap file's figures in a report (ZeRO-Infinity), measured where transfers happen.
@@ -322,9 +357,12 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         },
     )?;
     // Collectives for the tests' comparisons, after the traffic figures were taken.
-    let moments = engine
-        .optimizer_moments()?
-        .map(|s| (FlatParams(s.m), FlatParams(s.v)));
+    let moments = match spec.keep_final_state {
+        true => engine
+            .optimizer_moments()?
+            .map(|s| (FlatParams(s.m), FlatParams(s.v))),
+        false => None,
+    };
     Ok(RunReport {
         world,
         backend: comm.backend().to_string(),
@@ -365,7 +403,18 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
             .name()
             .into(),
         swap: engine.swap().map(SwapReport::from),
-        final_params: FlatParams(engine.flat_params()?),
+        offload_param: engine
+            .config()
+            .zero_optimization
+            .offload_param
+            .as_ref()
+            .map_or("none", |o| o.device.name())
+            .into(),
+        param_store: engine.param_store().map(ParamStoreReport::from),
+        final_params: match spec.keep_final_state {
+            true => FlatParams(engine.flat_params()?),
+            false => FlatParams::default(),
+        },
         final_moments: moments,
     })
 }
@@ -530,6 +579,8 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         gather_stats: None,
         offload_optimizer: "none".into(),
         swap: None,
+        offload_param: "none".into(),
+        param_store: None,
         final_params: FlatParams::default(),
         final_moments: None,
     })

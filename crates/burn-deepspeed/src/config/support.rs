@@ -33,6 +33,7 @@ fn refuse(key: &str, reason: impl Into<String>) -> Result<()> {
 pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     check_zero_keys(config)?;
     check_offload(config, entry)?;
+    check_param_offload(config, entry)?;
     check_precision(config, entry)?;
     check_activation_checkpointing(config)?;
     check_optimizer(config, entry)?;
@@ -218,6 +219,48 @@ fn check_offload(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     Ok(())
 }
 
+/// ZeRO-Infinity's parameter offload: stage 3 in the engine, with a writable NVMe folder.
+fn check_param_offload(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
+    let z = &config.zero_optimization;
+    let Some(o) = &z.offload_param else {
+        return Ok(());
+    };
+    if o.device == OffloadDevice::None {
+        return Ok(());
+    }
+    let key = "zero_optimization.offload_param.device";
+    if z.stage != ZeroStage::Parameters {
+        return refuse(
+            key,
+            "parameter offload needs ZeRO stage 3 (as in DeepSpeed); set zero_optimization.stage \
+             to 3",
+        );
+    }
+    if !matches!(entry, EntryPoint::Engine) {
+        return refuse(
+            key,
+            "parameter offload runs in DeepSpeedEngine, which writes the stepped pieces to their \
+             store; this entry point steps another optimizer",
+        );
+    }
+    if o.device == OffloadDevice::Nvme {
+        let Some(path) = o.nvme_path.as_deref() else {
+            return refuse(
+                "zero_optimization.offload_param.nvme_path",
+                "device \"nvme\" needs a folder on a fast disk for the swap files",
+            );
+        };
+        check_nvme_path("zero_optimization.offload_param.nvme_path", path)?;
+    }
+    if o.buffer_count == 0 || o.buffer_size == 0 {
+        return refuse(
+            "zero_optimization.offload_param.buffer_count",
+            "the read-ahead needs at least one buffer of at least one element",
+        );
+    }
+    Ok(())
+}
+
 /// An NVMe swap folder must exist and be a writable folder (its free space is checked
 /// against the state's size when the swap files are created).
 fn check_nvme_path(key: &str, path: &str) -> Result<()> {
@@ -234,14 +277,6 @@ fn check_nvme_path(key: &str, path: &str) -> Result<()> {
 /// the book's ZeRO chapter for what each key does here).
 fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
     let z = &config.zero_optimization;
-    let offloaded = |d: Option<OffloadDevice>| d.is_some_and(|d| d != OffloadDevice::None);
-    if offloaded(z.offload_param.as_ref().map(|o| o.device)) {
-        return refuse(
-            "zero_optimization.offload_param",
-            "parameter offload is not implemented yet; remove the section or set its device \
-             to \"none\"",
-        );
-    }
     if z.zero_hpz_partition_size > 1 {
         return refuse(
             "zero_optimization.zero_hpz_partition_size",
@@ -370,7 +405,7 @@ mod tests {
             ),
             (
                 r#""zero_optimization": {"offload_param": {"device": "cpu"}}"#,
-                "zero_optimization.offload_param",
+                "zero_optimization.offload_param.device",
                 [true; 3],
             ),
             (
@@ -513,5 +548,49 @@ mod tests {
                 .aio;
         assert_eq!((aio.block_size, aio.intra_op_parallelism), (262_144, 2));
         assert!(DeepSpeedConfig::from_json_str(r#"{"aio": {"queue_dpeth": 4}}"#).is_err());
+    }
+
+    /// Parameter offload runs in the engine at stage 3, to `cpu` or a writable NVMe folder,
+    /// with or without optimizer offload; everything else is refused naming the key.
+    #[test]
+    fn parameter_offload_is_checked_where_it_runs() {
+        let dir = std::env::temp_dir();
+        let dir = dir.to_string_lossy();
+        let with = |stage: u8, param: &str| {
+            config(&format!(
+                r#"{{"train_batch_size": 4, "optimizer": {{"type": "AdamW"}},
+                    "zero_optimization": {{"stage": {stage}, "offload_param": {param}}}}}"#
+            ))
+        };
+        let nvme = format!(r#"{{"device": "nvme", "nvme_path": "{dir}"}}"#);
+        for param in [r#"{"device": "cpu"}"#, &nvme, r#"{"device": "none"}"#] {
+            assert_eq!(refused_key(&with(3, param), EntryPoint::Engine), None);
+        }
+        let device = Some("zero_optimization.offload_param.device".to_string());
+        for stage in 0..=2 {
+            let c = with(stage, r#"{"device": "cpu"}"#);
+            assert_eq!(refused_key(&c, EntryPoint::Engine), device, "stage {stage}");
+        }
+        let c = with(3, &nvme);
+        let strategy = EntryPoint::Strategy {
+            checkpointer: false,
+        };
+        assert_eq!(refused_key(&c, strategy), device);
+        let path = Some("zero_optimization.offload_param.nvme_path".to_string());
+        for bad in [
+            r#"{"device": "nvme"}"#.to_string(),
+            r#"{"device": "nvme", "nvme_path": "/no/such/folder"}"#.to_string(),
+        ] {
+            assert_eq!(
+                refused_key(&with(3, &bad), EntryPoint::Engine),
+                path,
+                "{bad}"
+            );
+        }
+        let none = r#"{"device": "cpu", "buffer_count": 0}"#;
+        assert_eq!(
+            refused_key(&with(3, none), EntryPoint::Engine).as_deref(),
+            Some("zero_optimization.offload_param.buffer_count")
+        );
     }
 }

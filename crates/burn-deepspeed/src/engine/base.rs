@@ -418,6 +418,11 @@ impl<M: Module> DeepSpeedEngine<M> {
     pub fn swap(&self) -> Option<burn_deepspeed_strategies::swap::SwapSummary> {
         self.sync.swap()
     }
+    /// ZeRO-Infinity's parameter offload (stage 3): where this rank's pieces live (bytes in
+    /// host memory, the swap file) and what the read-ahead achieved, measured so far.
+    pub fn param_store(&self) -> Option<crate::zero3::ParamStoreSummary> {
+        self.sync.param_store()
+    }
     /// The resolved config.
     pub fn config(&self) -> &DeepSpeedConfig {
         &self.config

@@ -161,7 +161,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
         let mut flat = prepared.flat.clone();
         drop(prepared);
         self.comm.broadcast(&mut flat, 0)?;
-        let model = sync.load_flat(self.learner.model(), &flat);
+        let model = sync.load_flat(self.learner.model(), &flat)?;
         drop(flat);
         self.learner.load_model(model.into_record());
         Ok((sync, answering))

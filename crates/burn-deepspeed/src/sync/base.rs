@@ -145,6 +145,11 @@ pub trait GradSync<M: Module> {
         None
     }
 
+    /// ZeRO-Infinity: the parameter store under `offload_param` (stage 3).
+    fn param_store(&self) -> Option<crate::zero3::ParamStoreSummary> {
+        None
+    }
+
     /// ZeRO stage 3's gather counters.
     fn gather_stats(&self) -> Option<GatherStats> {
         None

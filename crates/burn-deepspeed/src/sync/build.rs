@@ -7,8 +7,8 @@ use burn_deepspeed_strategies::comm::Communicator;
 use half::f16;
 
 use super::{
-    CompressedSync, GradElem, GradSync, NvmeOffload, PartitionedSync, ReplicatedSync, ShardedSync,
-    SyncOptions, broadcast_params,
+    CompressedSync, GradElem, GradSync, NvmeOffload, ParamOffload, PartitionedSync, ReplicatedSync,
+    ShardedSync, SyncOptions, broadcast_params,
 };
 use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
 use crate::engine::flat::ParamLayout;
@@ -19,7 +19,7 @@ use crate::{DeepSpeedError, Result, agreed};
 /// stores it: rank 0's parameters broadcast to every rank, and at stage 3 cut into this
 /// rank's chunks. Under fp16 the gradient buffers are fp16 (the paper's 2Ψ); otherwise fp32.
 /// With `offload_optimizer.device: "nvme"` the optimizer state of stages 1-3 moves to its swap
-/// files here. Collective: every rank calls it.
+/// files here, and with `offload_param` the stage-3 pieces to their store. Collective: every rank calls it.
 pub fn build<M: Module>(
     model: M,
     config: &DeepSpeedConfig,
@@ -49,6 +49,10 @@ fn build_with<M: Module, G: GradElem>(
         OffloadDevice::Nvme => agreed(comm.as_ref(), "optimizer offload", NvmeOffload::of(config))?,
         _ => None,
     };
+    let params = match config.zero_optimization.offload_param.is_some() {
+        true => agreed(comm.as_ref(), "parameter offload", ParamOffload::of(config))?,
+        false => None,
+    };
     let layout = ParamLayout::of(&model);
     let model = broadcast_params(comm.as_ref(), &layout, model)?;
     Ok(match options.stage {
@@ -73,8 +77,16 @@ fn build_with<M: Module, G: GradElem>(
         }
         ZeroStage::Parameters => {
             let kind = partitioned_kind(optimizer)?;
+            let rank = comm.rank();
             let mut sync = ShardedSync::<G>::new(layout, comm, &options, kind);
-            let model = sync.shard(model);
+            // Under `offload_param` the pieces go to their store as the model is cut.
+            let model = match &params {
+                Some(p) => {
+                    let store = p.store(rank, &sync.piece_lens());
+                    sync.shard_offloaded(model, store)?
+                }
+                None => sync.shard(model),
+            };
             if let Some(nvme) = &offload {
                 sync.offload_optimizer(&model, nvme)?;
             }

@@ -20,6 +20,10 @@ pub trait GradElem: CommElement + Copy + Default {
     /// fp32 gradient of the optimizer step, as DeepSpeed's fp16 stage 1-2 optimizer makes
     /// for its partition).
     fn widen_all(values: &[Self]) -> Cow<'_, [f32]>;
+    /// A buffer of f32 values in this type (moved as is when it is f32).
+    fn from_f32_vec(values: Vec<f32>) -> Vec<Self>;
+    /// A buffer as f32 (moved as is when it is f32).
+    fn into_f32_vec(values: Vec<Self>) -> Vec<f32>;
 }
 
 impl GradElem for f32 {
@@ -32,6 +36,12 @@ impl GradElem for f32 {
     fn widen_all(values: &[Self]) -> Cow<'_, [f32]> {
         Cow::Borrowed(values)
     }
+    fn from_f32_vec(values: Vec<f32>) -> Vec<Self> {
+        values
+    }
+    fn into_f32_vec(values: Vec<Self>) -> Vec<f32> {
+        values
+    }
 }
 
 impl GradElem for f16 {
@@ -43,6 +53,12 @@ impl GradElem for f16 {
     }
     fn widen_all(values: &[Self]) -> Cow<'_, [f32]> {
         Cow::Owned(values.iter().map(|v| v.to_f32()).collect())
+    }
+    fn from_f32_vec(values: Vec<f32>) -> Vec<Self> {
+        values.into_iter().map(f16::from_f32).collect()
+    }
+    fn into_f32_vec(values: Vec<Self>) -> Vec<f32> {
+        values.into_iter().map(f16::to_f32).collect()
     }
 }
 

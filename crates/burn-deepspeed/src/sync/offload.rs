@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use burn_deepspeed_strategies::swap::{AioOptions, IoEngine, SwapOptions, SwapStore, TilePlan};
 
 use crate::Result;
-use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
+use crate::config::{AioConfig, DeepSpeedConfig, OffloadDevice, ZeroStage};
+use crate::zero3::{ParamStore, ParamSwapOptions};
 
 /// The swap files of an NVMe offload.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,14 +34,7 @@ impl NvmeOffload {
             return Ok(None);
         }
         let o = z.offload_optimizer.clone().unwrap_or_default();
-        let a = &config.aio;
-        let aio = AioOptions {
-            block_size: a.block_size as usize,
-            queue_depth: a.queue_depth as usize,
-            intra_op_parallelism: a.intra_op_parallelism as usize,
-            single_submit: a.single_submit,
-            overlap_events: a.overlap_events,
-        };
+        let aio = aio_options(&config.aio);
         Ok(Some(Self {
             dir: PathBuf::from(o.nvme_path.unwrap_or_default()),
             stage: z.stage,
@@ -62,18 +56,89 @@ impl NvmeOffload {
             .dir
             .join(format!("zero_stage_{stage}"))
             .join("optimizer");
-        std::fs::create_dir_all(&dir).map_err(|source| {
-            burn_deepspeed_strategies::CommError::Swap {
-                path: dir.clone(),
-                op: "create",
-                source,
-            }
-        })?;
+        create_dir(&dir)?;
         let plan = TilePlan::new(len, self.tile, 3);
         Ok(SwapStore::create(
             &dir.join(format!("rank{rank}.swp")),
             plan,
             self.swap,
         )?)
+    }
+}
+
+fn aio_options(a: &AioConfig) -> AioOptions {
+    AioOptions {
+        block_size: a.block_size as usize,
+        queue_depth: a.queue_depth as usize,
+        intra_op_parallelism: a.intra_op_parallelism as usize,
+        single_submit: a.single_submit,
+        overlap_events: a.overlap_events,
+    }
+}
+
+fn create_dir(dir: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|source| {
+        burn_deepspeed_strategies::CommError::Swap {
+            path: dir.to_path_buf(),
+            op: "create",
+            source,
+        }
+        .into()
+    })
+}
+
+/// Where a stage-3 rank's parameter pieces live under `offload_param` (ZeRO-Infinity,
+/// arXiv 2104.07857): host memory (`cpu`), or a swap file read ahead of the gathers (`nvme`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamOffload {
+    /// The folder of the swap files (`nvme`), or `None` for host memory (`cpu`).
+    pub dir: Option<PathBuf>,
+    /// The read-ahead and `max_in_cpu` (`nvme`).
+    pub options: Option<ParamSwapOptions>,
+}
+
+impl ParamOffload {
+    /// The store a resolved, [checked](crate::config::check_supported) config asks for:
+    /// `Some` under `offload_param.device` `cpu` or `nvme`. Under `nvme`, chooses the I/O
+    /// engine as [`NvmeOffload::of`] does.
+    pub fn of(config: &DeepSpeedConfig) -> Result<Option<Self>> {
+        let Some(o) = &config.zero_optimization.offload_param else {
+            return Ok(None);
+        };
+        Ok(match o.device {
+            OffloadDevice::None => None,
+            OffloadDevice::Cpu => Some(Self {
+                dir: None,
+                options: None,
+            }),
+            OffloadDevice::Nvme => Some(Self {
+                dir: Some(PathBuf::from(o.nvme_path.clone().unwrap_or_default())),
+                options: Some(ParamSwapOptions {
+                    buffer_count: o.buffer_count as usize,
+                    buffer_elems: (o.buffer_count.saturating_mul(o.buffer_size)) as usize,
+                    max_in_cpu: o.max_in_cpu as usize,
+                    swap: SwapOptions {
+                        aio: aio_options(&config.aio),
+                        engine: IoEngine::select()?,
+                        pipeline_read: false,
+                        pipeline_write: false,
+                    },
+                }),
+            }),
+        })
+    }
+
+    /// The store of `rank`'s pieces of `lens[t]` elements (see [`ParamStore`]); the swap
+    /// file is `nvme_path/zero_stage_3/params/rankR.swp`.
+    pub fn store(&self, rank: usize, lens: &[Option<usize>]) -> Result<ParamStore> {
+        match (&self.dir, self.options) {
+            (Some(dir), Some(options)) => {
+                let dir = dir.join("zero_stage_3").join("params");
+                create_dir(&dir)?;
+                let path = dir.join(format!("rank{rank}.swp"));
+                Ok(ParamStore::nvme(&path, lens, options)?)
+            }
+            _ => Ok(ParamStore::host(lens)),
+        }
     }
 }

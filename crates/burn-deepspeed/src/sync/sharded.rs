@@ -9,6 +9,7 @@
 //! `shards.rs` beside this file.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -23,13 +24,16 @@ use super::buffer::merge_presence;
 use super::elem::{GradElem, add_into};
 use super::scale::{Scaling, clip_across};
 use super::{
-    GradSync, NvmeOffload, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters,
+    GradSync, NvmeOffload, PieceReader, PieceWriter, Reduced, SavedState, SyncOptions,
+    caller_optimizer_keeps_no_masters,
 };
 use crate::engine::checkpoint::{Loaded, gather_moments, no_state_to_restore, save_slice};
 use crate::engine::flat::{ParamLayout, for_each_grad, set_param_ids};
 use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
 use crate::precision::cast_module;
-use crate::zero3::{GatherGroup, GatherStats, shard_module};
+use crate::zero3::{
+    GatherGroup, GatherStats, ParamStore, ParamStoreSummary, shard_module, shard_module_to_store,
+};
 use crate::{DeepSpeedError, Result, agreed};
 
 /// A rank's stage-3 state: the gather group, its gradient pieces (of `G`: f32, or f16 under
@@ -42,8 +46,14 @@ pub struct ShardedSync<G: GradElem = f32> {
     pub(super) segments: Vec<Segment>,
     /// Where tensor `t`'s piece starts in the rank's buffers, if it has one.
     pub(super) local_start: Vec<Option<usize>>,
-    /// Accumulated gradient of this rank's pieces.
+    /// Accumulated gradient of this rank's pieces. Under `offload_param` the group sums the
+    /// chunk gradients, and this holds them only from the reduction to the end of the step.
     pub(super) grads: Vec<G>,
+    /// Elements of this rank's pieces (the length of its buffers).
+    pub(super) own_len: usize,
+    /// ZeRO-Infinity's `offload_param`: the store of the partitioned tensors' pieces (the
+    /// module holds empty placeholders for them).
+    pub(super) store: Option<Arc<ParamStore>>,
     /// Accumulated whole gradients of the persistent tensors, back to back.
     pub(super) persistent: Vec<G>,
     /// Where tensor `t` starts in `persistent`, if it is persistent.
@@ -87,7 +97,7 @@ impl<G: GradElem> ShardedSync<G> {
         sync.optim = Some(PartitionedOptimizer::over_segments(
             kind,
             sync.segments.clone(),
-            0..sync.grads.len(),
+            0..sync.own_len,
             sync.layout.slots.len(),
         ));
         sync
@@ -132,6 +142,8 @@ impl<G: GradElem> ShardedSync<G> {
             segments,
             local_start,
             grads: vec![G::default(); own_len],
+            own_len,
+            store: None,
             persistent: vec![G::default(); at],
             persistent_at,
             present: vec![0; tensors],
@@ -148,19 +160,67 @@ impl<G: GradElem> ShardedSync<G> {
     /// Moves the optimizer state of this rank's pieces, with their fp32 masters read from the
     /// sharded `model` (still in f32), to its swap file (ZeRO-Infinity). Collective: the
     /// ranks agree on every rank's outcome, so that a full disk on one fails them all.
+    /// Under `offload_param` the masters are read from the parameter store tile by tile, so
+    /// that the slice is never whole in memory.
     pub fn offload_optimizer<M: Module>(&mut self, model: &M, nvme: &NvmeOffload) -> Result<()> {
-        let mut masters = vec![0.0f32; self.grads.len()];
-        self.read_own(model, &mut masters);
         let rank = self.comm.rank();
+        let kept = self.persistent_pieces(model);
+        let masters = match &self.store {
+            Some(_) => Vec::new(),
+            None => {
+                let mut masters = vec![0.0f32; self.own_len];
+                self.read_own(model, &mut masters)?;
+                masters
+            }
+        };
+        let (segments, params) = (&self.segments, &self.store);
         let local = match self.optim.as_mut() {
             Some(optim) => nvme
-                .store(rank, masters.len())
-                .and_then(|store| Ok(optim.offload(store, &masters)?)),
+                .store(rank, self.own_len)
+                .and_then(|swap| match params {
+                    Some(params) => {
+                        let mut reader = PieceReader::new(segments);
+                        optim
+                            .offload_with(swap, |r, out| {
+                                reader.fill(r, out, |t| piece_of(params, &kept, t))
+                            })
+                            .map_err(DeepSpeedError::from)
+                    }
+                    None => optim.offload(swap, &masters).map_err(DeepSpeedError::from),
+                }),
             None => Err(DeepSpeedError::Data(
                 "this stage-3 state has no optimizer to offload".into(),
             )),
         };
         agreed(self.comm.as_ref(), "optimizer offload", local)
+    }
+
+    /// The length of each tensor's piece on this rank for a parameter store (`None` for the
+    /// persistent tensors, which the module keeps whole).
+    pub fn piece_lens(&self) -> Vec<Option<usize>> {
+        let (plan, rank) = (self.plan(), self.comm.rank());
+        (0..plan.tensors().len())
+            .map(|t| (!plan.tensors()[t].persistent).then(|| plan.own(rank, t).len()))
+            .collect()
+    }
+
+    /// Shards a whole `model` (as [`shard`](Self::shard)) into the parameter store `store`
+    /// (ZeRO-Infinity's `offload_param`): this rank's pieces go to it one tensor at a time,
+    /// and the module keeps empty placeholders. Collective: the ranks agree on creating the
+    /// store and on writing it.
+    pub fn shard_offloaded<M: Module>(&mut self, model: M, store: Result<ParamStore>) -> Result<M> {
+        let store = Arc::new(agreed(self.comm.as_ref(), "parameter offload", store)?);
+        let (model, written) = shard_module_to_store(model, &self.group, &store);
+        let written = written.map_err(DeepSpeedError::from);
+        agreed(self.comm.as_ref(), "parameter offload", written)?;
+        self.group.offload_to(store.clone());
+        self.store = Some(store);
+        Ok(model)
+    }
+
+    /// Whether tensor `t`'s piece lives in the parameter store.
+    pub(super) fn held_in_store(&self, t: usize) -> bool {
+        self.store.as_ref().is_some_and(|s| s.holds(t))
     }
 
     /// Whether the optimizer state lives in a swap file.
@@ -171,19 +231,89 @@ impl<G: GradElem> ShardedSync<G> {
     /// The fp32 masters of this rank's pieces where they are kept apart from the model
     /// (mixed precision, or an offloaded optimizer's swap file); a rank-local read that the
     /// ranks agree on, so that a failed read fails them all before the gather that follows.
-    fn agreed_masters(&self) -> Result<Option<Cow<'_, [f32]>>> {
+    fn agreed_masters<M: Module>(&self, model: &M) -> Result<Option<Cow<'_, [f32]>>> {
         let local = match (&self.master, &self.optim) {
             (Some(m), _) => Ok(Some(Cow::Borrowed(&m[..]))),
             (None, Some(o)) if o.is_offloaded() => o
                 .masters()
                 .map(|m| m.map(Cow::Owned))
                 .map_err(DeepSpeedError::from),
+            // The parameter store holds the f32 values the optimizer stepped.
+            (None, _) if self.store.is_some() => {
+                let mut pieces = vec![0.0f32; self.own_len];
+                return self
+                    .read_own_agreed(model, &mut pieces)
+                    .map(|()| Some(Cow::Owned(pieces)));
+            }
             _ => Ok(None),
         };
         if self.master.is_some() || !self.offloaded() {
             return local;
         }
         agreed(self.comm.as_ref(), "read masters", local)
+    }
+
+    /// The step under `offload_param`: the stepped pieces go to the store (from an offloaded
+    /// optimizer, tile by tile as they are stepped, so that no buffer of the whole slice is
+    /// made), and only the persistent tensors are gathered into the module.
+    fn step_into_store<M: Module>(&mut self, model: M, lr: f64, store: &ParamStore) -> Result<M> {
+        let comm = self.comm.clone();
+        store.forget_read_ahead();
+        let mixed = self.master.is_some();
+        // Without an offloaded optimizer, the step needs the slice's values in memory.
+        let mut params = match (self.master.take(), self.offloaded()) {
+            (Some(master), _) => Some(master),
+            (None, true) => None,
+            (None, false) => {
+                let mut params = vec![0.0f32; self.own_len];
+                self.read_own_agreed(&model, &mut params)?;
+                Some(params)
+            }
+        };
+        let mut kept: HashMap<usize, Vec<f32>> = HashMap::new();
+        let mut done = |t: usize, piece: &[f32]| match store.holds(t) {
+            true => store.write(t, piece),
+            false => {
+                kept.insert(t, piece.to_vec());
+                Ok(())
+            }
+        };
+        let stepped = {
+            let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
+            let grads = G::widen_all(&self.grads);
+            let mut writer = PieceWriter::new(&self.segments);
+            match (self.optim.as_mut(), params.as_mut()) {
+                (Some(optim), None) => optim
+                    .step_tiles(&grads, &self.present, lr, |r, p| {
+                        writer.push(r, p, &mut done)
+                    })
+                    .map_err(DeepSpeedError::from),
+                (Some(optim), Some(params)) => optim
+                    .step(comm.as_ref(), params, &grads, &self.present, lr)
+                    .and_then(|()| writer.push(0..params.len(), params, &mut done))
+                    .map_err(DeepSpeedError::from),
+                (None, _) => Err(DeepSpeedError::Data(
+                    "this stage-3 state steps with the caller's optimizer".into(),
+                )),
+            }
+        };
+        if mixed {
+            self.master = params;
+        }
+        // A swap file can fail on one rank: all agree before the gather.
+        agreed(comm.as_ref(), "offloaded parameter step", stepped)?;
+        let input = self.persistent_input(|t| kept.get(&t).map_or(&[][..], |p| &p[..]));
+        let whole = self.gather_persistent_input(input)?;
+        let model = self.replace(
+            model,
+            |t, _| {
+                let at = self.persistent_at[t].expect("only persistent tensors are replaced");
+                whole[at..at + self.layout.slots[t].numel].to_vec()
+            },
+            false,
+        );
+        self.clear();
+        Ok(model)
     }
 
     /// Shards a model whose parameters are whole (and identical on every rank).
@@ -205,6 +335,16 @@ impl<G: GradElem> ShardedSync<G> {
         self.grads.iter_mut().for_each(|g| *g = G::default());
         self.persistent.iter_mut().for_each(|g| *g = G::default());
         self.micro_steps = 0;
+        if self.store.is_some() {
+            // The zeroed buffer goes back to the group, which sums the next chunk gradients.
+            match self.grads.is_empty() {
+                true => self.group.zero_offloaded_grads(),
+                false => {
+                    let grads = G::into_f32_vec(std::mem::take(&mut self.grads));
+                    self.group.exchange_offloaded_grads(grads);
+                }
+            }
+        }
     }
 
     fn clear(&mut self) {
@@ -228,11 +368,16 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
         let (persistent, own_grads, present) =
             (&mut self.persistent, &mut self.grads, &mut self.present);
         let group = &self.group;
+        let store = self.store.as_deref();
         let tensors = for_each_grad(model, layout, grads, &mut self.grad_device, |t, values| {
             let Some(values) = values else {
                 return;
             };
             present[t] = 1;
+            // Under `offload_param` the group summed the chunk gradient already.
+            if store.is_some_and(|s| s.holds(t)) {
+                return;
+            }
             // A 16-bit module's chunk gradients, unrounded.
             let values = match persistent_at[t] {
                 None => group.take_chunk_grad(t).unwrap_or(values),
@@ -260,6 +405,10 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     /// gradients, averages over ranks and micro-batches, and clips by the global norm.
     fn reduce(&mut self, loss_scale: f32) -> Result<Reduced> {
         let comm = self.comm.clone();
+        if self.store.is_some() {
+            let summed = self.group.exchange_offloaded_grads(Vec::new());
+            self.grads = G::from_f32_vec(summed);
+        }
         let gathers = self.group.take_error().map_or(Ok(()), |e| Err(e.into()));
         if let Err(e) = agreed(comm.as_ref(), "ZeRO-3 gathers", gathers) {
             self.reset();
@@ -295,16 +444,19 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     /// Steps this rank's pieces, writes the new chunks into `model`, and all-gathers the
     /// persistent tensors.
     fn step(&mut self, model: M, lr: f64) -> Result<M> {
+        if let Some(store) = self.store.clone() {
+            return self.step_into_store(model, lr, &store);
+        }
         let comm = self.comm.clone();
         let mixed = self.master.is_some();
         let offloaded = self.offloaded();
         let mut params = match self.master.take() {
             Some(master) => master,
             // The swapped optimizer hands out its masters.
-            None if offloaded => vec![0.0f32; self.grads.len()],
+            None if offloaded => vec![0.0f32; self.own_len],
             None => {
-                let mut params = vec![0.0f32; self.grads.len()];
-                self.read_own(&model, &mut params);
+                let mut params = vec![0.0f32; self.own_len];
+                self.read_own(&model, &mut params)?;
                 params
             }
         };
@@ -370,11 +522,15 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     /// persistent tensors, and its pieces' optimizer state.
     fn held(&self, model: &M) -> ModelStateBytes {
         let masters = self.master.as_ref().map_or(0, vec_bytes);
+        let store = self.store.as_deref();
         ModelStateBytes {
-            params: param_bytes(model),
-            grads: vec_bytes(&self.grads) + vec_bytes(&self.persistent),
+            params: param_bytes(model) + store.map_or(0, ParamStore::host_bytes),
+            grads: vec_bytes(&self.grads)
+                + vec_bytes(&self.persistent)
+                + self.group.offloaded_grad_bytes(),
             optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()) + masters,
-            offloaded: self.optim.as_ref().map_or(0, |o| o.disk_bytes()),
+            offloaded: self.optim.as_ref().map_or(0, |o| o.disk_bytes())
+                + store.map_or(0, ParamStore::disk_bytes),
         }
     }
 
@@ -384,8 +540,8 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
         }
         // An offloaded optimizer keeps the masters in its swap file already.
         if !self.offloaded() {
-            let mut master = vec![0.0f32; self.grads.len()];
-            self.read_own(&model, &mut master);
+            let mut master = vec![0.0f32; self.own_len];
+            self.read_own_agreed(&model, &mut master)?;
             self.master = Some(master);
         }
         let model = cast_module(model, dtype);
@@ -403,13 +559,17 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
         self.optim.as_ref().and_then(|o| o.swap_summary())
     }
 
+    fn param_store(&self) -> Option<ParamStoreSummary> {
+        self.store.as_ref().map(|s| s.summary())
+    }
+
     fn peak(&self) -> u64 {
         self.meter.peak()
     }
 
     /// A collective; with masters, the fp32 values, not the rounded chunks.
     fn whole_params(&self, model: &M, _wanted: bool) -> Result<Option<Vec<f32>>> {
-        match self.agreed_masters()? {
+        match self.agreed_masters(model)? {
             Some(master) => self.full_from_pieces(&master).map(Some),
             None => self.full_params(model).map(Some),
         }
@@ -425,7 +585,7 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     }
 
     fn release_whole(&self, model: M) -> Result<M> {
-        let flat = match self.agreed_masters()? {
+        let flat = match self.agreed_masters(&model)? {
             Some(master) => self.full_from_pieces(&master)?,
             None => self.full_params(&model)?,
         };
@@ -448,7 +608,7 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
         let masters = offloaded.then(|| self.pieces_of(&loaded.params));
         let optim = self.optim.as_mut().ok_or_else(no_state_to_restore)?;
         optim.restore(state, masters.as_deref())?;
-        let model = self.load_flat(model, &loaded.params);
+        let model = self.load_flat(model, &loaded.params)?;
         let model = set_param_ids(model, &loaded.meta.param_ids);
         if self.master.is_some() {
             self.master = Some(self.pieces_of(&loaded.params));
@@ -465,5 +625,18 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
 
     fn gather_stats(&self) -> Option<GatherStats> {
         Some(self.group.stats())
+    }
+}
+
+/// Tensor `t`'s piece on this rank: from the parameter store, or (a persistent tensor) from
+/// the pieces read from the module.
+pub(super) fn piece_of(
+    store: &ParamStore,
+    kept: &HashMap<usize, Vec<f32>>,
+    t: usize,
+) -> burn_deepspeed_strategies::Result<Vec<f32>> {
+    match store.holds(t) {
+        true => store.read(t),
+        false => Ok(kept.get(&t).cloned().unwrap_or_default()),
     }
 }

@@ -7,29 +7,34 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_deepspeed_strategies::comm::CommunicatorExt;
 
-use super::ShardedSync;
+use std::collections::HashMap;
+
 use super::elem::GradElem;
+use super::sharded::piece_of;
+use super::{PieceReader, ShardedSync};
+use crate::agreed;
 use crate::engine::flat::{ParamLayout, to_f32_vec};
 use crate::zero3::{chunk_of, chunk_shape};
 use crate::{DeepSpeedError, Result};
 
 impl<G: GradElem> ShardedSync<G> {
-    /// This rank's pieces of the model's parameters, in buffer order.
-    pub(super) fn read_own<M: Module>(&self, model: &M, out: &mut [f32]) {
-        struct V<'a, G: GradElem> {
+    /// Calls `f(t, piece)` with this rank's piece of every tensor the module stores values
+    /// of (not the placeholders of a parameter store), in layout order.
+    fn visit_module_pieces<M: Module>(&self, model: &M, f: impl FnMut(usize, &[f32])) {
+        struct V<'a, G: GradElem, F> {
             sync: &'a ShardedSync<G>,
-            out: &'a mut [f32],
+            f: F,
             rank: usize,
         }
-        impl<G: GradElem> ModuleVisitor for V<'_, G> {
+        impl<G: GradElem, F: FnMut(usize, &[f32])> ModuleVisitor for V<'_, G, F> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 let s = self.sync;
                 let Some(t) = s.layout.slot_of(param.id) else {
                     return;
                 };
-                let Some(at) = s.local_start[t] else {
+                if s.local_start[t].is_none() || s.held_in_store(t) {
                     return;
-                };
+                }
                 let own = s.plan().own(self.rank, t);
                 let values = to_f32_vec(param.base());
                 let src = if s.persistent_at[t].is_some() {
@@ -37,18 +42,82 @@ impl<G: GradElem> ShardedSync<G> {
                 } else {
                     &values[..own.len()]
                 };
-                self.out[at..at + own.len()].copy_from_slice(src);
+                (self.f)(t, src);
             }
         }
         model.visit(&mut V {
             sync: self,
-            out,
+            f,
             rank: self.comm.rank(),
         });
     }
 
+    /// This rank's pieces of the persistent tensors, read from the module.
+    pub(super) fn persistent_pieces<M: Module>(&self, model: &M) -> HashMap<usize, Vec<f32>> {
+        let mut kept = HashMap::new();
+        self.visit_module_pieces(model, |t, piece| {
+            if self.persistent_at[t].is_some() {
+                kept.insert(t, piece.to_vec());
+            }
+        });
+        kept
+    }
+
+    /// This rank's pieces of the model's parameters, in buffer order: from the module, and
+    /// under `offload_param` the partitioned ones from the store (a read that can fail).
+    pub(super) fn read_own<M: Module>(&self, model: &M, out: &mut [f32]) -> Result<()> {
+        match &self.store {
+            None => {
+                self.visit_module_pieces(model, |t, piece| {
+                    let at = self.local_start[t].expect("visited pieces are this rank's");
+                    out[at..at + piece.len()].copy_from_slice(piece);
+                });
+                Ok(())
+            }
+            Some(store) => {
+                let kept = self.persistent_pieces(model);
+                PieceReader::new(&self.segments)
+                    .fill(0..out.len(), out, |t| piece_of(store, &kept, t))
+                    .map_err(DeepSpeedError::from)
+            }
+        }
+    }
+
+    /// [`read_own`](Self::read_own), agreed on by the ranks when it reads the store (every
+    /// rank calls it).
+    pub(super) fn read_own_agreed<M: Module>(&self, model: &M, out: &mut [f32]) -> Result<()> {
+        let read = self.read_own(model, out);
+        match self.store {
+            Some(_) => agreed(self.comm.as_ref(), "read offloaded parameters", read),
+            None => read,
+        }
+    }
+
+    /// This rank's pieces of the persistent tensors back to back (the input of
+    /// [`gather_persistent_input`](Self::gather_persistent_input)), `piece(t)` giving each.
+    pub(super) fn persistent_input<'p>(&self, piece: impl Fn(usize) -> &'p [f32]) -> Vec<f32> {
+        let mut input = Vec::new();
+        for t in 0..self.plan().tensors().len() {
+            if self.persistent_at[t].is_some() && self.local_start[t].is_some() {
+                input.extend_from_slice(piece(t));
+            }
+        }
+        input
+    }
+
     /// The persistent tensors whole, from every rank's updated pieces (one all-gather).
     pub(super) fn gather_persistent(&self, params: &[f32]) -> Result<Vec<f32>> {
+        let rank = self.comm.rank();
+        let input = self.persistent_input(|t| {
+            let at = self.local_start[t].expect("persistent_input asks for own pieces");
+            &params[at..at + self.plan().own(rank, t).len()]
+        });
+        self.gather_persistent_input(input)
+    }
+
+    /// The persistent tensors whole from every rank's pieces of them (this rank's in `input`,
+    /// back to back; one all-gather).
+    pub(super) fn gather_persistent_input(&self, input: Vec<f32>) -> Result<Vec<f32>> {
         if self.persistent.is_empty() {
             return Ok(Vec::new());
         }
@@ -60,12 +129,12 @@ impl<G: GradElem> ShardedSync<G> {
         let counts: Vec<usize> = (0..world)
             .map(|r| persistent.iter().map(|&t| plan.own(r, t).len()).sum())
             .collect();
-        let rank = self.comm.rank();
-        let mut input = Vec::with_capacity(counts[rank]);
-        for &t in &persistent {
-            if let Some(at) = self.local_start[t] {
-                input.extend_from_slice(&params[at..at + plan.own(rank, t).len()]);
-            }
+        if input.len() != counts[self.comm.rank()] {
+            return Err(DeepSpeedError::Data(format!(
+                "{} elements of persistent pieces for {}",
+                input.len(),
+                counts[self.comm.rank()]
+            )));
         }
         let mut out = vec![0.0f32; counts.iter().sum()];
         self.comm.all_gather(&input, &mut out, &counts)?;
@@ -164,7 +233,7 @@ impl<G: GradElem> ShardedSync<G> {
                 let Some(t) = s.layout.slot_of(param.id) else {
                     return;
                 };
-                if s.persistent_at[t].is_none() {
+                if s.persistent_at[t].is_none() && !s.held_in_store(t) {
                     let chunk = s.plan().tensors()[t].chunk;
                     s.group.set_shard(t, param.base().inner().reshape([chunk]));
                 }
@@ -193,6 +262,17 @@ impl<G: GradElem> ShardedSync<G> {
             chunks: &mut chunks,
         });
         let plan = self.plan();
+        if let Some(store) = &self.store {
+            // The placeholders' chunks come from the store: a local read the ranks agree on
+            // before the gathers.
+            let read = (0..chunks.len())
+                .filter(|&t| store.holds(t))
+                .try_for_each(|t| {
+                    chunks[t] = Some(store.read_chunk(t, plan.tensors()[t].chunk)?);
+                    Ok(())
+                });
+            agreed(self.comm.as_ref(), "read offloaded parameters", read)?;
+        }
         let mut flat = Vec::with_capacity(self.layout.numel);
         for (t, chunk) in chunks.into_iter().enumerate() {
             let chunk = chunk.ok_or_else(|| {
@@ -237,7 +317,7 @@ impl<G: GradElem> ShardedSync<G> {
 
     /// This rank's pieces (buffer order) cut from the whole flat parameters `flat`.
     pub(super) fn pieces_of(&self, flat: &[f32]) -> Vec<f32> {
-        let mut pieces = vec![0.0f32; self.grads.len()];
+        let mut pieces = vec![0.0f32; self.own_len];
         for s in &self.segments {
             pieces[s.local.clone()].copy_from_slice(&flat[s.global.clone()]);
         }
@@ -254,10 +334,18 @@ impl<G: GradElem> ShardedSync<G> {
     }
 
     /// `model` (sharded) with its chunks and persistent tensors cut from the whole flat
-    /// parameters `flat` (layout order), e.g. from a checkpoint.
-    pub fn load_flat<M: Module>(&self, model: M, flat: &[f32]) -> M {
+    /// parameters `flat` (layout order), e.g. from a checkpoint. Under `offload_param` the
+    /// pieces are written to the store (a write that can fail, on this rank alone).
+    pub fn load_flat<M: Module>(&self, model: M, flat: &[f32]) -> Result<M> {
         let rank = self.comm.rank();
-        self.replace(
+        if let Some(store) = &self.store {
+            for t in (0..self.layout.slots.len()).filter(|&t| store.holds(t)) {
+                let own = self.plan().own(rank, t);
+                let at = self.offset(t);
+                store.write(t, &flat[at + own.start..at + own.end])?;
+            }
+        }
+        Ok(self.replace(
             model,
             |t, persistent| {
                 let whole = &flat[self.offset(t)..self.offset(t) + self.numel(t)];
@@ -268,7 +356,7 @@ impl<G: GradElem> ShardedSync<G> {
                 }
             },
             false,
-        )
+        ))
     }
 
     fn offset(&self, t: usize) -> usize {
@@ -280,8 +368,9 @@ impl<G: GradElem> ShardedSync<G> {
     }
 
     /// Maps every parameter `t` to `values(t, persistent)`: whole shapes when `whole` (or
-    /// persistent), chunk shapes otherwise.
-    fn replace<M: Module>(
+    /// persistent), chunk shapes otherwise. The placeholders of a parameter store stay as they
+    /// are unless `whole`.
+    pub(super) fn replace<M: Module>(
         &self,
         model: M,
         values: impl Fn(usize, bool) -> Vec<f32>,
@@ -298,6 +387,9 @@ impl<G: GradElem> ShardedSync<G> {
                 let Some(t) = s.layout.slot_of(param.id) else {
                     return param;
                 };
+                if s.held_in_store(t) && !self.whole {
+                    return param;
+                }
                 let shard = s.plan().tensors()[t];
                 let (id, tensor, mapper) = param.consume();
                 let device = tensor.device();

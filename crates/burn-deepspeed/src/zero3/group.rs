@@ -29,6 +29,8 @@ use burn_deepspeed_strategies::CommError;
 use burn_deepspeed_strategies::comm::{CommElement, Communicator, CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::zero::ShardPlan;
 
+use super::store::ParamStore;
+
 /// Why a tensor is fetched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
@@ -77,6 +79,29 @@ struct State {
     /// [`take_chunk_grad`](GatherGroup::take_chunk_grad), per tensor. The op's gradient has the
     /// parameter's dtype and would round them; the sync reads these instead.
     chunk_grads: HashMap<usize, Vec<f32>>,
+    /// Under `offload_param`: where the partitioned tensors' pieces live (the module holds
+    /// empty placeholders), and the rank's accumulated chunk gradients in its buffer order.
+    offload: Option<Offload>,
+    /// The order of the first backward's re-gathers, for reading ahead (recorded while
+    /// `brecording`).
+    btrace: Vec<usize>,
+    brecording: bool,
+    /// The phase of the last gather (a change ends the pass's read-ahead).
+    last_phase: Option<Phase>,
+    /// A failed read of this rank's parameter store: unlike `error`, the collectives go on
+    /// (with zeros), so that no peer waits on this rank before the step agrees on it.
+    read_error: Option<CommError>,
+}
+
+/// The parameter pieces of an `offload_param` rank and the gradients of its pieces.
+struct Offload {
+    store: Arc<ParamStore>,
+    /// Where tensor `t`'s piece starts in the rank's buffer.
+    local_start: Vec<Option<usize>>,
+    /// The sum of the chunk gradients since the last exchange, this rank's pieces back to
+    /// back: the reduce-scatters add into it, so that no per-tensor gradient outlives its
+    /// backward step.
+    grads: Vec<f32>,
 }
 
 /// One rank's stage-3 fetcher: the plan, the communicator and the prefetch state.
@@ -209,6 +234,11 @@ impl GatherGroup {
                 cache_elems: 0,
                 wire: None,
                 chunk_grads: HashMap::new(),
+                offload: None,
+                btrace: Vec::new(),
+                brecording: true,
+                last_phase: None,
+                read_error: None,
                 error: None,
                 stats: GatherStats::default(),
             }),
@@ -252,6 +282,53 @@ impl GatherGroup {
         self.state().shards[t] = Some(shard);
     }
 
+    /// From now on the partitioned tensors' pieces are read from `store` (the module holds
+    /// empty placeholders), and their chunk gradients are summed into this rank's buffer
+    /// (see [`exchange_offloaded_grads`](Self::exchange_offloaded_grads)) instead of being
+    /// returned to autodiff.
+    pub fn offload_to(&self, store: Arc<ParamStore>) {
+        let rank = self.comm.rank();
+        let mut local_start = vec![None; self.plan.tensors().len()];
+        for s in self.plan.segments(rank) {
+            local_start[s.tensor] = Some(s.local.start);
+        }
+        let own = self.plan.own_len(rank);
+        self.state().offload = Some(Offload {
+            store,
+            local_start,
+            grads: vec![0.0; own],
+        });
+    }
+
+    /// Under `offload_param`: the parameter store.
+    pub fn store(&self) -> Option<Arc<ParamStore>> {
+        self.state().offload.as_ref().map(|o| o.store.clone())
+    }
+
+    /// Under `offload_param`: swaps the buffer of summed chunk gradients with `grads` (the
+    /// same length, or empty to take it), and returns the old one.
+    pub fn exchange_offloaded_grads(&self, grads: Vec<f32>) -> Vec<f32> {
+        match self.state().offload.as_mut() {
+            Some(o) => std::mem::replace(&mut o.grads, grads),
+            None => grads,
+        }
+    }
+
+    /// Under `offload_param`: zeroes the summed chunk gradients.
+    pub fn zero_offloaded_grads(&self) {
+        if let Some(o) = self.state().offload.as_mut() {
+            o.grads.iter_mut().for_each(|g| *g = 0.0);
+        }
+    }
+
+    /// Under `offload_param`: bytes of the summed chunk gradients held by the group.
+    pub fn offloaded_grad_bytes(&self) -> u64 {
+        self.state()
+            .offload
+            .as_ref()
+            .map_or(0, |o| 4 * o.grads.len() as u64)
+    }
+
     /// Marks this group's parameters whole again: from now on the op passes stored values
     /// through unchanged. Called once the module's shards were replaced by whole tensors.
     pub fn release(&self) {
@@ -272,9 +349,12 @@ impl GatherGroup {
         ALIASES.with(|a| a.borrow_mut().remove(&prepared));
     }
 
-    /// Takes the first collective failure since the last call, if any.
+    /// Takes the first collective failure (or failed read of the parameter store) since the
+    /// last call, if any.
     pub fn take_error(&self) -> Option<CommError> {
-        self.state().error.take()
+        let mut st = self.state();
+        let read = st.read_error.take();
+        st.error.take().or(read)
     }
 
     /// Traffic counters.
@@ -295,6 +375,15 @@ impl GatherGroup {
     pub fn gather(&self, t: usize, shard: Vec<f32>, phase: Phase) -> Vec<f32> {
         let mut st = self.state();
         let numel = self.plan.tensors()[t].numel;
+        if st.last_phase != Some(phase) {
+            st.last_phase = Some(phase);
+            if let Some(o) = &st.offload {
+                o.store.forget_read_ahead();
+            }
+            if phase == Phase::Forward && !st.btrace.is_empty() {
+                st.brecording = false;
+            }
+        }
         match phase {
             Phase::Forward => {
                 st.stats.forward_gathers += 1;
@@ -303,14 +392,23 @@ impl GatherGroup {
                 }
                 if let Some(values) = st.cache.remove(&t) {
                     st.cache_elems -= values.len();
+                    self.read_ahead(&st, t, phase);
                     return values;
                 }
             }
             Phase::Backward => {
                 self.end_forward(&mut st);
                 st.stats.backward_gathers += 1;
+                if st.brecording {
+                    st.btrace.push(t);
+                }
             }
         }
+        // Under `offload_param` the module's shard is an empty placeholder.
+        let shard = match st.offload.is_some() {
+            true => self.read_piece(&mut st, t),
+            false => shard,
+        };
         let mut bundle = vec![t];
         if phase == Phase::Forward && !st.recording {
             self.plan_prefetch(&st, t, &mut bundle);
@@ -321,13 +419,16 @@ impl GatherGroup {
         shards.push(shard);
         let mut fetched = vec![t];
         for &j in &bundle[1..] {
-            if let Some(values) = st
-                .shards
-                .get(j)
-                .cloned()
-                .flatten()
-                .and_then(|s| s.into_data_as::<f32>().try_into_vec::<f32>().ok())
-            {
+            let values = match st.offload.is_some() {
+                true => Some(self.read_piece(&mut st, j)),
+                false => st
+                    .shards
+                    .get(j)
+                    .cloned()
+                    .flatten()
+                    .and_then(|s| s.into_data_as::<f32>().try_into_vec::<f32>().ok()),
+            };
+            if let Some(values) = values {
                 fetched.push(j);
                 shards.push(values);
             }
@@ -342,7 +443,47 @@ impl GatherGroup {
         st.stats.peak_prefetched = st.stats.peak_prefetched.max(st.cache_elems);
         st.stats.peak_live_elems = st.stats.peak_live_elems.max(st.cache_elems + first.len());
         debug_assert_eq!(first.len(), numel);
+        self.read_ahead(&st, t, phase);
         first
+    }
+
+    /// This rank's chunk of tensor `t` from the parameter store. A failed read is this rank's
+    /// alone: it is kept for the engine's next step, which the ranks agree on, and the gather
+    /// goes on with zeros so that no peer waits in the collective.
+    fn read_piece(&self, st: &mut State, t: usize) -> Vec<f32> {
+        let chunk = self.plan.tensors()[t].chunk;
+        let Some(o) = &st.offload else {
+            return vec![0.0; chunk];
+        };
+        match o.store.read_chunk(t, chunk) {
+            Ok(values) => values,
+            Err(e) => {
+                st.read_error.get_or_insert(e);
+                vec![0.0; chunk]
+            }
+        }
+    }
+
+    /// Under `offload_param`: starts reading the pieces the trace of this phase has after `t`
+    /// (beyond those already gathered ahead), so that the disk works while `t` is used.
+    fn read_ahead(&self, st: &State, t: usize, phase: Phase) {
+        let Some(o) = &st.offload else {
+            return;
+        };
+        let trace = match phase {
+            Phase::Forward if !st.recording => &st.trace,
+            Phase::Backward if !st.brecording => &st.btrace,
+            _ => return,
+        };
+        let Some(pos) = trace.iter().position(|&x| x == t) else {
+            return;
+        };
+        let next: Vec<usize> = trace[pos + 1..]
+            .iter()
+            .copied()
+            .filter(|j| !st.cache.contains_key(j))
+            .collect();
+        o.store.read_ahead(&next);
     }
 
     /// Extends `bundle` (holding `t`) with the tensors the trace has after `t`, within the
@@ -355,7 +496,13 @@ impl GatherGroup {
         let mut elems = tensors[t].numel;
         let mut live = st.cache_elems + elems;
         for &j in &st.trace[pos + 1..] {
-            if bundle.contains(&j) || st.cache.contains_key(&j) || st.shards[j].is_none() {
+            // Under `offload_param` only pieces already read ahead join the bundle: the others
+            // are still on disk, and the read-ahead brings them in while this one is used.
+            let available = match &st.offload {
+                Some(o) => o.store.is_at_hand(j),
+                None => st.shards[j].is_some(),
+            };
+            if bundle.contains(&j) || st.cache.contains_key(&j) || !available {
                 continue;
             }
             let n = tensors[j].numel;
@@ -468,6 +615,17 @@ impl GatherGroup {
                 self.fail(&mut st, e);
                 out.iter_mut().for_each(|x| *x = 0.0);
             }
+        }
+        if let Some(o) = st.offload.as_mut() {
+            // Summed into the rank's buffer; autodiff gets the placeholder's empty gradient.
+            if let Some(at) = o.local_start[t] {
+                let n = self.plan.own(self.comm.rank(), t).len();
+                o.grads[at..at + n]
+                    .iter_mut()
+                    .zip(&out)
+                    .for_each(|(s, g)| *s += g);
+            }
+            return Vec::new();
         }
         if st.wire.is_some() {
             match st.chunk_grads.get_mut(&t) {

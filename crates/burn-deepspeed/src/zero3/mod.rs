@@ -1,12 +1,15 @@
 //! ZeRO stage 3 (arXiv 1910.02054 §5.3) on Burn modules: parameters stored as per-rank
 //! chunks ([`shard_module`]), gathered whole for use by a custom op ([`zero3_gather`])
 //! whose backward reduce-scatters the gradient, through a per-rank [`GatherGroup`] that
-//! traces and prefetches.
+//! traces and prefetches. Under `offload_param` the pieces live in a [`ParamStore`] (host
+//! memory or a swap file) and the module keeps empty placeholders.
 
 mod group;
 mod op;
 mod reparam;
+mod store;
 
 pub use group::*;
 pub use op::*;
 pub use reparam::*;
+pub use store::*;

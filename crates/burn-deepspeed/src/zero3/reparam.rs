@@ -6,10 +6,14 @@
 
 use burn::module::{Module, Param, Reparameterization, Reparameterizer};
 use burn::tensor::{Device, Tensor, TensorData};
+use std::sync::Mutex;
+
+use burn_deepspeed_strategies::CommError;
 use burn_deepspeed_strategies::zero::ShardPlan;
 
 use super::group::{GatherGroup, key_of};
 use super::op::zero3_gather;
+use super::store::ParamStore;
 
 /// The reparameterization of a sharded parameter: `val()` gathers the whole tensor.
 #[derive(Module, Debug)]
@@ -53,6 +57,9 @@ struct Sharder<'a> {
     group: Option<&'a GatherGroup>,
     /// Next parameter, in layout order.
     next: usize,
+    /// Under `offload_param`: the store the pieces go to (the module keeps empty
+    /// placeholders), and the first failed write.
+    store: Option<(&'a ParamStore, &'a Mutex<Option<CommError>>)>,
 }
 
 impl Reparameterizer for Sharder<'_> {
@@ -76,6 +83,22 @@ impl Reparameterizer for Sharder<'_> {
                 .expect("f32 parameter data");
             let (values, shape) = if s.persistent {
                 (values, whole_shape.clone())
+            } else if let Some((store, failed)) = self.store {
+                // This rank's piece goes to the store, one tensor at a time (a lazily
+                // initialised model is never whole in memory).
+                let own = self.plan.own(rank, t);
+                let start = own.start.min(values.len());
+                let end = own.end.min(values.len());
+                let mut piece = values[start..end].to_vec();
+                piece.resize(own.len(), 0.0);
+                drop(values);
+                if let Err(e) = store.write(t, &piece) {
+                    failed
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_or_insert(e);
+                }
+                (Vec::new(), chunk_shape(0, D))
             } else {
                 let chunk = chunk_of(&values, s.chunk, rank);
                 if let Some(group) = group {
@@ -113,7 +136,30 @@ pub fn shard_module<M: Module>(module: M, group: &GatherGroup) -> M {
         rank: group.comm().rank(),
         group: Some(group),
         next: 0,
+        store: None,
     })
+}
+
+/// [`shard_module`] under `offload_param`: each rank's pieces go to `store`, and the module
+/// keeps empty placeholders of the chunks' rank. The first failed write is returned beside
+/// the module (this rank's alone: the caller agrees on it with its peers).
+pub fn shard_module_to_store<M: Module>(
+    module: M,
+    group: &GatherGroup,
+    store: &ParamStore,
+) -> (M, Result<(), CommError>) {
+    let failed = Mutex::new(None);
+    let module = module.apply_reparameterization(Sharder {
+        plan: group.plan(),
+        shapes: group.shapes(),
+        id: group.id(),
+        rank: group.comm().rank(),
+        group: None,
+        next: 0,
+        store: Some((store, &failed)),
+    });
+    let failed = failed.into_inner().unwrap_or_else(|e| e.into_inner());
+    (module, failed.map_or(Ok(()), Err))
 }
 
 /// Shards `module` for ranks that do not exist yet: the partitioned parameters become
@@ -132,6 +178,7 @@ pub fn shard_module_ahead<M: Module>(
         rank: 0,
         group: None,
         next: 0,
+        store: None,
     })
 }
 

@@ -312,6 +312,28 @@ fn reserve(file: &File, bytes: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// Refuses, naming `dir` and both sizes, a swap file of `needed` bytes in a folder with less
+/// free space (checked up front, before anything is written).
+pub fn ensure_space(dir: &Path, needed: u64) -> Result<()> {
+    let free = free_bytes(dir)?;
+    if needed <= free {
+        return Ok(());
+    }
+    Err(CommError::Swap {
+        path: dir.to_path_buf(),
+        op: "reserve space in",
+        source: io::Error::new(
+            io::ErrorKind::StorageFull,
+            format!(
+                "the swapped state needs {needed} bytes ({:.2} GB) and the disk has {free} \
+                 bytes ({:.2} GB) free",
+                needed as f64 / 1e9,
+                free as f64 / 1e9
+            ),
+        ),
+    })
+}
+
 /// Bytes free for an unprivileged user on the filesystem holding `dir`.
 pub fn free_bytes(dir: &Path) -> Result<u64> {
     let err = |source| CommError::Swap {

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use super::{AioOptions, AlignedBuf, IoEngine, SwapFile, TilePlan, free_bytes};
+use super::{AioOptions, AlignedBuf, IoEngine, SwapFile, TilePlan, ensure_space};
 use crate::{CommError, Result};
 
 /// How a [`SwapStore`] moves its tiles.
@@ -78,22 +78,7 @@ impl SwapStore {
     pub fn create(path: &Path, plan: TilePlan, options: SwapOptions) -> Result<Self> {
         let dir = path.parent().unwrap_or(Path::new("."));
         let needed = plan.file_bytes();
-        let free = free_bytes(dir)?;
-        if needed > free {
-            return Err(CommError::Swap {
-                path: dir.to_path_buf(),
-                op: "reserve space in",
-                source: io::Error::new(
-                    io::ErrorKind::StorageFull,
-                    format!(
-                        "the swapped state needs {needed} bytes ({:.2} GB) and the disk has \
-                         {free} bytes ({:.2} GB) free",
-                        needed as f64 / 1e9,
-                        free as f64 / 1e9
-                    ),
-                ),
-            });
-        }
+        ensure_space(dir, needed)?;
         let file = SwapFile::create(path, needed, options.engine, options.aio)?;
         let record = plan.record_bytes();
         // Pipelining cycles through three buffers, of which a state of one or two tiles
@@ -177,16 +162,30 @@ impl SwapStore {
                 });
             }
         }
-        for i in 0..plan.count() {
-            let range = plan.range(i);
-            let floats = self.bufs[0].floats_mut();
-            floats.fill(0.0);
+        self.fill(|_, range, out| {
             for (f, values) in fields.iter().enumerate() {
                 if let Some(v) = values {
-                    floats[plan.at(f, 0)..plan.at(f, range.len())]
-                        .copy_from_slice(&v[range.clone()]);
+                    out[f].copy_from_slice(&v[range.clone()]);
                 }
             }
+            Ok(())
+        })
+    }
+
+    /// Writes every tile in order: `fill(i, elements, fields)` gets the tile's fields, zeroed,
+    /// to fill (each `elements.len()` long). Nothing is read, and only one tile's record is
+    /// in memory: a state larger than RAM is written from a source read piece by piece.
+    pub fn fill(
+        &mut self,
+        mut fill: impl FnMut(usize, Range<usize>, &mut [&mut [f32]]) -> Result<()>,
+    ) -> Result<()> {
+        let plan = self.plan;
+        for i in 0..plan.count() {
+            let range = plan.range(i);
+            let buf = &mut self.bufs[0];
+            buf.floats_mut().fill(0.0);
+            let mut fields = fields_of(plan, buf, range.len());
+            fill(i, range, &mut fields)?;
             write(&self.file, &self.counters, plan, i, &self.bufs[0])?;
         }
         Ok(())
@@ -382,7 +381,7 @@ mod tests {
     #[test]
     fn a_state_larger_than_the_free_space_is_refused_up_front() {
         let dir = tempfile::tempdir().unwrap();
-        let free = free_bytes(dir.path()).unwrap();
+        let free = crate::swap::free_bytes(dir.path()).unwrap();
         let len = (free / 4 + 1_000_000) as usize;
         let plan = TilePlan::new(len, 1 << 20, 3);
         let e = SwapStore::create(

@@ -102,7 +102,31 @@ impl PartitionedOptimizer {
     /// the masters, and [`step`](Self::step) hands them out instead of reading the caller's.
     /// Adam and AdamW only: LAMB needs whole-tensor norms before it can update a tile, and
     /// DeepSpeed offloads Adam-family optimizers only.
-    pub fn offload(&mut self, mut swap: SwapStore, masters: &[f32]) -> Result<()> {
+    pub fn offload(&mut self, swap: SwapStore, masters: &[f32]) -> Result<()> {
+        if masters.len() != self.own.len() {
+            return Err(CommError::Optimizer {
+                optimizer: "PartitionedOptimizer",
+                detail: format!(
+                    "{} masters for a slice of {}",
+                    masters.len(),
+                    self.own.len()
+                ),
+            });
+        }
+        self.offload_with(swap, |r, out| {
+            out.copy_from_slice(&masters[r]);
+            Ok(())
+        })
+    }
+
+    /// [`offload`](Self::offload) with the masters read piece by piece: `masters(range, out)`
+    /// fills `out` with the slice's parameters over `range`, tile by tile in order, so that a
+    /// slice larger than memory (read from a parameter swap file) is never whole in RAM.
+    pub fn offload_with(
+        &mut self,
+        mut swap: SwapStore,
+        mut masters: impl FnMut(Range<usize>, &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
         let plan = swap.plan();
         let detail = if matches!(self.kind, PartitionedKind::Lamb(_)) {
             Some(
@@ -116,12 +140,6 @@ impl PartitionedOptimizer {
                  masters, m, v)",
                 plan.fields(),
                 plan.len(),
-                self.own.len()
-            ))
-        } else if masters.len() != self.own.len() {
-            Some(format!(
-                "{} masters for a slice of {}",
-                masters.len(),
                 self.own.len()
             ))
         } else {
@@ -144,7 +162,15 @@ impl PartitionedOptimizer {
                 std::mem::take(&mut self.state.v),
             ),
         };
-        swap.write_all(&[Some(masters), Some(&m), Some(&v)])?;
+        swap.fill(|_, r, fields| {
+            let [p, fm, fv] = fields else {
+                unreachable!("three fields checked above")
+            };
+            masters(r.clone(), p)?;
+            fm.copy_from_slice(&m[r.clone()]);
+            fv.copy_from_slice(&v[r]);
+            Ok(())
+        })?;
         self.swap = Some(swap);
         Ok(())
     }
@@ -212,6 +238,12 @@ impl PartitionedOptimizer {
                 ),
             });
         }
+        if self.swap.is_some() {
+            return self.step_tiles(grads, present, lr, |r, p| {
+                params[r].copy_from_slice(p);
+                Ok(())
+            });
+        }
         for (s, &p) in self.state.steps.iter_mut().zip(present) {
             *s += u32::from(p != 0);
         }
@@ -221,21 +253,8 @@ impl PartitionedOptimizer {
             PartitionedKind::Adam(mut h) => {
                 h.lr = lr as f32;
                 let live: Vec<&Segment> = live.collect();
-                match &mut self.swap {
-                    None => {
-                        let (m, v) = (&mut self.state.m[..], &mut self.state.v[..]);
-                        adam_pieces(&h, steps, &live, 0..n, params, grads, m, v);
-                    }
-                    Some(swap) => swap.update(|_, r, fields| {
-                        let [p, m, v] = fields else {
-                            unreachable!("offload checked three fields")
-                        };
-                        let g = &grads[r.clone()];
-                        adam_pieces(&h, steps, &live, r.clone(), p, g, m, v);
-                        params[r].copy_from_slice(p);
-                        Ok(())
-                    })?,
-                }
+                let (m, v) = (&mut self.state.m[..], &mut self.state.v[..]);
+                adam_pieces(&h, steps, &live, 0..n, params, grads, m, v);
             }
             PartitionedKind::Lamb(mut h) => {
                 h.lr = lr as f32;
@@ -277,6 +296,56 @@ impl PartitionedOptimizer {
             }
         }
         Ok(())
+    }
+
+    /// The [offloaded](Self::offload) step, tile by tile: each tile's updated masters go to
+    /// `out(range, values)` (ranges of the slice, in order) as soon as the tile is stepped,
+    /// so that the caller can write them on (to a parameter swap file) without a buffer of the
+    /// whole slice. `grads` is the slice's gradient.
+    pub fn step_tiles(
+        &mut self,
+        grads: &[f32],
+        present: &[u8],
+        lr: f64,
+        mut out: impl FnMut(Range<usize>, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let n = self.own.len();
+        let (Some(swap), PartitionedKind::Adam(mut h)) = (&mut self.swap, self.kind) else {
+            return Err(CommError::Optimizer {
+                optimizer: "PartitionedOptimizer",
+                detail: "a tiled step needs the offloaded state of Adam or AdamW".into(),
+            });
+        };
+        if grads.len() != n || present.len() != self.state.steps.len() {
+            return Err(CommError::Optimizer {
+                optimizer: "PartitionedOptimizer",
+                detail: format!(
+                    "slice of {n} elements over {} tensors; got {} gradients and {} presence \
+                     marks",
+                    self.state.steps.len(),
+                    grads.len(),
+                    present.len()
+                ),
+            });
+        }
+        for (s, &p) in self.state.steps.iter_mut().zip(present) {
+            *s += u32::from(p != 0);
+        }
+        h.lr = lr as f32;
+        let steps = &self.state.steps;
+        let live: Vec<&Segment> = self
+            .segments
+            .iter()
+            .filter(|s| present[s.tensor] != 0)
+            .collect();
+        swap.update(|_, r, fields| {
+            let [p, m, v] = fields else {
+                unreachable!("offload checked three fields")
+            };
+            let g = &grads[r.clone()];
+            adam_pieces(&h, steps, &live, r.clone(), p, g, m, v);
+            out(r, p)
+        })
     }
 
     /// This rank's state, to save (read from the swap file when offloaded).

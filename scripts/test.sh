@@ -35,6 +35,8 @@ binary() {
 
 # Every crate's tests (threads at world sizes 1-4; MPI conformance as a world of one).
 cargo test --workspace --features "$FEATURES" 2>&1 | tee "$out/cargo-test.log"
+# The memory-capped ZeRO-Infinity run says whether its cgroup could be made (issue 19).
+grep -m 1 "^offload cgroup:" "$out/cargo-test.log" || echo "offload cgroup: no line (the test did not run)"
 # One line per fault-injection group (issue 16's suite), from the harnesses' own counts.
 awk '
     /^ *Running / { group = $2; sub(/^.*\//, "", group); sub(/\.rs$/, "", group) }

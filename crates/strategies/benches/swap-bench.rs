@@ -19,15 +19,14 @@
 //! median of `reps` repetitions. `scripts/bench-offload.sh` writes the
 //! offload section of BENCHMARKS.md from `--json`.
 
-use std::fs::OpenOptions;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::time::Instant;
 
 use burn_deepspeed_cubecl_kernels::adam::AdamParams;
 use burn_deepspeed_strategies::comm::{ThreadWorld, ThreadWorldOptions};
 use burn_deepspeed_strategies::swap::{
-    AioOptions, AlignedBuf, IoEngine, SwapOptions, SwapStore, TilePlan, io_uring_available,
+    AioOptions, IoEngine, SwapOptions, SwapStore, TilePlan, disk_baseline, fill_noise,
+    io_uring_available,
 };
 use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, PartitionedOptimizer};
 
@@ -75,52 +74,9 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Seconds to write, then read, `bytes` sequentially with 8 MiB `O_DIRECT` requests.
-fn raw_disk(path: &PathBuf, bytes: usize) -> (f64, f64) {
-    const BLOCK: usize = 8 << 20;
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .expect("open the raw file with O_DIRECT");
-    let mut buf = AlignedBuf::new(BLOCK);
-    noise(buf.floats_mut(), 1);
-    let blocks = bytes.div_ceil(BLOCK);
-    let start = Instant::now();
-    for i in 0..blocks {
-        file.write_all_at(buf.bytes(), (i * BLOCK) as u64)
-            .expect("write");
-    }
-    let write = start.elapsed().as_secs_f64();
-    let start = Instant::now();
-    for i in 0..blocks {
-        file.read_exact_at(buf.bytes_mut(), (i * BLOCK) as u64)
-            .expect("read");
-    }
-    let read = start.elapsed().as_secs_f64();
-    drop(file);
-    let _ = std::fs::remove_file(path);
-    (write, read)
-}
-
-/// Incompressible values: a virtual disk may store zeros (or repeated blocks) without moving
-/// them, which would flatter every figure.
-fn noise(out: &mut [f32], seed: u64) {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for v in out {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *v = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-    }
-}
-
 fn noisy(len: usize, seed: u64) -> Vec<f32> {
     let mut v = vec![0.0; len];
-    noise(&mut v, seed);
+    fill_noise(&mut v, seed);
     v
 }
 
@@ -139,12 +95,11 @@ fn main() {
     let len = args.state_mb * (1 << 20) / 12;
     let plan = TilePlan::new(len, args.tile, 3);
     let bytes = plan.file_bytes() as usize;
-    let raw = args.dir.join("swap-bench-raw.bin");
     let (mut writes, mut reads) = (Vec::new(), Vec::new());
     for _ in 0..args.reps {
-        let (w, r) = raw_disk(&raw, bytes);
-        writes.push(w);
-        reads.push(r);
+        let b = disk_baseline(&args.dir, bytes as u64).expect("the disk baseline");
+        writes.push(b.write_secs);
+        reads.push(b.read_secs);
     }
     let (raw_write, raw_read) = (median(writes), median(reads));
     let disk_secs = raw_write + raw_read;

@@ -14,7 +14,7 @@ use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::DEFAULT_CONFIG;
 use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::GptShape;
-use burn_deepspeed_example_gpt::run::{RunSpec, run_rank};
+use burn_deepspeed_example_gpt::run::{DiskBaselineReport, RunSpec, run_rank};
 use clap::Parser;
 
 /// Counts the heap, so that the report's `peak_activation_bytes` is measured.
@@ -55,6 +55,11 @@ struct Args {
     /// Resume from the latest checkpoint in this directory (`--steps` counts from step 0).
     #[arg(long)]
     resume: Option<std::path::PathBuf>,
+    /// Before training, measure the disk's own `O_DIRECT` bandwidth on this many GB in the
+    /// config's `offload_param` (or `offload_optimizer`) `nvme_path`, the baseline the
+    /// report's swap throughput is judged against.
+    #[arg(long)]
+    measure_disk_gb: Option<f64>,
     /// Seconds a rank waits for the others before failing.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -85,6 +90,10 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         })?,
         None => EMBEDDED_CORPUS.to_vec(),
     };
+    let baseline = match args.measure_disk_gb {
+        Some(gb) => Some(measure_disk(&config, gb)?),
+        None => None,
+    };
     let spec = RunSpec {
         config,
         shape: GptShape::preset(&args.model).expect("clap checked the preset"),
@@ -108,7 +117,8 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
     })?;
     // ANCHOR_END: launch
     // Every rank's report is the same; rank 0 (in this process) prints it.
-    if let Some((_, report)) = reports.into_iter().find(|(rank, _)| *rank == 0) {
+    if let Some((_, mut report)) = reports.into_iter().find(|(rank, _)| *rank == 0) {
+        report.disk_baseline = baseline;
         eprintln!(
             "trained {} params for {} steps on {} rank(s) ({}): loss {:.4} -> {:.4}, {:.0} tokens/s",
             report.params,
@@ -127,4 +137,32 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The disk's `O_DIRECT` bandwidth in the config's swap folder, on `gb` GB.
+fn measure_disk(config: &DeepSpeedConfig, gb: f64) -> burn_deepspeed::Result<DiskBaselineReport> {
+    let z = &config.zero_optimization;
+    let dir = z
+        .offload_param
+        .as_ref()
+        .and_then(|o| o.nvme_path.clone())
+        .or_else(|| {
+            z.offload_optimizer
+                .as_ref()
+                .and_then(|o| o.nvme_path.clone())
+        })
+        .ok_or_else(|| {
+            burn_deepspeed::DeepSpeedError::Data(
+                "--measure-disk-gb needs an nvme_path in the config's offload sections".into(),
+            )
+        })?;
+    let b = burn_deepspeed::swap::disk_baseline(dir.as_ref(), (gb * 1e9) as u64)?;
+    eprintln!(
+        "disk baseline in {dir} (O_DIRECT, 8 MiB requests, {:.1} GB): write {:.3} GB/s, read \
+         {:.3} GB/s",
+        b.bytes as f64 / 1e9,
+        b.write_gb_per_s(),
+        b.read_gb_per_s()
+    );
+    Ok(DiskBaselineReport::from(b))
 }

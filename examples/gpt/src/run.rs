@@ -169,6 +169,10 @@ pub struct RunReport {
     /// over the run (measured).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub param_store: Option<ParamStoreReport>,
+    /// The disk's own `O_DIRECT` bandwidth, measured in the same run before training
+    /// (`--measure-disk-gb`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_baseline: Option<DiskBaselineReport>,
     /// Data-parallel runs: the parameters after the last step, flat in layout order (for
     /// comparisons in tests; not serialized).
     #[serde(skip)]
@@ -178,6 +182,27 @@ pub struct RunReport {
     /// serialized).
     #[serde(skip)]
     pub final_moments: Option<(FlatParams, FlatParams)>,
+}
+
+/// The disk's own sequential `O_DIRECT` bandwidth (8 MiB requests, one thread), measured.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DiskBaselineReport {
+    /// Bytes written, then read.
+    pub bytes: u64,
+    /// Write bandwidth (GB/s).
+    pub write_gb_per_s: f64,
+    /// Read bandwidth (GB/s).
+    pub read_gb_per_s: f64,
+}
+
+impl From<burn_deepspeed::swap::DiskBaseline> for DiskBaselineReport {
+    fn from(b: burn_deepspeed::swap::DiskBaseline) -> Self {
+        Self {
+            bytes: b.bytes,
+            write_gb_per_s: b.write_gb_per_s(),
+            read_gb_per_s: b.read_gb_per_s(),
+        }
+    }
 }
 
 /// A parameter store's figures in a report (ZeRO-Infinity's `offload_param`).
@@ -411,6 +436,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
             .map_or("none", |o| o.device.name())
             .into(),
         param_store: engine.param_store().map(ParamStoreReport::from),
+        disk_baseline: None,
         final_params: match spec.keep_final_state {
             true => FlatParams(engine.flat_params()?),
             false => FlatParams::default(),
@@ -581,6 +607,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         swap: None,
         offload_param: "none".into(),
         param_store: None,
+        disk_baseline: None,
         final_params: FlatParams::default(),
         final_moments: None,
     })

@@ -2,6 +2,7 @@
 //! files on a fast disk, read and written in aligned tiles with `O_DIRECT` (so that it never
 //! fills the page cache) through io_uring, or `pread`/`pwrite` where io_uring is unavailable.
 //!
+//! - [`disk_baseline`]: the disk's own `O_DIRECT` bandwidth, to judge a swapper against.
 //! - [`AioOptions`]: DeepSpeed's `aio` section (block size, queue depth, threads).
 //! - [`IoEngine`]: which system calls move the bytes, chosen once per process.
 //! - [`AlignedBuf`]: the page-aligned host buffers `O_DIRECT` needs.
@@ -11,12 +12,14 @@
 //!   write overlapping the work on the current tile.
 
 mod aio;
+mod baseline;
 mod buffer;
 mod file;
 mod store;
 mod tiles;
 
 pub use aio::*;
+pub use baseline::*;
 pub use buffer::*;
 pub use file::*;
 pub use store::*;

@@ -283,14 +283,14 @@ fn all_reduce_path_matches_reduce_scatter() {
     }
 }
 
-/// Parameter offload, partial optimizer offload and ZeRO++ settings are refused with the key
-/// and the reason.
+/// Parameter offload to NVMe without a folder, partial optimizer offload and ZeRO++ settings
+/// are refused with the key and the reason.
 #[test]
 fn unsupported_zero_settings_are_refused() {
     for (extra, key) in [
         (
-            r#", "offload_param": {"device": "cpu"}"#,
-            "zero_optimization.offload_param",
+            r#", "offload_param": {"device": "nvme"}"#,
+            "zero_optimization.offload_param.nvme_path",
         ),
         (
             r#", "zero_quantized_weights": true"#,

@@ -141,6 +141,13 @@ pub struct RunReport {
     /// Seconds per sample over all ranks, for each step run (wall clock of the step).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub step_seconds_per_sample: Vec<f64>,
+    /// Seconds of forward and backward (all micro-batches) per step, on rank 0.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub forward_backward_seconds: Vec<f64>,
+    /// Seconds of the optimizer step (with its swapping, and the write-back of the stepped
+    /// parameters) per step, on rank 0.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub optimizer_seconds: Vec<f64>,
     /// Peak resident memory of the process (the largest over ranks' processes).
     pub peak_rss_bytes: u64,
     /// Pipeline stages (1 without pipeline parallelism).
@@ -338,6 +345,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let mut losses = Vec::with_capacity((spec.steps - first_step).min(1 << 16) as usize);
     let (mut per_step_bytes, mut per_sample, mut compressed) = (Vec::new(), Vec::new(), 0);
     let mut per_step_model_bytes = Vec::new();
+    let (mut fb_seconds, mut optimizer_seconds) = (Vec::new(), Vec::new());
     let mut pld_theta = None;
     let mut loss_scale = Vec::new();
     let mut peak_activation = None;
@@ -350,6 +358,8 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         per_step_bytes.push(report.bytes_sent);
         per_step_model_bytes.push(report.model_bytes_sent);
         per_sample.push(step_start.elapsed().as_secs_f64() / batch.train_batch_size as f64);
+        fb_seconds.push(report.forward_backward.as_secs_f64());
+        optimizer_seconds.push(report.optimizer.as_secs_f64());
         compressed += u64::from(report.compressed);
         pld_theta = report.pld_theta;
         loss_scale.extend(report.loss_scale);
@@ -415,6 +425,8 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         activation_checkpointing: engine.config().activation_checkpointing.is_some(),
         pld_theta,
         step_seconds_per_sample: per_sample,
+        forward_backward_seconds: fb_seconds,
+        optimizer_seconds,
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
         pipeline_stages: 1,
         data_parallel: world,
@@ -593,6 +605,8 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
             .is_some_and(|p| p.activation_checkpoint_interval > 0),
         pld_theta: None,
         step_seconds_per_sample: Vec::new(),
+        forward_backward_seconds: Vec::new(),
+        optimizer_seconds: Vec::new(),
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
         pipeline_stages: topo.stages,
         data_parallel: topo.replicas,

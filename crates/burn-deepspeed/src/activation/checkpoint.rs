@@ -48,7 +48,10 @@ where
     F: Fn(&M, Tensor<D>) -> Tensor<O> + Send + 'static,
 {
     let input_tracked = input.is_tracked();
-    if !input.is_autodiff() || !(input_tracked || any_trainable(module)) {
+    // Every parameter is made now: a lazy one (Burn's modules are lazy until first read) shares
+    // its pending state with the clones below, and would otherwise take their `no_grad`.
+    let trainable = any_trainable(module);
+    if !input.is_autodiff() || !(input_tracked || trainable) {
         return forward(module, input);
     }
     let options = current_options();
@@ -185,6 +188,7 @@ impl<const D: usize> Saved<D> {
     }
 }
 
+/// Whether any parameter needs a gradient; reads (and so initialises) every one.
 fn any_trainable<M: Module>(module: &M) -> bool {
     struct V(bool);
     impl ModuleVisitor for V {
@@ -349,6 +353,22 @@ mod tests {
         assert_eq!(ckpt, plain);
         assert!(plain.1.iter().all(|g| !g.is_empty()));
         assert_eq!((stats.forwards, stats.recomputes), (3, 3));
+    }
+
+    /// A module whose parameters are still lazy (never read) keeps them trainable through
+    /// its first checkpoint: the forward's `no_grad` clone must not reach the pending state
+    /// it shares with them.
+    #[test]
+    fn lazy_parameters_stay_trainable_through_the_first_checkpoint() {
+        let device = Device::flex().autodiff();
+        let net = Net::new(&device);
+        let x = input(&device).require_grad();
+        let ckpt = gradients(&net, &x, true);
+        assert!(
+            ckpt.1.iter().all(|g| !g.is_empty()),
+            "every parameter has a gradient"
+        );
+        assert_eq!(ckpt, gradients(&net, &x, false));
     }
 
     #[test]

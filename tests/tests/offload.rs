@@ -10,7 +10,6 @@
 
 mod common;
 
-use std::path::Path;
 use std::time::Duration;
 
 use burn::tensor::Device;
@@ -18,7 +17,7 @@ use burn_deepspeed::launch::launch;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
 use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
 use burn_deepspeed_example_gpt::run::RunReport;
-use burn_deepspeed_tests::offload::{offload_config, same_run};
+use burn_deepspeed_tests::offload::{offload_config, same_run, train_steps};
 
 const SHAPE: GptShape = GptShape {
     d_model: 32,
@@ -127,17 +126,6 @@ fn the_offloaded_state_is_measured_on_disk_not_in_memory() {
     assert_eq!(ram.offloaded, 0);
 }
 
-fn train_steps(
-    config: &DeepSpeedConfig,
-    world: usize,
-    steps: std::ops::Range<u64>,
-    ckpt: &Path,
-    save_at: Option<u64>,
-    load: bool,
-) -> Vec<f64> {
-    burn_deepspeed_tests::offload::train_steps(config, SHAPE, world, steps, ckpt, save_at, load)
-}
-
 /// A checkpoint of an offloaded run holds the state read back from the swap files: resumed
 /// offloaded, or in memory, the run continues with the uninterrupted run's losses.
 #[test]
@@ -145,10 +133,10 @@ fn checkpoints_of_offloaded_runs_resume_exactly_on_or_off_disk() {
     let swap_dir = tempfile::tempdir().expect("temp dir");
     let ckpt = tempfile::tempdir().expect("temp dir");
     let nvme = offload_config(2, "bf16", Some(("nvme", swap_dir.path(), 333, true)));
-    let whole = train_steps(&nvme, 2, 0..8, ckpt.path(), Some(3), false);
-    let resumed = train_steps(&nvme, 2, 4..8, ckpt.path(), None, true);
+    let whole = train_steps(&nvme, SHAPE, 2, 0..8, ckpt.path(), Some(3), false);
+    let resumed = train_steps(&nvme, SHAPE, 2, 4..8, ckpt.path(), None, true);
     let memory = offload_config(2, "bf16", None);
-    let in_memory = train_steps(&memory, 2, 4..8, ckpt.path(), None, true);
+    let in_memory = train_steps(&memory, SHAPE, 2, 4..8, ckpt.path(), None, true);
     println!("offloaded {whole:?}; resumed offloaded {resumed:?}; in memory {in_memory:?}");
     assert_eq!(&whole[4..], &resumed[..]);
     assert_eq!(&whole[4..], &in_memory[..]);
@@ -162,8 +150,8 @@ fn an_offloaded_checkpoint_resumes_at_another_world_size() {
     let swap_dir = tempfile::tempdir().expect("temp dir");
     let ckpt = tempfile::tempdir().expect("temp dir");
     let config = offload_config(3, "fp32", Some(("nvme", swap_dir.path(), 999, true)));
-    let whole = train_steps(&config, 2, 0..8, ckpt.path(), Some(3), false);
-    let resumed = train_steps(&config, 1, 4..8, ckpt.path(), None, true);
+    let whole = train_steps(&config, SHAPE, 2, 0..8, ckpt.path(), Some(3), false);
+    let resumed = train_steps(&config, SHAPE, 1, 4..8, ckpt.path(), None, true);
     println!("2 ranks {whole:?}; resumed on 1 rank {resumed:?}");
     for (a, b) in whole[4..].iter().zip(&resumed) {
         assert!((a - b).abs() <= 1e-4 * a.abs(), "{a} vs {b}");

@@ -14,7 +14,7 @@ use burn_deepspeed::launch::launch;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
 use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
 use burn_deepspeed_example_gpt::run::RunReport;
-use burn_deepspeed_tests::offload::{offload_config, same_run, with_params_offloaded};
+use burn_deepspeed_tests::offload::{offload_config, same_run, train_steps, with_params_offloaded};
 
 const SHAPE: GptShape = GptShape {
     d_model: 32,
@@ -150,16 +150,6 @@ fn offloaded_parameters_are_measured_on_disk_not_in_memory() {
     );
 }
 
-fn train_steps(
-    config: &DeepSpeedConfig,
-    steps: std::ops::Range<u64>,
-    ckpt: &std::path::Path,
-    save_at: Option<u64>,
-    load: bool,
-) -> Vec<f64> {
-    burn_deepspeed_tests::offload::train_steps(config, SHAPE, 2, steps, ckpt, save_at, load)
-}
-
 /// A checkpoint of a run with its parameters on disk holds the pieces read back from the
 /// store: resumed offloaded, or in memory, the run continues with the uninterrupted run's
 /// losses; and a run in memory resumes offloaded.
@@ -176,15 +166,15 @@ fn checkpoints_of_parameter_offloaded_runs_resume_exactly() {
         10_000,
     );
     let memory = offload_config(3, "fp32", None);
-    let whole = train_steps(&nvme, 0..8, ckpt.path(), Some(3), false);
-    let resumed = train_steps(&nvme, 4..8, ckpt.path(), None, true);
-    let in_memory = train_steps(&memory, 4..8, ckpt.path(), None, true);
+    let whole = train_steps(&nvme, SHAPE, 2, 0..8, ckpt.path(), Some(3), false);
+    let resumed = train_steps(&nvme, SHAPE, 2, 4..8, ckpt.path(), None, true);
+    let in_memory = train_steps(&memory, SHAPE, 2, 4..8, ckpt.path(), None, true);
     println!("offloaded {whole:?}; resumed {resumed:?}; in memory {in_memory:?}");
     assert_eq!(&whole[4..], &resumed[..]);
     assert_eq!(&whole[4..], &in_memory[..]);
     let ckpt2 = tempfile::tempdir().expect("temp dir");
-    let plain = train_steps(&memory, 0..8, ckpt2.path(), Some(3), false);
-    let onto_disk = train_steps(&nvme, 4..8, ckpt2.path(), None, true);
+    let plain = train_steps(&memory, SHAPE, 2, 0..8, ckpt2.path(), Some(3), false);
+    let onto_disk = train_steps(&nvme, SHAPE, 2, 4..8, ckpt2.path(), None, true);
     assert_eq!(&plain[4..], &onto_disk[..]);
     assert_eq!(
         plain, whole,

@@ -15,10 +15,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Instant;
 
 use burn_deepspeed_strategies::swap::{
-    ALIGN, AlignedBuf, SwapFile, SwapOptions, SwapStats, SwapSummary, ensure_space,
+    ALIGN, AlignedBuf, SwapFile, SwapOptions, SwapSummary, TransferCounters, ensure_space,
 };
 use burn_deepspeed_strategies::{CommError, Result};
 
@@ -64,10 +63,7 @@ pub struct ParamStoreSummary {
 
 #[derive(Debug, Default)]
 struct Counters {
-    bytes_read: AtomicU64,
-    bytes_written: AtomicU64,
-    read_ns: AtomicU64,
-    write_ns: AtomicU64,
+    io: TransferCounters,
     hits: AtomicU64,
     on_demand: AtomicU64,
     ahead_bytes: AtomicUsize,
@@ -239,14 +235,8 @@ impl ParamStore {
                 }
                 let mut buf = AlignedBuf::new(padded(len));
                 buf.floats_mut()[..len].copy_from_slice(values);
-                let start = Instant::now();
-                let bytes = padded(len);
-                self.file().write(offset, &buf.bytes()[..bytes])?;
-                let c = &self.counters;
-                c.write_ns
-                    .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                c.bytes_written.fetch_add(bytes as u64, Ordering::Relaxed);
-                Ok(())
+                let bytes = &buf.bytes()[..padded(len)];
+                self.counters.io.write(self.file(), offset, bytes)
             }
         }
     }
@@ -350,12 +340,7 @@ impl ParamStore {
             direct: f.is_direct(),
             disk_bytes: self.disk_bytes(),
             buffer_bytes: c.peak_ahead_bytes.load(Ordering::Relaxed) as u64,
-            stats: SwapStats {
-                bytes_read: c.bytes_read.load(Ordering::Relaxed),
-                bytes_written: c.bytes_written.load(Ordering::Relaxed),
-                read_secs: c.read_ns.load(Ordering::Relaxed) as f64 * 1e-9,
-                write_secs: c.write_ns.load(Ordering::Relaxed) as f64 * 1e-9,
-            },
+            stats: c.io.stats(),
         });
         ParamStoreSummary {
             host_bytes: self.host_bytes(),
@@ -442,11 +427,7 @@ impl ReadAhead {
 fn read_disk(file: &SwapFile, c: &Counters, offset: u64, len: usize) -> Result<Vec<f32>> {
     let bytes = padded(len);
     let mut buf = AlignedBuf::new(bytes);
-    let start = Instant::now();
-    file.read(offset, &mut buf.bytes_mut()[..bytes])?;
-    c.read_ns
-        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    c.bytes_read.fetch_add(bytes as u64, Ordering::Relaxed);
+    c.io.read(file, offset, &mut buf.bytes_mut()[..bytes])?;
     Ok(buf.floats()[..len].to_vec())
 }
 

@@ -52,12 +52,48 @@ pub struct SwapSummary {
     pub stats: SwapStats,
 }
 
+/// Timed transfers on a [`SwapFile`]: the bytes moved and the time spent, counted where each
+/// transfer happens (shared by threads transferring at once).
 #[derive(Debug, Default)]
-struct Counters {
+pub struct TransferCounters {
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
     read_ns: AtomicU64,
     write_ns: AtomicU64,
+}
+
+impl TransferCounters {
+    /// Reads `buf.len()` bytes at `offset` of `file` into `buf`, counted.
+    pub fn read(&self, file: &SwapFile, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let start = Instant::now();
+        file.read(offset, buf)?;
+        self.read_ns
+            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.bytes_read
+            .fetch_add(buf.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Writes `buf` at `offset` of `file`, counted.
+    pub fn write(&self, file: &SwapFile, offset: u64, buf: &[u8]) -> Result<()> {
+        let start = Instant::now();
+        file.write(offset, buf)?;
+        self.write_ns
+            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.bytes_written
+            .fetch_add(buf.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The transfers so far.
+    pub fn stats(&self) -> SwapStats {
+        SwapStats {
+            bytes_read: self.bytes_read.load(Ordering::Relaxed),
+            bytes_written: self.bytes_written.load(Ordering::Relaxed),
+            read_secs: self.read_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            write_secs: self.write_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+        }
+    }
 }
 
 /// A state of [`TilePlan::fields`] `f32` fields of [`TilePlan::len`] elements each, in a
@@ -69,7 +105,7 @@ pub struct SwapStore {
     plan: TilePlan,
     options: SwapOptions,
     bufs: [AlignedBuf; 3],
-    counters: Counters,
+    counters: TransferCounters,
 }
 
 impl SwapStore {
@@ -96,7 +132,7 @@ impl SwapStore {
             plan,
             options,
             bufs: [AlignedBuf::new(record), spare(1), spare(2)],
-            counters: Counters::default(),
+            counters: TransferCounters::default(),
         })
     }
 
@@ -133,13 +169,7 @@ impl SwapStore {
 
     /// Transfers so far.
     pub fn stats(&self) -> SwapStats {
-        let c = &self.counters;
-        SwapStats {
-            bytes_read: c.bytes_read.load(Ordering::Relaxed),
-            bytes_written: c.bytes_written.load(Ordering::Relaxed),
-            read_secs: c.read_ns.load(Ordering::Relaxed) as f64 * 1e-9,
-            write_secs: c.write_ns.load(Ordering::Relaxed) as f64 * 1e-9,
-        }
+        self.counters.stats()
     }
 
     /// Writes whole fields: `fields[f]` holds [`TilePlan::len`] elements, or is `None` for
@@ -286,28 +316,26 @@ fn fields_of(plan: TilePlan, buf: &mut AlignedBuf, n: usize) -> Vec<&mut [f32]> 
 
 fn read(
     file: &SwapFile,
-    c: &Counters,
+    c: &TransferCounters,
     plan: TilePlan,
     i: usize,
     buf: &mut AlignedBuf,
 ) -> Result<()> {
-    let bytes = plan.record_bytes();
-    let start = Instant::now();
-    file.read(plan.offset(i), &mut buf.bytes_mut()[..bytes])?;
-    c.read_ns
-        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    c.bytes_read.fetch_add(bytes as u64, Ordering::Relaxed);
-    Ok(())
+    c.read(
+        file,
+        plan.offset(i),
+        &mut buf.bytes_mut()[..plan.record_bytes()],
+    )
 }
 
-fn write(file: &SwapFile, c: &Counters, plan: TilePlan, i: usize, buf: &AlignedBuf) -> Result<()> {
-    let bytes = plan.record_bytes();
-    let start = Instant::now();
-    file.write(plan.offset(i), &buf.bytes()[..bytes])?;
-    c.write_ns
-        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    c.bytes_written.fetch_add(bytes as u64, Ordering::Relaxed);
-    Ok(())
+fn write(
+    file: &SwapFile,
+    c: &TransferCounters,
+    plan: TilePlan,
+    i: usize,
+    buf: &AlignedBuf,
+) -> Result<()> {
+    c.write(file, plan.offset(i), &buf.bytes()[..plan.record_bytes()])
 }
 
 #[cfg(test)]

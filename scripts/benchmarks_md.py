@@ -536,7 +536,8 @@ def moonshot(directory, cores, mem_bytes):
         "a virtual disk here). GPT `xl`: d 2048, 40 layers, 16 heads, context 128, "
         f"{params:,} parameters. Its fp32 model states at ZeRO's 16 bytes per parameter "
         f"(formula, not measured) would be {16 * params / 1e9:.1f} GB, more than the machine's RAM. "
-        "ZeRO stage 3 on one rank, AdamW, 2 sequences per step, blocks checkpointed; parameters "
+        "ZeRO stage 3 on one rank, AdamW with a linear warm-up (WarmupLR, 1e-6 to 1e-5 over 8 "
+        "steps), 2 sequences per step, blocks checkpointed; parameters "
         "(fp32 pieces, read ahead of their gathers) and optimizer state (fp32 masters, m and v, "
         "stepped in tiles of 10M elements, reads and writes pipelined) in swap files through "
         f"{opt['engine']} with `O_DIRECT`.",
@@ -544,7 +545,7 @@ def moonshot(directory, cores, mem_bytes):
         "| figure | value |",
         "|---|---|",
         f"| optimizer steps | {steps} |",
-        f"| loss, first step -> last step | {losses[0]:.4f} -> {losses[-1]:.4f} |",
+        f"| loss at each step | {' -> '.join(f'{x:.3f}' for x in losses)} |",
         f"| seconds per step (each step) | {', '.join(f'{x:.0f}' for x in step_secs)} |",
         f"| of which forward + backward (s) | {', '.join(f'{x:.0f}' for x in r['forward_backward_seconds'])} |",
         f"| of which optimizer step (s) | {', '.join(f'{x:.0f}' for x in r['optimizer_seconds'])} |",

@@ -8,9 +8,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1
 # Mesa's lavapipe (the wgpu runtime on the CPU) wants a runtime directory.
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
-# The CubeCL kernels run on the wgpu runtime: every build below shares these features, so
-# that Burn is built once.
-KERNELS="burn-deepspeed-cubecl-kernels/wgpu"
+# The CubeCL kernels, the device collectives and the GPT run on the wgpu runtime: every
+# build below shares these features, so that Burn is built once.
+KERNELS="burn-deepspeed-cubecl-kernels/wgpu,burn-deepspeed-strategies/wgpu,burn-deepspeed/wgpu,burn-deepspeed-example-gpt/wgpu,burn-deepspeed-tests/wgpu"
 FEATURES="burn-deepspeed-strategies/mpi,burn-deepspeed/mpi,burn-deepspeed-example-gpt/mpi,burn-deepspeed-tests/mpi,$KERNELS"
 
 out=$(mktemp -d)

@@ -113,6 +113,7 @@ fn unsupported_settings_are_refused_with_the_key() {
         save_dir: None,
         resume_from: None,
         keep_final_state: true,
+        device: Default::default(),
     };
     let err = launch(1, Duration::from_secs(30), |comm| run_rank(&spec, comm))
         .expect_err("MiCS is refused")
@@ -140,6 +141,7 @@ fn a_failing_rank_fails_the_run_instead_of_hanging() {
         save_dir: None,
         resume_from: None,
         keep_final_state: true,
+        device: Default::default(),
     };
     let start = std::time::Instant::now();
     let result = launch(2, Duration::from_secs(60), |comm| {

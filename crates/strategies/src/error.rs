@@ -74,6 +74,17 @@ pub enum CommError {
     /// The MPI backend could not be used.
     #[error("MPI: {0}")]
     Mpi(String),
+    /// A device collective could not read, write or reach a device buffer (a tensor on a
+    /// backend it cannot serve, a failed device read, NCCL absent or failing).
+    #[error("device collective `{op}` on rank {rank}: {detail}")]
+    Device {
+        /// This rank.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// What went wrong.
+        detail: String,
+    },
 }
 
 /// Result type of the strategies crate.

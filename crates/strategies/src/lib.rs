@@ -4,15 +4,16 @@
 //! swapper of ZeRO-Infinity.
 //!
 //! Ranks are SPMD, as in DeepSpeed: every rank runs the same program and calls the same
-//! collectives in the same order. Three worlds implement [`comm::Communicator`]: in-process
-//! threads ([`comm::ThreadWorld`], the default), MPI (feature `mpi`, under `mpirun`) and, later,
-//! NCCL.
+//! collectives in the same order. Two worlds implement [`comm::Communicator`]: in-process
+//! threads ([`comm::ThreadWorld`], the default) and MPI (feature `mpi`, under `mpirun`); on
+//! the model's device buffers, [`device::DeviceCollectives`] adds NCCL (feature `cuda`).
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod bucket;
 pub mod comm;
 pub mod compressed;
+pub mod device;
 mod error;
 pub mod onebit;
 pub mod pipe;

@@ -1,7 +1,8 @@
 //! Trains the byte-level GPT with burn-deepspeed.
 //!
 //! ```text
-//! cargo run --release --example gpt -- [--config FILE] [--model tiny|small|medium|xl] [--ranks N]
+//! cargo run --release --example gpt -- [--config FILE] [--model tiny|small|medium|xl] [--layers N]
+//!     [--device flex|wgpu|cuda] [--ranks N]
 //!     [--steps N] [--data PATH] [--seed S] [--json]
 //! mpirun -n N target/release/examples/gpt ...        # built with --features mpi
 //! ```
@@ -14,7 +15,7 @@ use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::DEFAULT_CONFIG;
 use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::GptShape;
-use burn_deepspeed_example_gpt::run::{DiskBaselineReport, RunSpec, run_rank};
+use burn_deepspeed_example_gpt::run::{DiskBaselineReport, ModelDevice, RunSpec, run_rank};
 use clap::Parser;
 
 /// Counts the heap, so that the report's `peak_activation_bytes` is measured.
@@ -31,6 +32,14 @@ struct Args {
     /// Model size.
     #[arg(long, default_value = "tiny", value_parser = ["tiny", "small", "medium", "xl"])]
     model: String,
+    /// Overrides the preset's number of transformer blocks (e.g. the `xl` width at a depth
+    /// that fits in memory without offload).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// The device the model trains on (`wgpu` and `cuda` need the example's feature of that
+    /// name).
+    #[arg(long, default_value = "flex", value_parser = ["flex", "wgpu", "cuda"])]
+    device: String,
     /// Data-parallel ranks as threads (under mpirun, the MPI world decides).
     #[arg(long, default_value_t = 1)]
     ranks: usize,
@@ -94,9 +103,19 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         Some(gb) => Some(measure_disk(&config, gb)?),
         None => None,
     };
+    let device = ModelDevice::parse(&args.device)?;
+    let mut shape = GptShape::preset(&args.model).expect("clap checked the preset");
+    if let Some(layers) = args.layers {
+        if layers == 0 {
+            return Err(burn_deepspeed::DeepSpeedError::Data(
+                "--layers must be at least 1".into(),
+            ));
+        }
+        shape.layers = layers;
+    }
     let spec = RunSpec {
         config,
-        shape: GptShape::preset(&args.model).expect("clap checked the preset"),
+        shape,
         steps: args.steps,
         corpus: ByteCorpus::new(bytes, args.seed),
         seed: args.seed,
@@ -104,6 +123,7 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         save_dir: args.save_dir.clone(),
         resume_from: args.resume.clone(),
         keep_final_state: false,
+        device,
     };
     // ANCHOR: launch
     let (_, reports) = launch(args.ranks, Duration::from_secs(args.timeout), |comm| {

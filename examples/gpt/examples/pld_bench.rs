@@ -90,6 +90,7 @@ fn main() -> ExitCode {
         save_dir: None,
         resume_from: None,
         keep_final_state: true,
+        device: Default::default(),
     });
     let outcome = launch(1, Duration::from_secs(3600), |comm| {
         let device = Device::flex().autodiff();

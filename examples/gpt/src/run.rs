@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
 use burn_deepspeed::comm::{Communicator, CommunicatorExt};
+use burn_deepspeed::engine::transfer::host_device_bytes;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::pipe::PipelineEngine;
 use burn_deepspeed::progress::TrainProgress;
@@ -38,6 +39,73 @@ pub struct RunSpec {
     /// Gather the whole parameters and moments after the last step into the report (for
     /// tests' comparisons; a model larger than memory must not).
     pub keep_final_state: bool,
+    /// Where the model trains.
+    pub device: ModelDevice,
+}
+
+/// The device a rank's model trains on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ModelDevice {
+    /// Burn's Flex, on the CPU (host memory: no host/device copies).
+    #[default]
+    Flex,
+    /// The default wgpu adapter (Vulkan, Metal, DX12; Mesa's lavapipe on a CPU); feature
+    /// `wgpu`.
+    Wgpu,
+    /// CUDA GPU `rank` (one GPU per rank); feature `cuda`.
+    Cuda,
+}
+
+impl ModelDevice {
+    /// The device named `name` (`flex`, `wgpu`, `cuda`), refused with the reason when this
+    /// build lacks its feature.
+    pub fn parse(name: &str) -> Result<Self> {
+        let device = match name {
+            "flex" => Self::Flex,
+            "wgpu" => Self::Wgpu,
+            "cuda" => Self::Cuda,
+            other => {
+                return Err(DeepSpeedError::Data(format!(
+                    "unknown device `{other}`: expected flex, wgpu or cuda"
+                )));
+            }
+        };
+        let built = match device {
+            Self::Flex => true,
+            Self::Wgpu => cfg!(feature = "wgpu"),
+            Self::Cuda => cfg!(feature = "cuda"),
+        };
+        if !built {
+            return Err(DeepSpeedError::Data(format!(
+                "device `{name}` needs this example built with `--features {name}`"
+            )));
+        }
+        Ok(device)
+    }
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Flex => "flex",
+            Self::Wgpu => "wgpu",
+            Self::Cuda => "cuda",
+        }
+    }
+
+    /// Rank `rank`'s autodiff device.
+    pub fn device(self, rank: usize) -> Device {
+        let _ = rank;
+        let device = match self {
+            Self::Flex => Device::flex(),
+            #[cfg(feature = "wgpu")]
+            Self::Wgpu => Device::from(burn::backend::wgpu::WgpuDevice::default()),
+            #[cfg(feature = "cuda")]
+            Self::Cuda => Device::cuda(rank),
+            #[allow(unreachable_patterns)]
+            other => unreachable!("ModelDevice::parse refuses {other:?} without its feature"),
+        };
+        device.autodiff()
+    }
 }
 
 impl RunSpec {
@@ -60,6 +128,7 @@ impl RunSpec {
             save_dir: None,
             resume_from: None,
             keep_final_state: true,
+            device: ModelDevice::Flex,
         }
     }
 }
@@ -150,6 +219,12 @@ pub struct RunReport {
     pub optimizer_seconds: Vec<f64>,
     /// Peak resident memory of the process (the largest over ranks' processes).
     pub peak_rss_bytes: u64,
+    /// The device the model trained on (`flex`, `wgpu`, `cuda`).
+    pub device: String,
+    /// Bytes rank 0 copied between host memory and the model's device in each step (both
+    /// directions, counted where the copies happen, the batch's token upload aside; zero on
+    /// Flex, whose tensors are host memory).
+    pub host_device_bytes_per_step: Vec<u64>,
     /// Pipeline stages (1 without pipeline parallelism).
     pub pipeline_stages: usize,
     /// Data-parallel replicas (`world / pipeline_stages`).
@@ -319,7 +394,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     {
         return run_pipelined(spec, comm);
     }
-    let device = Device::flex().autodiff();
+    let device = spec.device.device(comm.rank());
     let (rank, world) = (comm.rank(), comm.world_size());
     // ANCHOR: engine_loop
     let model = Gpt::new(spec.shape, spec.seed, &device)
@@ -346,14 +421,17 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let (mut per_step_bytes, mut per_sample, mut compressed) = (Vec::new(), Vec::new(), 0);
     let mut per_step_model_bytes = Vec::new();
     let (mut fb_seconds, mut optimizer_seconds) = (Vec::new(), Vec::new());
+    let mut host_device = Vec::new();
     let mut pld_theta = None;
     let mut loss_scale = Vec::new();
     let mut peak_activation = None;
     let start = Instant::now();
     for step in first_step..spec.steps {
         let step_start = Instant::now();
+        let copied = host_device_bytes();
         let report = train_step(&mut engine, spec, step, &inner)?;
         // ANCHOR_END: engine_loop
+        host_device.push(host_device_bytes() - copied);
         losses.push(report.loss);
         per_step_bytes.push(report.bytes_sent);
         per_step_model_bytes.push(report.model_bytes_sent);
@@ -428,6 +506,8 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         forward_backward_seconds: fb_seconds,
         optimizer_seconds,
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
+        device: spec.device.name().into(),
+        host_device_bytes_per_step: host_device,
         pipeline_stages: 1,
         data_parallel: world,
         bubble_fraction: None,
@@ -516,7 +596,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
                 .into(),
         });
     }
-    let device = Device::flex().autodiff();
+    let device = spec.device.device(comm.rank());
     let rank = comm.rank();
     let world = comm.world_size();
     // ANCHOR: pipe_loop
@@ -533,14 +613,17 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
     let mut losses = Vec::with_capacity(spec.steps.min(1 << 16) as usize);
     let mut loss_scale = Vec::new();
     let (mut compute, mut scheduled, mut live) = (0.0f64, 0.0f64, 0usize);
+    let mut host_device = Vec::new();
     let start = Instant::now();
     for step in 0..spec.steps {
+        let copied = host_device_bytes();
         // Replica d's micro-batch k holds the rows a data-parallel rank d would train on.
         let report = engine.train_batch(|k| {
             let first = (k as u64 * topo.replicas as u64 + replica as u64) * micro as u64;
             spec.corpus.batch(step, first, micro, seq, &inner)
         })?;
         // ANCHOR_END: pipe_loop
+        host_device.push(host_device_bytes() - copied);
         losses.push(report.loss);
         loss_scale.extend(report.loss_scale);
         compute += report.compute_time.as_secs_f64();
@@ -608,6 +691,8 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         forward_backward_seconds: Vec::new(),
         optimizer_seconds: Vec::new(),
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
+        device: spec.device.name().into(),
+        host_device_bytes_per_step: host_device,
         pipeline_stages: topo.stages,
         data_parallel: topo.replicas,
         bubble_fraction: Some(figures.iter().map(|f| f.bubble).sum::<f64>() / world as f64),

@@ -9,6 +9,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use super::op::{self, Recompute, Recomputed};
 use super::options::{CheckpointOptions, current_options, record};
+use crate::engine::transfer;
 
 /// `forward(module, input)`, with only `input` kept for backward: the activations inside the
 /// closure are freed as the forward goes, and recomputed when the backward reaches them. A
@@ -118,7 +119,7 @@ where
     };
     let output = forward(&leaves, input.clone());
     let device = output.device();
-    let grad = Tensor::<O>::from_data(grad, (&device, output.dtype()));
+    let grad = transfer::write::<O>(grad, &device, output.dtype());
     // d/d(output) of sum(output * grad) is grad: the backward of this graph is the piece of
     // the outer backward that the forward did not keep.
     let grads = (output * grad).sum().backward();
@@ -129,7 +130,7 @@ where
     leaves.visit(&mut collect);
     let recomputed = Recomputed {
         input: input_tracked
-            .then(|| input.grad(&grads).map(Tensor::into_data))
+            .then(|| input.grad(&grads).map(transfer::read))
             .flatten(),
         params: collect.out,
     };
@@ -171,7 +172,7 @@ impl<const D: usize> Saved<D> {
     fn new(input: Tensor<D>, host: bool) -> Self {
         if host {
             let device = input.device();
-            Saved::Host(input.into_data(), device)
+            Saved::Host(transfer::read(input), device)
         } else {
             Saved::Device(input)
         }
@@ -182,7 +183,7 @@ impl<const D: usize> Saved<D> {
             Saved::Device(t) => t,
             Saved::Host(data, device) => {
                 let dtype = data.dtype();
-                Tensor::from_data(data, (&device, dtype))
+                transfer::write(data, &device, dtype)
             }
         }
     }
@@ -254,7 +255,7 @@ struct CollectGrads<'a> {
 impl ModuleVisitor for CollectGrads<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         self.out
-            .push(param.base().grad(self.grads).map(Tensor::into_data));
+            .push(param.base().grad(self.grads).map(transfer::read));
     }
 }
 

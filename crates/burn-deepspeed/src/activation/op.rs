@@ -23,6 +23,8 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};
 use burn::tensor::{DType, Shape, Tensor, TensorData, read_sync};
 
+use crate::engine::transfer;
+
 /// What a recompute hands back: the gradient of the checkpoint's input (`None` when the
 /// input is not tracked) and of each parameter, in the module's visiting order (`None` for a
 /// frozen parameter or one the closure did not use).
@@ -66,7 +68,7 @@ fn stash_of(key: u64) -> Stash {
 }
 
 /// Backends that run activation checkpoints.
-#[backend_extension(Autodiff, Flex)]
+#[backend_extension(Autodiff, Flex, Cube: cfg(feature = "cube"))]
 pub trait CheckpointOps: Backend {
     /// `chain`, with parameter `index` of checkpoint `key` as a second parent.
     fn checkpoint_attach(
@@ -84,29 +86,44 @@ pub trait CheckpointOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
-impl CheckpointOps for Flex {
-    fn checkpoint_attach(
-        chain: FloatTensor<Self>,
-        _: FloatTensor<Self>,
-        _: u64,
-        _: u64,
-    ) -> FloatTensor<Self> {
-        chain
-    }
+/// The arm of a backend without autodiff: there is no backward to recompute for.
+macro_rules! plain_checkpoint_ops {
+    ($backend:ty) => {
+        impl CheckpointOps for $backend {
+            fn checkpoint_attach(
+                chain: FloatTensor<Self>,
+                _: FloatTensor<Self>,
+                _: u64,
+                _: u64,
+            ) -> FloatTensor<Self> {
+                chain
+            }
 
-    fn checkpoint_output(
-        _: FloatTensor<Self>,
-        output: FloatTensor<Self>,
-        key: u64,
-    ) -> FloatTensor<Self> {
-        // Without autodiff there is no backward to recompute for.
-        pending().remove(&key);
-        output
-    }
+            fn checkpoint_output(
+                _: FloatTensor<Self>,
+                output: FloatTensor<Self>,
+                key: u64,
+            ) -> FloatTensor<Self> {
+                pending().remove(&key);
+                output
+            }
+        }
+    };
 }
 
+plain_checkpoint_ops!(Flex);
+#[cfg(feature = "cube")]
+plain_checkpoint_ops!(burn::backend::Cube);
+
 fn to_data<B: Backend>(t: FloatTensor<B>) -> TensorData {
-    read_sync(B::float_into_data(t)).expect("reading a gradient of a checkpoint")
+    let data = read_sync(B::float_into_data(t)).expect("reading a gradient of a checkpoint");
+    transfer::count_primitive::<B>(data.bytes().len());
+    data
+}
+
+fn from_data<B: Backend>(data: TensorData, device: &B::Device) -> FloatTensor<B> {
+    transfer::count_primitive::<B>(data.bytes().len());
+    B::float_from_data(data, device)
 }
 
 #[derive(Debug)]
@@ -127,7 +144,7 @@ impl<B: Backend> Backward<B, 2> for AttachBackward {
                 .get_mut(index)
                 .and_then(Option::take);
             if let Some(data) = data {
-                grads.register::<B>(node.id, B::float_from_data(data, &grad.device()));
+                grads.register::<B>(node.id, from_data::<B>(data, &grad.device()));
             }
         }
         if let Some(node) = chain {
@@ -181,7 +198,7 @@ impl<B: Backend> Backward<B, 1> for OutputBackward {
         if let Some(node) = chain {
             // The attach ops between the input and this op each consume a gradient.
             let grad_in = match out.input {
-                Some(data) => B::float_from_data(data, &device),
+                Some(data) => from_data::<B>(data, &device),
                 None => B::float_zeros(state.shape, &device, state.dtype.into()),
             };
             grads.register::<B>(node.id, grad_in);

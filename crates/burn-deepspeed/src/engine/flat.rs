@@ -84,10 +84,9 @@ impl ParamLayout {
     }
 }
 
+/// The tensor's values as f32 on the host (a counted host/device copy off Flex).
 pub(crate) fn to_f32_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data_as::<f32>()
-        .try_into_vec::<f32>()
-        .expect("f32 data converts to a Vec<f32>")
+    super::transfer::read_f32(t)
 }
 
 /// Rebuilds [`GradientsParams`] for the parameters marked in `present` that lie wholly in
@@ -122,7 +121,7 @@ pub fn grads_from_flat<M: Module>(
             let at = slot.offset - self.start;
             let data = TensorData::new(self.flat[at..at + slot.numel].to_vec(), slot.shape.clone());
             self.out
-                .register::<D>(param.id, Tensor::from_data(data, self.device));
+                .register::<D>(param.id, super::transfer::write_default(data, self.device));
         }
     }
     let mut v = V {
@@ -172,7 +171,7 @@ pub fn params_from_flat<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]
                 slot.shape.clone(),
             );
             let require_grad = tensor.is_require_grad();
-            let new = Tensor::<D>::from_data(data, &tensor.device());
+            let new = super::transfer::write_default::<D>(data, &tensor.device());
             // A 16-bit working copy gets the f32 values rounded to its dtype.
             let new = if new.dtype() == tensor.dtype() {
                 new

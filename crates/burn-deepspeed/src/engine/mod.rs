@@ -11,6 +11,7 @@ pub mod memory;
 mod onebit;
 mod optim;
 mod report;
+pub mod transfer;
 
 pub use base::*;
 pub use estimate::*;

@@ -14,6 +14,7 @@ use super::sharded::piece_of;
 use super::{PieceReader, ShardedSync};
 use crate::agreed;
 use crate::engine::flat::{ParamLayout, to_f32_vec};
+use crate::engine::transfer;
 use crate::zero3::{chunk_of, chunk_shape};
 use crate::{DeepSpeedError, Result};
 
@@ -209,7 +210,7 @@ impl<G: GradElem> ShardedSync<G> {
                     }
                 };
                 self.out
-                    .register::<D>(param.id, Tensor::from_data(data, &self.device));
+                    .register::<D>(param.id, transfer::write_default(data, &self.device));
             }
         }
         let mut v = V {
@@ -400,16 +401,15 @@ impl<G: GradElem> ShardedSync<G> {
                 let shape = if self.whole || shard.persistent {
                     s.layout.slots[t].shape.clone()
                 } else {
-                    let flat = Tensor::<1>::from_data(
+                    let flat = transfer::write::<1>(
                         TensorData::new(values.clone(), [shard.chunk]),
                         &device,
-                    )
-                    .cast(dtype);
+                        dtype,
+                    );
                     s.group.set_shard(t, flat.inner());
                     chunk_shape(shard.chunk, D)
                 };
-                let new = Tensor::<D>::from_data(TensorData::new(values, shape), &device)
-                    .cast(dtype)
+                let new = transfer::write::<D>(TensorData::new(values, shape), &device, dtype)
                     .set_require_grad(require_grad);
                 Param::from_mapped_value(id, new, mapper)
             }

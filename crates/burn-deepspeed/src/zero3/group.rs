@@ -426,7 +426,7 @@ impl GatherGroup {
                     .get(j)
                     .cloned()
                     .flatten()
-                    .and_then(|s| s.into_data_as::<f32>().try_into_vec::<f32>().ok()),
+                    .map(crate::engine::transfer::read_f32),
             };
             if let Some(values) = values {
                 fetched.push(j);

@@ -22,20 +22,26 @@ use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};
 use burn::tensor::{Shape, Tensor, TensorData, read_sync};
 
 use super::group::{Phase, Resolved, resolve};
+use crate::engine::transfer;
 
 /// Backends that run the ZeRO stage-3 gather.
-#[backend_extension(Autodiff, Flex)]
+#[backend_extension(Autodiff, Flex, Cube: cfg(feature = "cube"))]
 pub trait Zero3Ops: Backend {
     /// The whole parameter of `key` from this rank's `shard` (a collective).
     fn zero3_gather(shard: FloatTensor<Self>, key: u64) -> FloatTensor<Self>;
 }
 
 fn to_vec<B: Backend>(t: FloatTensor<B>) -> Vec<f32> {
-    read_sync(B::float_into_data(t))
-        .expect("reading a parameter shard")
-        .convert::<f32>()
+    let data = read_sync(B::float_into_data(t)).expect("reading a parameter shard");
+    transfer::count_primitive::<B>(data.bytes().len());
+    data.convert::<f32>()
         .try_into_vec::<f32>()
         .expect("f32 data")
+}
+
+fn from_data<B: Backend>(data: TensorData, device: &B::Device) -> FloatTensor<B> {
+    transfer::count_primitive::<B>(data.bytes().len());
+    B::float_from_data(data, device)
 }
 
 /// The gather on a plain backend: `shard` is returned as is when the group is whole again.
@@ -47,7 +53,7 @@ fn gather_primitive<B: Backend>(shard: FloatTensor<B>, key: u64, phase: Phase) -
             let dtype = shard.dtype();
             let values = group.gather(t, to_vec::<B>(shard), phase);
             let data = TensorData::new(values, Shape::from(group.shape(t).to_vec()));
-            B::float_from_data(data.convert_dtype(dtype), &device)
+            from_data::<B>(data.convert_dtype(dtype), &device)
         }
     }
 }
@@ -65,7 +71,7 @@ fn reduce_scatter_primitive<B: Backend>(
             let dtype = grad.dtype();
             let chunk = group.reduce_scatter(t, to_vec::<B>(grad));
             let data = TensorData::new(chunk, chunk_shape);
-            B::float_from_data(data.convert_dtype(dtype), &device)
+            from_data::<B>(data.convert_dtype(dtype), &device)
         }
     }
 }
@@ -73,6 +79,13 @@ fn reduce_scatter_primitive<B: Backend>(
 impl Zero3Ops for Flex {
     fn zero3_gather(shard: FloatTensor<Self>, key: u64) -> FloatTensor<Self> {
         gather_primitive::<Flex>(shard, key, Phase::Forward)
+    }
+}
+
+#[cfg(feature = "cube")]
+impl Zero3Ops for burn::backend::Cube {
+    fn zero3_gather(shard: FloatTensor<Self>, key: u64) -> FloatTensor<Self> {
+        gather_primitive::<Self>(shard, key, Phase::Forward)
     }
 }
 

@@ -77,10 +77,7 @@ impl Reparameterizer for Sharder<'_> {
         let param = param.map(|tensor| {
             let require_grad = tensor.is_require_grad();
             let device = checkpointing(tensor.device());
-            let values = tensor
-                .into_data_as::<f32>()
-                .try_into_vec::<f32>()
-                .expect("f32 parameter data");
+            let values = crate::engine::transfer::read_f32(tensor);
             let (values, shape) = if s.persistent {
                 (values, whole_shape.clone())
             } else if let Some((store, failed)) = self.store {
@@ -102,13 +99,15 @@ impl Reparameterizer for Sharder<'_> {
             } else {
                 let chunk = chunk_of(&values, s.chunk, rank);
                 if let Some(group) = group {
-                    let flat =
-                        Tensor::<1>::from_data(TensorData::new(chunk.clone(), [s.chunk]), &device);
+                    let flat = crate::engine::transfer::write_default::<1>(
+                        TensorData::new(chunk.clone(), [s.chunk]),
+                        &device,
+                    );
                     group.set_shard(t, flat.inner());
                 }
                 (chunk, chunk_shape(s.chunk, D))
             };
-            Tensor::<D>::from_data(TensorData::new(values, shape), &device)
+            crate::engine::transfer::write_default::<D>(TensorData::new(values, shape), &device)
                 .set_require_grad(require_grad)
         });
         let reparam = (!s.persistent).then(|| ShardGather {

@@ -223,7 +223,8 @@ print("mpi learner stage 3 parity: 1 passed, 0 failed" if ok else "mpi learner s
 sys.exit(0 if ok else 1)
 PY
 
-# The `cuda` feature compiles: the CubeCL kernels and the extension's Cube arm for CUDA, with
+# The `cuda` feature compiles: the CubeCL kernels, the extension's Cube arm, the NCCL device
+# collectives, the engine's custom ops and the GPT example for CUDA, with
 # Debian's LLVM standing in for the bundle cubecl-cuda would download. (CI has no GPU; the
 # CUDA tests run on one with the command in the README.)
 case "$target_dir" in
@@ -231,5 +232,7 @@ case "$target_dir" in
     *) export XDG_DATA_HOME="$PWD/$target_dir/xdg" ;;
 esac
 bash scripts/offline-llvm.sh
-cargo check -p burn-deepspeed-cubecl-kernels --features cuda --tests --benches
-echo "cuda feature: compiles"
+CUDA="burn-deepspeed-cubecl-kernels/cuda,burn-deepspeed-strategies/cuda,burn-deepspeed/cuda,burn-deepspeed-example-gpt/cuda"
+cargo check -p burn-deepspeed-cubecl-kernels -p burn-deepspeed-strategies -p burn-deepspeed \
+    -p burn-deepspeed-example-gpt --features "$CUDA" --tests --benches --examples
+echo "cuda feature: compiles (kernels, NCCL device collectives, engine, GPT example)"

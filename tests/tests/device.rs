@@ -5,24 +5,52 @@
 
 use std::time::Duration;
 
+use burn::tensor::Device;
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{ModelDevice, RunReport, RunSpec, run_rank};
+use burn_deepspeed_tests::Toy;
 
-fn run(stage: u8, device: ModelDevice) -> RunReport {
+fn spec(stage: u8, device: ModelDevice, steps: u64, shape: GptShape) -> RunSpec {
     let text = format!(
         r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "weight_decay": 0.01}}}},
             "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}}}}"#
     );
     let (config, _) = DeepSpeedConfig::from_json_str(&text).expect("a valid config");
-    let mut spec = RunSpec::on_embedded_corpus(config, GptShape::TINY, 20, 3, 5);
+    let mut spec = RunSpec::on_embedded_corpus(config, shape, steps, 3, 5);
     spec.keep_final_state = false;
     spec.device = device;
-    let (_, reports) = launch(2, Duration::from_secs(600), |comm| run_rank(&spec, comm))
-        .unwrap_or_else(|e| panic!("stage {stage} on {device:?}: {e}"));
+    spec
+}
+
+fn run_spec(spec: &RunSpec) -> RunReport {
+    let (_, reports) = launch(2, Duration::from_secs(600), |comm| run_rank(spec, comm))
+        .unwrap_or_else(|e| {
+            panic!(
+                "{:?} on {:?}: {e}",
+                spec.config.zero_optimization.stage, spec.device
+            )
+        });
     reports.into_iter().next().expect("rank 0")
+}
+
+/// Device-resident stage 0 on wgpu: each step copies the all-reduce staged through the host
+/// (the fp32 gradient down and up, the only path between wgpu ranks) and the norm's one f32.
+fn assert_only_the_staged_all_reduce(wgpu: &RunReport) {
+    let params = wgpu.params as u64;
+    assert!(
+        wgpu.host_device_bytes_per_step
+            .iter()
+            .all(|&b| b == 8 * params + 4),
+        "{:?} bytes per step for {params} parameters",
+        wgpu.host_device_bytes_per_step
+    );
+}
+
+fn run(stage: u8, device: ModelDevice) -> RunReport {
+    run_spec(&spec(stage, device, 20, GptShape::TINY))
 }
 
 #[test]
@@ -54,15 +82,189 @@ fn gpt_on_wgpu_matches_flex_at_every_stage() {
             flex.host_device_bytes_per_step.iter().all(|&b| b == 0),
             "Flex's tensors are host memory"
         );
-        // Today's engine reads every gradient to the host and rebuilds every parameter from
-        // it: at least the fp32 gradients and parameters of the model cross each step.
         let params = wgpu.params as u64;
+        if stage == 0 {
+            assert_only_the_staged_all_reduce(&wgpu);
+        } else {
+            // Stages 1-3 still read every gradient to the host and rebuild the parameters
+            // from it: at least the fp32 gradients and parameters cross each step.
+            assert!(
+                wgpu.host_device_bytes_per_step
+                    .iter()
+                    .all(|&b| b >= 4 * params),
+                "stage {stage}: {:?} bytes per step for {params} parameters",
+                wgpu.host_device_bytes_per_step
+            );
+        }
+    }
+}
+
+/// A GPT small enough that a checkpoint round trip on lavapipe takes seconds.
+const SMALLEST: GptShape = GptShape {
+    d_model: 32,
+    layers: 2,
+    heads: 2,
+    seq_len: 16,
+};
+
+#[test]
+fn device_resident_stage_0_resumes_from_its_checkpoint() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let whole = run_spec(&spec(0, ModelDevice::Wgpu, 8, SMALLEST));
+    let mut first = spec(0, ModelDevice::Wgpu, 4, SMALLEST);
+    first.save_dir = Some(dir.path().to_path_buf());
+    let first = run_spec(&first);
+    let mut rest = spec(0, ModelDevice::Wgpu, 8, SMALLEST);
+    rest.resume_from = Some(dir.path().to_path_buf());
+    let rest = run_spec(&rest);
+    assert_eq!(first.losses, whole.losses[..4]);
+    assert_eq!(rest.first_step, 4);
+    // The parameters, moments and step counts come back exactly: the same losses.
+    assert_eq!(rest.losses, whole.losses[4..], "resumed vs uninterrupted");
+
+    // A host (Flex) stage-0 checkpoint holds Burn's optimizer record: refused with the reason.
+    let host_dir = tempfile::tempdir().expect("a temp dir");
+    let mut host = spec(0, ModelDevice::Flex, 4, SMALLEST);
+    host.save_dir = Some(host_dir.path().to_path_buf());
+    run_spec(&host);
+    let mut on_device = spec(0, ModelDevice::Wgpu, 8, SMALLEST);
+    on_device.resume_from = Some(host_dir.path().to_path_buf());
+    let err = launch(2, Duration::from_secs(300), |comm| {
+        run_rank(&on_device, comm)
+    })
+    .expect_err("refused")
+    .to_string();
+    assert!(err.contains("Burn's optimizer record"), "{err}");
+}
+
+/// Deterministic gradients for every parameter of `model` but, on odd steps, the output bias
+/// (so that parameters step at different counts).
+fn toy_grads(model: &Toy, step: u64, rank: usize) -> burn::optim::GradientsParams {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::{Tensor, TensorData};
+    struct V {
+        grads: burn::optim::GradientsParams,
+        index: usize,
+        step: u64,
+        rank: usize,
+        skip: Option<burn::module::ParamId>,
+    }
+    impl ModuleVisitor for V {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.index += 1;
+            if Some(param.id) == self.skip {
+                return;
+            }
+            let shape = param.val().shape();
+            let n = shape.num_elements();
+            let values: Vec<f32> = (0..n)
+                .map(|j| {
+                    let x = (j as u64 * 7
+                        + self.step * 13
+                        + self.rank as u64 * 5
+                        + self.index as u64 * 3)
+                        % 17;
+                    (x as f32 - 8.0) / 4.0
+                })
+                .collect();
+            let device = param.val().device().inner();
+            let g = Tensor::<D>::from_data(TensorData::new(values, shape), &device);
+            self.grads.register::<D>(param.id, g);
+        }
+    }
+    let mut v = V {
+        grads: burn::optim::GradientsParams::new(),
+        index: 0,
+        step,
+        rank,
+        skip: (step % 2 == 1).then_some(model.out.bias.as_ref().expect("a bias").id),
+    };
+    model.visit(&mut v);
+    v.grads
+}
+
+/// Six steps of the stage-0 regime the engine builds for `device` (the device-resident one
+/// on wgpu, the host one on Flex) with clipping and a parameter missing every other step:
+/// the final parameters, the norms and whether the regime stepped with Burn's optimizer.
+fn toy_run(device: Device) -> (Vec<f32>, Vec<f64>, bool) {
+    let (_, out) = launch(2, Duration::from_secs(300), |comm| {
+        let (mut config, _) = DeepSpeedConfig::from_json_str(
+            r#"{"train_batch_size": 2, "gradient_clipping": 0.5,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}"#,
+        )?;
+        config.resolve(comm.world_size())?;
+        let rank = comm.rank();
+        let model = Toy::new(3, &device.clone().autodiff());
+        let (mut model, mut sync) = burn_deepspeed::sync::build(model, &config, comm)?;
+        let mut norms = Vec::new();
+        for step in 0..6 {
+            sync.accumulate(&model, &toy_grads(&model, step, rank));
+            norms.push(sync.reduce(1.0)?.norm);
+            model = sync.step(model, 1e-2)?;
+        }
+        let params = sync.whole_params(&model, true)?.expect("wanted");
+        Ok((params, norms, sync.burn_optimizer().is_some()))
+    })
+    .expect("the toy trains");
+    out.into_iter().next().expect("rank 0")
+}
+
+#[test]
+fn device_resident_stage_0_steps_like_the_host_regime() {
+    let (host, host_norms, burn_optim) = toy_run(Device::flex());
+    assert!(burn_optim, "Flex keeps the host regime and Burn's AdamW");
+    let (dev, dev_norms, burn_optim) =
+        toy_run(Device::from(burn::backend::wgpu::WgpuDevice::default()));
+    assert!(!burn_optim, "wgpu takes the device-resident regime");
+    let layout = burn_deepspeed::engine::flat::ParamLayout::of(&Toy::new(3, &Device::flex()));
+    let initial =
+        burn_deepspeed::engine::flat::params_to_flat(&Toy::new(3, &Device::flex()), &layout);
+    assert_ne!(host, initial, "the parameters moved");
+    for (a, b) in host_norms.iter().zip(&dev_norms) {
         assert!(
-            wgpu.host_device_bytes_per_step
-                .iter()
-                .all(|&b| b >= 4 * params),
-            "stage {stage}: {:?} bytes per step for {params} parameters",
-            wgpu.host_device_bytes_per_step
+            (a - b).abs() <= 1e-5 * a.abs(),
+            "norms {host_norms:?} vs {dev_norms:?}"
         );
     }
+    let worst = host
+        .iter()
+        .zip(&dev)
+        .map(|(a, b)| (a - b).abs() / a.abs().max(1e-3))
+        .fold(0.0f32, f32::max);
+    assert!(worst <= 1e-4, "parameters differ by {worst:e}");
+}
+
+#[test]
+fn device_resident_stage_0_in_fp16_matches_flex() {
+    let fp16 = |device| {
+        let mut s = spec(0, device, 20, SMALLEST);
+        s.config.fp16.enabled = true;
+        // A scale that overflows neither run: the host regime sums fp16 gradient buffers
+        // (DeepSpeed's 2Ψ), which overflow at a scale the device regime's fp32 buffer takes,
+        // so the runs would skip different steps.
+        s.config.fp16.initial_scale_power = 8;
+        run_spec(&s)
+    };
+    let flex = fp16(ModelDevice::Flex);
+    let wgpu = fp16(ModelDevice::Wgpu);
+    let worst = flex
+        .losses
+        .iter()
+        .zip(&wgpu.losses)
+        .map(|(a, b)| (a - b).abs() / a.abs())
+        .fold(0.0, f64::max);
+    println!(
+        "fp16 stage 0: flex {:?}, wgpu {:?}, max rel diff {worst:.2e}, skipped {} / {}, \
+         host/device bytes per step {:?}",
+        flex.losses,
+        wgpu.losses,
+        flex.skipped_steps,
+        wgpu.skipped_steps,
+        wgpu.host_device_bytes_per_step.iter().max()
+    );
+    assert_eq!(wgpu.dtype, "fp16");
+    assert_eq!(flex.skipped_steps, wgpu.skipped_steps, "the same overflows");
+    assert!(worst <= 5e-3, "fp16 on wgpu vs Flex: {worst:e}");
+    assert!(wgpu.losses[19] < wgpu.losses[0] - 0.5, "it trains");
+    assert_only_the_staged_all_reduce(&wgpu);
 }

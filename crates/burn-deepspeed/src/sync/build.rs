@@ -4,11 +4,13 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn_deepspeed_strategies::comm::Communicator;
+use burn_deepspeed_strategies::device::{HostCollectives, host_resident};
+use burn_deepspeed_strategies::zero::PartitionedKind;
 use half::f16;
 
 use super::{
-    CompressedSync, GradElem, GradSync, NvmeOffload, ParamOffload, PartitionedSync, ReplicatedSync,
-    ShardedSync, SyncOptions, broadcast_params,
+    CompressedSync, DeviceSync, GradElem, GradSync, NvmeOffload, ParamOffload, PartitionedSync,
+    ReplicatedSync, ShardedSync, SyncOptions, broadcast_params, module_device,
 };
 use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
 use crate::engine::flat::ParamLayout;
@@ -59,6 +61,9 @@ fn build_with<M: Module, G: GradElem>(
         ZeroStage::Disabled => {
             match CompressedSync::new(layout.clone(), comm.clone(), &options, optimizer)? {
                 Some(sync) => (model, Box::new(sync)),
+                None if let Some(sync) = device_sync(&model, &layout, &comm, &options, config) => {
+                    (model, Box::new(sync))
+                }
                 None => {
                     let optim = build_optimizer(optimizer)?;
                     let sync = ReplicatedSync::<G>::new(layout, comm, &options, Some(optim))
@@ -93,6 +98,33 @@ fn build_with<M: Module, G: GradElem>(
             (model, Box::new(sync))
         }
     })
+}
+
+/// Stage 0 on the model's device ([`DeviceSync`]) when the model lives on a device that is not
+/// host memory (wgpu, CUDA) and steps Adam or AdamW (in fp32, or fp16/bf16 with fp32 masters);
+/// `None` otherwise (the host regime, which every other case and every Flex run keeps).
+fn device_sync<M: Module>(
+    model: &M,
+    layout: &ParamLayout,
+    comm: &Arc<dyn Communicator>,
+    options: &SyncOptions,
+    config: &DeepSpeedConfig,
+) -> Option<DeviceSync> {
+    let device = module_device(model)?;
+    if host_resident(&device) {
+        return None;
+    }
+    let PartitionedKind::Adam(adam) = partitioned_kind(config.optimizer.as_ref()?).ok()? else {
+        return None;
+    };
+    Some(DeviceSync::new(
+        model,
+        layout.clone(),
+        HostCollectives::new(comm.clone()),
+        options,
+        adam,
+        device,
+    ))
 }
 
 /// The regime for a caller that steps with its own optimizer (the Learner strategy) at ZeRO

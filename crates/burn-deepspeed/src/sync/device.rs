@@ -1,0 +1,421 @@
+//! [`DeviceSync`]: ZeRO stage 0 with every buffer on the model's device. The flat gradient,
+//! the flat fp32 parameters and Adam's moments are rank-1 tensors of the model's device; a
+//! micro-batch's gradients are flattened into the buffer by device ops, the buffer is
+//! averaged through the [`DeviceCollectives`], clipped by its norm (one scalar read to the
+//! host), stepped by the fused Adam/AdamW (`burn-deepspeed-cubecl-kernels`: the CubeCL kernel
+//! on wgpu and CUDA, one launch over the whole buffer), and the model's parameters are
+//! written back as slices of the stepped buffer. Nothing crosses to the host but the norm
+//! and what the collectives stage (nothing under NCCL; the whole buffer each way on wgpu).
+//!
+//! In mixed precision ([`GradSync::keep_masters`]) the flat fp32 parameters are the masters:
+//! the model becomes their 16-bit working copy, its gradients are widened to f32 as they are
+//! flattened (the gradient buffer is fp32 under fp16 too, where the host regime keeps fp16),
+//! and the written-back slices are rounded to the working dtype.
+//!
+//! The engine takes this regime at stage 0 on a device that is not host memory (wgpu, CUDA)
+//! when the model steps Adam or AdamW; every other case keeps
+//! [`ReplicatedSync`](super::ReplicatedSync), so runs on Flex are unchanged.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
+use burn_deepspeed_cubecl_kernels::adam::AdamParams;
+use burn_deepspeed_cubecl_kernels::ext::fused_adam;
+use burn_deepspeed_strategies::comm::ReduceOp;
+use burn_deepspeed_strategies::device::{DeviceCollectives, HostCollectives};
+use burn_deepspeed_strategies::zero::PartitionState;
+
+use super::buffer::merge_presence;
+use super::scale::Scaling;
+use super::{GradSync, Reduced, SavedState, SyncOptions};
+use crate::engine::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
+use crate::engine::flat::{ParamLayout, restore_params};
+use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes};
+use crate::engine::transfer;
+use crate::precision::cast_module;
+use crate::{DeepSpeedError, Result};
+
+/// The device of `module`'s first float parameter, if it has one.
+pub fn module_device<M: Module>(module: &M) -> Option<Device> {
+    struct V(Option<Device>);
+    impl ModuleVisitor for V {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0.is_none() {
+                self.0 = Some(param.lazy_device());
+            }
+        }
+    }
+    let mut v = V(None);
+    module.visit(&mut v);
+    v.0
+}
+
+/// The module's parameters as one flat fp32 tensor on `device`, outside every graph.
+fn flat_params<M: Module>(module: &M, device: &Device) -> Tensor<1> {
+    struct V(Vec<Tensor<1>>);
+    impl ModuleVisitor for V {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val().detach().set_require_grad(false);
+            let n = t.shape().num_elements();
+            self.0.push(t.cast(DType::F32).reshape([n]));
+        }
+    }
+    let mut v = V(Vec::new());
+    module.visit(&mut v);
+    match v.0.is_empty() {
+        true => Tensor::zeros([0], device),
+        false => Tensor::cat(v.0, 0).inner(),
+    }
+}
+
+/// A rank's stage-0 state on the model's device.
+pub struct DeviceSync {
+    layout: ParamLayout,
+    coll: HostCollectives,
+    clip: f64,
+    predivide: Option<f32>,
+    adam: AdamParams,
+    device: Device,
+    /// The accumulated gradient (f32), from the first micro-batch of a step to its end.
+    grads: Option<Tensor<1>>,
+    micro_steps: u64,
+    present: Vec<u8>,
+    /// fp32 parameters, m and v, flat in layout order.
+    params: Tensor<1>,
+    m: Tensor<1>,
+    v: Tensor<1>,
+    /// Steps each parameter has taken.
+    steps: Vec<u32>,
+    /// The model is a 16-bit working copy of the flat parameters (its masters).
+    mixed: bool,
+    meter: MemoryMeter,
+}
+
+impl DeviceSync {
+    /// Stage 0 of `model` (on `device`, in fp32) over `coll`, stepping Adam/AdamW `adam`
+    /// (its `lr` is replaced by each step's).
+    pub fn new<M: Module>(
+        model: &M,
+        layout: ParamLayout,
+        coll: HostCollectives,
+        options: &SyncOptions,
+        adam: AdamParams,
+        device: Device,
+    ) -> Self {
+        let inner = device.clone().inner();
+        let params = flat_params(model, &inner);
+        let n = layout.numel;
+        Self {
+            present: vec![0; layout.slots.len()],
+            steps: vec![0; layout.slots.len()],
+            mixed: false,
+            layout,
+            coll,
+            clip: options.clip,
+            predivide: options.predivide,
+            adam,
+            grads: None,
+            micro_steps: 0,
+            params,
+            m: Tensor::zeros([n], &inner),
+            v: Tensor::zeros([n], &inner),
+            device: inner,
+            meter: MemoryMeter::default(),
+        }
+    }
+
+    /// The bytes a collective staged through host memory are host/device copies too.
+    fn collective<T>(&self, f: impl FnOnce(&HostCollectives) -> T) -> T {
+        let before = self.coll.traffic().total();
+        let out = f(&self.coll);
+        transfer::count(
+            &self.device,
+            (self.coll.traffic().total() - before) as usize,
+        );
+        out
+    }
+
+    /// The step of the slots in `slots` (all with `steps[slot] + 1 == step`), on the flat
+    /// buffers' elements `range`.
+    fn adam_on(
+        &self,
+        range: std::ops::Range<usize>,
+        grads: &Tensor<1>,
+        step: u32,
+        lr: f64,
+    ) -> Result<(Tensor<1>, Tensor<1>, Tensor<1>)> {
+        let params = AdamParams {
+            lr: lr as f32,
+            ..self.adam
+        };
+        let slice = |t: &Tensor<1>| t.clone().slice(range.clone());
+        fused_adam(
+            slice(&self.params),
+            slice(grads),
+            slice(&self.m),
+            slice(&self.v),
+            &params,
+            step,
+        )
+        .map_err(|e| DeepSpeedError::Strategy(format!("fused Adam on the device: {e}")))
+    }
+
+    /// The model with its parameters replaced by slices of the flat parameters.
+    fn write_back<M: Module>(&self, model: M) -> M {
+        struct Mapper<'a> {
+            layout: &'a ParamLayout,
+            flat: &'a Tensor<1>,
+            next: usize,
+        }
+        impl ModuleMapper for Mapper<'_> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let (id, tensor, mapper) = param.consume();
+                let slot = &self.layout.slots[self.next];
+                self.next += 1;
+                let shape: [usize; D] = slot.shape.clone().try_into().expect("the slot's rank");
+                let new = self
+                    .flat
+                    .clone()
+                    .slice(slot.offset..slot.offset + slot.numel)
+                    .reshape(shape)
+                    .cast(tensor.dtype());
+                let new = match tensor.device().is_autodiff() {
+                    true => Tensor::<D>::from_inner(new),
+                    false => new,
+                };
+                let new = new.set_require_grad(tensor.is_require_grad());
+                Param::from_mapped_value(id, new, mapper)
+            }
+        }
+        model.map(&mut Mapper {
+            layout: &self.layout,
+            flat: &self.params,
+            next: 0,
+        })
+    }
+
+    /// m and v, and the fp32 masters when the model is their 16-bit copy.
+    fn state_bytes(&self) -> u64 {
+        (if self.mixed { 12 } else { 8 }) * self.layout.numel as u64
+    }
+}
+
+impl<M: Module> GradSync<M> for DeviceSync {
+    fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    fn accumulate(&mut self, model: &M, grads: &GradientsParams) {
+        struct V<'a> {
+            layout: &'a ParamLayout,
+            grads: &'a GradientsParams,
+            device: &'a Device,
+            present: &'a mut [u8],
+            parts: Vec<Tensor<1>>,
+        }
+        impl ModuleVisitor for V<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let Some(i) = self.layout.slot_of(param.id) else {
+                    return;
+                };
+                let n = self.layout.slots[i].numel;
+                let part = match self.grads.get::<D>(param.id) {
+                    Some(g) => {
+                        self.present[i] = 1;
+                        g.cast(DType::F32).reshape([n])
+                    }
+                    None => Tensor::zeros([n], self.device),
+                };
+                self.parts.push(part);
+            }
+        }
+        let mut v = V {
+            layout: &self.layout,
+            grads,
+            device: &self.device,
+            present: &mut self.present,
+            parts: Vec::with_capacity(self.layout.slots.len()),
+        };
+        model.visit(&mut v);
+        let flat = match v.parts.is_empty() {
+            true => Tensor::zeros([0], &self.device),
+            false => Tensor::cat(v.parts, 0),
+        };
+        self.grads = Some(match self.grads.take() {
+            Some(acc) => acc + flat,
+            None => flat,
+        });
+        self.micro_steps += 1;
+        let held = GradSync::<M>::held(self, model);
+        self.meter.observe(held, 4 * self.layout.numel as u64);
+    }
+
+    fn micro_steps(&self) -> u64 {
+        self.micro_steps
+    }
+
+    fn reduce(&mut self, loss_scale: f32) -> Result<Reduced> {
+        merge_presence(self.coll.communicator().as_ref(), &mut self.present, None)?;
+        let world = self.coll.world_size();
+        let scaling = Scaling::mean(self.predivide, world, self.micro_steps).unscaled(loss_scale);
+        let grads = self
+            .grads
+            .take()
+            .unwrap_or_else(|| Tensor::zeros([self.layout.numel], &self.device));
+        let grads = match scaling.pre {
+            1.0 => grads,
+            pre => grads.mul_scalar(pre),
+        };
+        let grads = self.collective(|c| c.all_reduce(grads, ReduceOp::Sum))?;
+        let grads = match scaling.post {
+            1.0 => grads,
+            post => grads.mul_scalar(post),
+        };
+        // The norm is the one value the host reads.
+        let squared = transfer::read_f32(grads.clone().powi_scalar(2).sum());
+        let norm = (squared.first().copied().unwrap_or(0.0) as f64).sqrt();
+        let grads = match self.clip > 0.0 && norm.is_finite() {
+            true => {
+                let coef = self.clip / (norm + 1e-6);
+                match coef < 1.0 {
+                    true => grads.mul_scalar(coef as f32),
+                    false => grads,
+                }
+            }
+            false => grads,
+        };
+        self.grads = Some(grads);
+        Ok(Reduced::global(norm))
+    }
+
+    fn step(&mut self, model: M, lr: f64) -> Result<M> {
+        let span = tracing::debug_span!("optimizer_step").entered();
+        let grads = self
+            .grads
+            .take()
+            .ok_or_else(|| DeepSpeedError::Strategy("step before reduce".into()))?;
+        let step = self.steps.first().copied().unwrap_or(0) + 1;
+        let uniform =
+            self.present.iter().all(|&p| p != 0) && self.steps.iter().all(|&s| s + 1 == step);
+        if uniform {
+            let (p, m, v) = self.adam_on(0..self.layout.numel, &grads, step, lr)?;
+            (self.params, self.m, self.v) = (p, m, v);
+            self.steps.iter_mut().for_each(|s| *s += 1);
+        } else {
+            // Parameters without a gradient keep their values and state; the others step at
+            // their own counts, one launch each.
+            for i in 0..self.layout.slots.len() {
+                if self.present[i] == 0 {
+                    continue;
+                }
+                let slot = &self.layout.slots[i];
+                let range = slot.offset..slot.offset + slot.numel;
+                let (p, m, v) = self.adam_on(range.clone(), &grads, self.steps[i] + 1, lr)?;
+                self.params = self.params.clone().slice_assign(range.clone(), p);
+                self.m = self.m.clone().slice_assign(range.clone(), m);
+                self.v = self.v.clone().slice_assign(range, v);
+                self.steps[i] += 1;
+            }
+        }
+        drop((grads, span));
+        self.present.iter_mut().for_each(|p| *p = 0);
+        self.micro_steps = 0;
+        let model = self.write_back(model);
+        let held = GradSync::<M>::held(self, &model);
+        self.meter.observe(held, 0);
+        Ok(model)
+    }
+
+    fn discard(&mut self) {
+        self.discard_state();
+    }
+
+    fn reduced_gradients(&mut self, _model: &M) -> Result<GradientsParams> {
+        Err(DeepSpeedError::Strategy(
+            "the device-resident stage 0 steps its own fused optimizer".into(),
+        ))
+    }
+
+    fn held(&self, model: &M) -> ModelStateBytes {
+        ModelStateBytes {
+            params: param_bytes(model),
+            grads: self
+                .grads
+                .as_ref()
+                .map_or(0, |_| 4 * self.layout.numel as u64),
+            optimizer: self.state_bytes(),
+            offloaded: 0,
+        }
+    }
+
+    fn peak(&self) -> u64 {
+        self.meter.peak()
+    }
+
+    fn keep_masters(&mut self, model: M, dtype: FloatDType) -> Result<M> {
+        self.mixed = true;
+        Ok(cast_module(model, dtype))
+    }
+
+    /// The fp32 parameters (the masters under mixed precision), the same on every rank.
+    fn whole_params(&self, _model: &M, wanted: bool) -> Result<Option<Vec<f32>>> {
+        Ok(wanted.then(|| transfer::read_f32(self.params.clone())))
+    }
+
+    fn whole_moments(&self) -> Result<Option<PartitionState>> {
+        Ok(Some(PartitionState {
+            steps: self.steps.clone(),
+            m: transfer::read_f32(self.m.clone()),
+            v: transfer::read_f32(self.v.clone()),
+        }))
+    }
+
+    fn save(&self, root: bool) -> Result<SavedState> {
+        let bytes = match root {
+            true => {
+                let state = GradSync::<M>::whole_moments(self)?.expect("flat moments");
+                Some(partition_state_bytes(&state))
+            }
+            false => None,
+        };
+        Ok(SavedState::Replicated(bytes))
+    }
+
+    /// Everything fallible (reading the optimizer state) happens before the parameters are
+    /// replaced.
+    fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
+        let n = self.layout.numel;
+        let state = partition_state_from_bytes(loaded.replicated_state()?, "optim.bin")
+            .ok()
+            .filter(|s| s.m.len() == n && s.v.len() == n && s.steps.len() == self.steps.len())
+            .ok_or_else(|| {
+                DeepSpeedError::Checkpoint(format!(
+                    "optim.bin is not the flat Adam state of this model's {n} elements in {} \
+                     tensors, which stage 0 on a device resumes from (a stage-0 fp32 run on \
+                     the host, Flex, saves Burn's optimizer record instead: resume such a \
+                     checkpoint on the host)",
+                    self.steps.len()
+                ))
+            })?;
+        let model = restore_params(model, &self.layout, &loaded.meta.param_ids, &loaded.params);
+        self.layout = ParamLayout::of(&model);
+        let to_device = |values: Vec<f32>| {
+            transfer::write::<1>(TensorData::new(values, [n]), &self.device, DType::F32)
+        };
+        self.m = to_device(state.m);
+        self.v = to_device(state.v);
+        self.steps = state.steps;
+        // The checkpoint's fp32 values, not the model's (rounded under mixed precision).
+        self.params = to_device(loaded.params.clone());
+        self.discard_state();
+        Ok(model)
+    }
+}
+
+impl DeviceSync {
+    fn discard_state(&mut self) {
+        self.grads = None;
+        self.micro_steps = 0;
+        self.present.iter_mut().for_each(|p| *p = 0);
+    }
+}

@@ -85,8 +85,20 @@ fn gpt_on_wgpu_matches_flex_at_every_stage() {
         let params = wgpu.params as u64;
         if stage == 0 {
             assert_only_the_staged_all_reduce(&wgpu);
+        } else if stage < 3 {
+            // Device-resident stages 1-2, rank 0: the staged reduce-scatter (the whole fp32
+            // gradient down, its slice up) and all-gather (its slice down, the whole
+            // parameters up), and the norm's f32.
+            let own = params.div_ceil(2);
+            assert!(
+                wgpu.host_device_bytes_per_step
+                    .iter()
+                    .all(|&b| b == 8 * params + 8 * own + 4),
+                "stage {stage}: {:?} bytes per step for {params} parameters",
+                wgpu.host_device_bytes_per_step
+            );
         } else {
-            // Stages 1-3 still read every gradient to the host and rebuild the parameters
+            // Stage 3 still reads every gradient to the host and rebuilds the parameters
             // from it: at least the fp32 gradients and parameters cross each step.
             assert!(
                 wgpu.host_device_bytes_per_step
@@ -106,6 +118,29 @@ const SMALLEST: GptShape = GptShape {
     heads: 2,
     seq_len: 16,
 };
+
+/// A stage-2 checkpoint saved on wgpu (device-resident slices) resumes on Flex (the host
+/// regime) and on wgpu, with the uninterrupted run's losses: the slices are the host format.
+#[test]
+fn device_resident_stage_2_checkpoints_resume_on_either_regime() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let whole = run_spec(&spec(2, ModelDevice::Wgpu, 8, SMALLEST));
+    let mut first = spec(2, ModelDevice::Wgpu, 4, SMALLEST);
+    first.save_dir = Some(dir.path().to_path_buf());
+    run_spec(&first);
+    for device in [ModelDevice::Wgpu, ModelDevice::Flex] {
+        let mut rest = spec(2, device, 8, SMALLEST);
+        rest.resume_from = Some(dir.path().to_path_buf());
+        let rest = run_spec(&rest);
+        let worst = rest
+            .losses
+            .iter()
+            .zip(&whole.losses[4..])
+            .map(|(a, b)| (a - b).abs() / b.abs())
+            .fold(0.0, f64::max);
+        assert!(worst <= 1e-5, "resumed on {device:?}: {worst:e}");
+    }
+}
 
 #[test]
 fn device_resident_stage_0_resumes_from_its_checkpoint() {
@@ -183,15 +218,16 @@ fn toy_grads(model: &Toy, step: u64, rank: usize) -> burn::optim::GradientsParam
     v.grads
 }
 
-/// Six steps of the stage-0 regime the engine builds for `device` (the device-resident one
-/// on wgpu, the host one on Flex) with clipping and a parameter missing every other step:
+/// Six steps of the ZeRO `stage` regime the engine builds for `device` (the device-resident
+/// one on wgpu, the host one on Flex) with clipping and a parameter missing every other step:
 /// the final parameters, the norms and whether the regime stepped with Burn's optimizer.
-fn toy_run(device: Device) -> (Vec<f32>, Vec<f64>, bool) {
+fn toy_run(device: Device, stage: u8) -> (Vec<f32>, Vec<f64>, bool) {
     let (_, out) = launch(2, Duration::from_secs(300), |comm| {
-        let (mut config, _) = DeepSpeedConfig::from_json_str(
-            r#"{"train_batch_size": 2, "gradient_clipping": 0.5,
-                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}"#,
-        )?;
+        let (mut config, _) = DeepSpeedConfig::from_json_str(&format!(
+            r#"{{"train_batch_size": 2, "gradient_clipping": 0.5,
+                "zero_optimization": {{"stage": {stage}}},
+                "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-2, "weight_decay": 0.1}}}}}}"#
+        ))?;
         config.resolve(comm.world_size())?;
         let rank = comm.rank();
         let model = Toy::new(3, &device.clone().autodiff());
@@ -210,11 +246,19 @@ fn toy_run(device: Device) -> (Vec<f32>, Vec<f64>, bool) {
 }
 
 #[test]
-fn device_resident_stage_0_steps_like_the_host_regime() {
-    let (host, host_norms, burn_optim) = toy_run(Device::flex());
-    assert!(burn_optim, "Flex keeps the host regime and Burn's AdamW");
-    let (dev, dev_norms, burn_optim) =
-        toy_run(Device::from(burn::backend::wgpu::WgpuDevice::default()));
+fn device_resident_stages_0_to_2_step_like_the_host_regimes() {
+    for stage in 0..=2 {
+        toy_stage(stage);
+    }
+}
+
+fn toy_stage(stage: u8) {
+    let (host, host_norms, burn_optim) = toy_run(Device::flex(), stage);
+    assert_eq!(burn_optim, stage == 0, "Flex keeps the host regime");
+    let (dev, dev_norms, burn_optim) = toy_run(
+        Device::from(burn::backend::wgpu::WgpuDevice::default()),
+        stage,
+    );
     assert!(!burn_optim, "wgpu takes the device-resident regime");
     let layout = burn_deepspeed::engine::flat::ParamLayout::of(&Toy::new(3, &Device::flex()));
     let initial =
@@ -223,7 +267,7 @@ fn device_resident_stage_0_steps_like_the_host_regime() {
     for (a, b) in host_norms.iter().zip(&dev_norms) {
         assert!(
             (a - b).abs() <= 1e-5 * a.abs(),
-            "norms {host_norms:?} vs {dev_norms:?}"
+            "stage {stage}: norms {host_norms:?} vs {dev_norms:?}"
         );
     }
     let worst = host
@@ -231,7 +275,10 @@ fn device_resident_stage_0_steps_like_the_host_regime() {
         .zip(&dev)
         .map(|(a, b)| (a - b).abs() / a.abs().max(1e-3))
         .fold(0.0f32, f32::max);
-    assert!(worst <= 1e-4, "parameters differ by {worst:e}");
+    assert!(
+        worst <= 1e-4,
+        "stage {stage}: parameters differ by {worst:e}"
+    );
 }
 
 #[test]

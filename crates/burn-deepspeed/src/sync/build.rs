@@ -72,6 +72,11 @@ fn build_with<M: Module, G: GradElem>(
                 }
             }
         }
+        ZeroStage::OptimizerStates | ZeroStage::Gradients
+            if let Some(sync) = device_sync(&model, &layout, &comm, &options, config) =>
+        {
+            (model, Box::new(sync))
+        }
         ZeroStage::OptimizerStates | ZeroStage::Gradients => {
             let kind = partitioned_kind(optimizer)?;
             let mut sync = PartitionedSync::<G>::new(layout, comm, &options, kind);
@@ -100,9 +105,10 @@ fn build_with<M: Module, G: GradElem>(
     })
 }
 
-/// Stage 0 on the model's device ([`DeviceSync`]) when the model lives on a device that is not
-/// host memory (wgpu, CUDA) and steps Adam or AdamW (in fp32, or fp16/bf16 with fp32 masters);
-/// `None` otherwise (the host regime, which every other case and every Flex run keeps).
+/// Stages 0-2 on the model's device ([`DeviceSync`]) when the model lives on a device that is
+/// not host memory (wgpu, CUDA), steps Adam or AdamW (in fp32, or fp16/bf16 with fp32
+/// masters) and offloads nothing; `None` otherwise (the host regime, which every other case
+/// and every Flex run keeps).
 fn device_sync<M: Module>(
     model: &M,
     layout: &ParamLayout,
@@ -111,7 +117,8 @@ fn device_sync<M: Module>(
     config: &DeepSpeedConfig,
 ) -> Option<DeviceSync> {
     let device = module_device(model)?;
-    if host_resident(&device) {
+    if host_resident(&device) || config.zero_optimization.optimizer_offload() != OffloadDevice::None
+    {
         return None;
     }
     let PartitionedKind::Adam(adam) = partitioned_kind(config.optimizer.as_ref()?).ok()? else {

@@ -1,20 +1,26 @@
-//! [`DeviceSync`]: ZeRO stage 0 with every buffer on the model's device. The flat gradient,
-//! the flat fp32 parameters and Adam's moments are rank-1 tensors of the model's device; a
-//! micro-batch's gradients are flattened into the buffer by device ops, the buffer is
-//! averaged through the [`DeviceCollectives`], clipped by its norm (one scalar read to the
-//! host), stepped by the fused Adam/AdamW (`burn-deepspeed-cubecl-kernels`: the CubeCL kernel
-//! on wgpu and CUDA, one launch over the whole buffer), and the model's parameters are
-//! written back as slices of the stepped buffer. Nothing crosses to the host but the norm
-//! and what the collectives stage (nothing under NCCL; the whole buffer each way on wgpu).
+//! [`DeviceSync`]: ZeRO stages 0-2 (arXiv 1910.02054) with every buffer on the model's
+//! device. The flat gradient, the flat fp32 parameters and Adam's moments are rank-1 tensors
+//! of the model's device; a micro-batch's gradients are flattened into the buffer by device
+//! ops, the buffer is averaged through the [`DeviceCollectives`] (all-reduced at stage 0;
+//! reduce-scattered at stage 1 at the end of the step and at stage 2 at every micro-batch,
+//! so that only this rank's slice stays), clipped by its norm (one scalar read to the host,
+//! summed over the slices), stepped by the fused Adam/AdamW (`burn-deepspeed-cubecl-kernels`:
+//! the CubeCL kernel on wgpu and CUDA, one launch over this rank's slice), all-gathered at
+//! stages 1-2, and the model's parameters are written back as slices of the flat buffer.
+//! Nothing crosses to the host but the norm and what the collectives stage (nothing under
+//! NCCL; the buffers they move on wgpu).
 //!
 //! In mixed precision ([`GradSync::keep_masters`]) the flat fp32 parameters are the masters:
 //! the model becomes their 16-bit working copy, its gradients are widened to f32 as they are
 //! flattened (the gradient buffer is fp32 under fp16 too, where the host regime keeps fp16),
 //! and the written-back slices are rounded to the working dtype.
 //!
-//! The engine takes this regime at stage 0 on a device that is not host memory (wgpu, CUDA)
-//! when the model steps Adam or AdamW; every other case keeps
-//! [`ReplicatedSync`](super::ReplicatedSync), so runs on Flex are unchanged.
+//! The engine takes this regime at stages 0-2 on a device that is not host memory (wgpu, CUDA)
+//! when the model steps Adam or AdamW and offloads nothing; every other case keeps the host
+//! regimes ([`ReplicatedSync`](super::ReplicatedSync), [`PartitionedSync`](super::PartitionedSync)),
+//! so runs on Flex are unchanged.
+
+use std::ops::Range;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -23,11 +29,12 @@ use burn_deepspeed_cubecl_kernels::adam::AdamParams;
 use burn_deepspeed_cubecl_kernels::ext::fused_adam;
 use burn_deepspeed_strategies::comm::ReduceOp;
 use burn_deepspeed_strategies::device::{DeviceCollectives, HostCollectives};
-use burn_deepspeed_strategies::zero::PartitionState;
+use burn_deepspeed_strategies::zero::{FlatPartition, PartitionState};
 
 use super::buffer::merge_presence;
-use super::scale::Scaling;
+use super::scale::{Scaling, norm_across};
 use super::{GradSync, Reduced, SavedState, SyncOptions};
+use crate::config::ZeroStage;
 use crate::engine::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
 use crate::engine::flat::{ParamLayout, restore_params};
 use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes};
@@ -68,19 +75,28 @@ fn flat_params<M: Module>(module: &M, device: &Device) -> Tensor<1> {
     }
 }
 
-/// A rank's stage-0 state on the model's device.
+/// A rank's ZeRO state on the model's device (stages 0-2).
 pub struct DeviceSync {
     layout: ParamLayout,
     coll: HostCollectives,
+    /// Stages 1-2: this rank's slice of the flat buffers ([`FlatPartition::new`], the host
+    /// regime's partition, so that checkpoints move between the two) and every rank's slice
+    /// length; stage 0: everything.
+    own: Range<usize>,
+    counts: Vec<usize>,
+    stage: ZeroStage,
     clip: f64,
     predivide: Option<f32>,
     adam: AdamParams,
     device: Device,
-    /// The accumulated gradient (f32), from the first micro-batch of a step to its end.
+    /// The accumulated gradient (f32), from the first micro-batch of a step to its end: whole
+    /// at stages 0-1; this rank's slice at stage 2 (reduce-scattered at each micro-batch),
+    /// and at every stage after [`GradSync::reduce`].
     grads: Option<Tensor<1>>,
     micro_steps: u64,
     present: Vec<u8>,
-    /// fp32 parameters, m and v, flat in layout order.
+    /// fp32 parameters, flat in layout order (whole on every rank), and m and v of this
+    /// rank's slice.
     params: Tensor<1>,
     m: Tensor<1>,
     v: Tensor<1>,
@@ -88,12 +104,14 @@ pub struct DeviceSync {
     steps: Vec<u32>,
     /// The model is a 16-bit working copy of the flat parameters (its masters).
     mixed: bool,
+    /// A stage-2 reduce-scatter's failure during `accumulate`, returned by `reduce`.
+    deferred: Option<DeepSpeedError>,
     meter: MemoryMeter,
 }
 
 impl DeviceSync {
-    /// Stage 0 of `model` (on `device`, in fp32) over `coll`, stepping Adam/AdamW `adam`
-    /// (its `lr` is replaced by each step's).
+    /// ZeRO stage `options.stage` (0-2) of `model` (on `device`, in fp32) over `coll`,
+    /// stepping Adam/AdamW `adam` (its `lr` is replaced by each step's).
     pub fn new<M: Module>(
         model: &M,
         layout: ParamLayout,
@@ -104,11 +122,22 @@ impl DeviceSync {
     ) -> Self {
         let inner = device.clone().inner();
         let params = flat_params(model, &inner);
-        let n = layout.numel;
+        let (own, counts) = match options.stage {
+            ZeroStage::Disabled => (0..layout.numel, vec![layout.numel]),
+            _ => {
+                let partition = FlatPartition::new(layout.numel, coll.world_size());
+                (partition.range(coll.rank()), partition.sizes())
+            }
+        };
+        let n = own.len();
         Self {
+            own,
+            counts,
+            stage: options.stage,
             present: vec![0; layout.slots.len()],
             steps: vec![0; layout.slots.len()],
             mixed: false,
+            deferred: None,
             layout,
             coll,
             clip: options.clip,
@@ -135,26 +164,27 @@ impl DeviceSync {
         out
     }
 
-    /// The step of the slots in `slots` (all with `steps[slot] + 1 == step`), on the flat
-    /// buffers' elements `range`.
+    /// One fused step at count `step` of this rank's slice's elements `range` (in slice
+    /// coordinates): new (parameters, m, v) of the range.
     fn adam_on(
         &self,
-        range: std::ops::Range<usize>,
+        range: Range<usize>,
+        params: &Tensor<1>,
         grads: &Tensor<1>,
         step: u32,
         lr: f64,
     ) -> Result<(Tensor<1>, Tensor<1>, Tensor<1>)> {
-        let params = AdamParams {
+        let hyper = AdamParams {
             lr: lr as f32,
             ..self.adam
         };
         let slice = |t: &Tensor<1>| t.clone().slice(range.clone());
         fused_adam(
-            slice(&self.params),
+            slice(params),
             slice(grads),
             slice(&self.m),
             slice(&self.v),
-            &params,
+            &hyper,
             step,
         )
         .map_err(|e| DeepSpeedError::Strategy(format!("fused Adam on the device: {e}")))
@@ -194,9 +224,44 @@ impl DeviceSync {
         })
     }
 
-    /// m and v, and the fp32 masters when the model is their 16-bit copy.
+    /// m and v of this rank's slice, and the fp32 masters when the model is their 16-bit
+    /// copy.
     fn state_bytes(&self) -> u64 {
-        (if self.mixed { 12 } else { 8 }) * self.layout.numel as u64
+        8 * self.own.len() as u64
+            + if self.mixed {
+                4 * self.layout.numel as u64
+            } else {
+                0
+            }
+    }
+
+    /// Whether the flat buffers are cut into slices (stages 1-2).
+    fn partitioned(&self) -> bool {
+        self.stage != ZeroStage::Disabled
+    }
+
+    /// The whole moments (a collective at stages 1-2).
+    fn whole_state(&self) -> Result<PartitionState> {
+        let whole = |t: &Tensor<1>| -> Result<Vec<f32>> {
+            let t = match self.partitioned() {
+                true => self.collective(|c| c.all_gather(t.clone(), &self.counts))?,
+                false => t.clone(),
+            };
+            Ok(transfer::read_f32(t))
+        };
+        Ok(PartitionState {
+            steps: self.steps.clone(),
+            m: whole(&self.m)?,
+            v: whole(&self.v)?,
+        })
+    }
+
+    fn own_state(&self) -> PartitionState {
+        PartitionState {
+            steps: self.steps.clone(),
+            m: transfer::read_f32(self.m.clone()),
+            v: transfer::read_f32(self.v.clone()),
+        }
     }
 }
 
@@ -241,6 +306,25 @@ impl<M: Module> GradSync<M> for DeviceSync {
             true => Tensor::zeros([0], &self.device),
             false => Tensor::cat(v.parts, 0),
         };
+        // Stage 2 keeps only this rank's slice: each micro-batch is reduce-scattered here.
+        let flat = match self.stage {
+            ZeroStage::Gradients => {
+                let pre = Scaling::mean(self.predivide, self.coll.world_size(), 1).pre;
+                let flat = match pre {
+                    1.0 => flat,
+                    pre => flat.mul_scalar(pre),
+                };
+                match self.collective(|c| c.reduce_scatter(flat, &self.counts)) {
+                    Ok(own) => own,
+                    Err(e) => {
+                        // Reported by `reduce`, the step's next fallible call.
+                        self.deferred.get_or_insert(e.into());
+                        Tensor::zeros([self.own.len()], &self.device)
+                    }
+                }
+            }
+            _ => flat,
+        };
         self.grads = Some(match self.grads.take() {
             Some(acc) => acc + flat,
             None => flat,
@@ -255,25 +339,45 @@ impl<M: Module> GradSync<M> for DeviceSync {
     }
 
     fn reduce(&mut self, loss_scale: f32) -> Result<Reduced> {
+        if let Some(e) = self.deferred.take() {
+            self.discard_state();
+            return Err(e);
+        }
         merge_presence(self.coll.communicator().as_ref(), &mut self.present, None)?;
         let world = self.coll.world_size();
         let scaling = Scaling::mean(self.predivide, world, self.micro_steps).unscaled(loss_scale);
+        let streamed = self.stage == ZeroStage::Gradients;
+        let len = if streamed {
+            self.own.len()
+        } else {
+            self.layout.numel
+        };
         let grads = self
             .grads
             .take()
-            .unwrap_or_else(|| Tensor::zeros([self.layout.numel], &self.device));
-        let grads = match scaling.pre {
-            1.0 => grads,
-            pre => grads.mul_scalar(pre),
+            .unwrap_or_else(|| Tensor::zeros([len], &self.device));
+        // Stage 2 applied the factor before its reduce-scatters.
+        let grads = match (streamed, scaling.pre) {
+            (true, _) | (false, 1.0) => grads,
+            (false, pre) => grads.mul_scalar(pre),
         };
-        let grads = self.collective(|c| c.all_reduce(grads, ReduceOp::Sum))?;
+        let grads = match self.stage {
+            ZeroStage::Disabled => self.collective(|c| c.all_reduce(grads, ReduceOp::Sum))?,
+            ZeroStage::Gradients => grads,
+            _ => self.collective(|c| c.reduce_scatter(grads, &self.counts))?,
+        };
         let grads = match scaling.post {
             1.0 => grads,
             post => grads.mul_scalar(post),
         };
-        // The norm is the one value the host reads.
+        // The norm's square is the one value the host reads (summed over the slices at
+        // stages 1-2, in f64, over the host communicator).
         let squared = transfer::read_f32(grads.clone().powi_scalar(2).sum());
-        let norm = (squared.first().copied().unwrap_or(0.0) as f64).sqrt();
+        let local = squared.first().copied().unwrap_or(0.0) as f64;
+        let norm = match self.partitioned() {
+            true => norm_across(self.coll.communicator().as_ref(), local)?,
+            false => local.sqrt(),
+        };
         let grads = match self.clip > 0.0 && norm.is_finite() {
             true => {
                 let coef = self.clip / (norm + 1e-6);
@@ -297,26 +401,40 @@ impl<M: Module> GradSync<M> for DeviceSync {
         let step = self.steps.first().copied().unwrap_or(0) + 1;
         let uniform =
             self.present.iter().all(|&p| p != 0) && self.steps.iter().all(|&s| s + 1 == step);
+        let own = self.own.clone();
+        let mut params = self.params.clone().slice(own.clone());
         if uniform {
-            let (p, m, v) = self.adam_on(0..self.layout.numel, &grads, step, lr)?;
-            (self.params, self.m, self.v) = (p, m, v);
+            let (p, m, v) = self.adam_on(0..own.len(), &params, &grads, step, lr)?;
+            (params, self.m, self.v) = (p, m, v);
             self.steps.iter_mut().for_each(|s| *s += 1);
         } else {
             // Parameters without a gradient keep their values and state; the others step at
-            // their own counts, one launch each.
+            // their own counts, one launch each (on the part of them in this rank's slice).
             for i in 0..self.layout.slots.len() {
                 if self.present[i] == 0 {
                     continue;
                 }
+                self.steps[i] += 1;
                 let slot = &self.layout.slots[i];
-                let range = slot.offset..slot.offset + slot.numel;
-                let (p, m, v) = self.adam_on(range.clone(), &grads, self.steps[i] + 1, lr)?;
-                self.params = self.params.clone().slice_assign(range.clone(), p);
+                let (a, b) = (
+                    slot.offset.max(own.start),
+                    (slot.offset + slot.numel).min(own.end),
+                );
+                if a >= b {
+                    continue;
+                }
+                let range = a - own.start..b - own.start;
+                let (p, m, v) = self.adam_on(range.clone(), &params, &grads, self.steps[i], lr)?;
+                params = params.slice_assign(range.clone(), p);
                 self.m = self.m.clone().slice_assign(range.clone(), m);
                 self.v = self.v.clone().slice_assign(range, v);
-                self.steps[i] += 1;
             }
         }
+        // Stages 1-2: every rank's stepped slice, joined.
+        self.params = match self.partitioned() {
+            true => self.collective(|c| c.all_gather(params, &self.counts))?,
+            false => params,
+        };
         drop((grads, span));
         self.present.iter_mut().for_each(|p| *p = 0);
         self.micro_steps = 0;
@@ -363,28 +481,41 @@ impl<M: Module> GradSync<M> for DeviceSync {
     }
 
     fn whole_moments(&self) -> Result<Option<PartitionState>> {
-        Ok(Some(PartitionState {
-            steps: self.steps.clone(),
-            m: transfer::read_f32(self.m.clone()),
-            v: transfer::read_f32(self.v.clone()),
-        }))
+        self.whole_state().map(Some)
     }
 
+    /// Stage 0: rank 0 writes the whole state; stages 1-2: every rank its slice, in the
+    /// host regime's format.
     fn save(&self, root: bool) -> Result<SavedState> {
-        let bytes = match root {
-            true => {
-                let state = GradSync::<M>::whole_moments(self)?.expect("flat moments");
-                Some(partition_state_bytes(&state))
-            }
-            false => None,
-        };
-        Ok(SavedState::Replicated(bytes))
+        if self.partitioned() {
+            return Ok(SavedState::Slice(partition_state_bytes(&self.own_state())));
+        }
+        Ok(SavedState::Replicated(
+            root.then(|| partition_state_bytes(&self.own_state())),
+        ))
     }
 
     /// Everything fallible (reading the optimizer state) happens before the parameters are
     /// replaced.
     fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
         let n = self.layout.numel;
+        if self.partitioned() {
+            // This rank's slice, cut again from the saved slices (any world size).
+            let sizes: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
+            let state = loaded.slice_state(&sizes, std::slice::from_ref(&self.own))?;
+            let model = restore_params(model, &self.layout, &loaded.meta.param_ids, &loaded.params);
+            self.layout = ParamLayout::of(&model);
+            let own = self.own.len();
+            let to_device = |values: Vec<f32>, len: usize| {
+                transfer::write::<1>(TensorData::new(values, [len]), &self.device, DType::F32)
+            };
+            self.m = to_device(state.m, own);
+            self.v = to_device(state.v, own);
+            self.steps = state.steps;
+            self.params = to_device(loaded.params.clone(), n);
+            self.discard_state();
+            return Ok(model);
+        }
         let state = partition_state_from_bytes(loaded.replicated_state()?, "optim.bin")
             .ok()
             .filter(|s| s.m.len() == n && s.v.len() == n && s.steps.len() == self.steps.len())

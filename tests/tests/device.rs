@@ -374,3 +374,33 @@ fn pipeline_and_one_bit_adam_on_wgpu_match_flex() {
         );
     }
 }
+
+/// Stages 1-2 on the device refuse a parameter no rank gave a gradient when
+/// `ignore_unused_parameters` is false, naming the key, as the host regime does.
+#[test]
+fn device_resident_stage_1_refuses_unused_parameters_when_asked() {
+    let device = Device::from(burn::backend::wgpu::WgpuDevice::default());
+    let results = launch(2, Duration::from_secs(120), |comm| {
+        let (mut config, _) = DeepSpeedConfig::from_json_str(
+            r#"{"train_batch_size": 2, "zero_optimization": {"stage": 1,
+                "ignore_unused_parameters": false},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}"#,
+        )?;
+        config.resolve(comm.world_size())?;
+        let rank = comm.rank();
+        let model = Toy::new(3, &device.clone().autodiff());
+        let (mut model, mut sync) = burn_deepspeed::sync::build(model, &config, comm)?;
+        assert!(sync.burn_optimizer().is_none(), "the device regime");
+        for step in 0..2 {
+            sync.accumulate(&model, &toy_grads(&model, step, rank));
+            sync.reduce(1.0)?;
+            model = sync.step(model, 1e-2)?;
+        }
+        Ok(())
+    });
+    let err = results.expect_err("step 1 misses a gradient").to_string();
+    assert!(
+        err.contains("ignore_unused_parameters"),
+        "the key is named: {err}"
+    );
+}

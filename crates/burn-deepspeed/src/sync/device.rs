@@ -106,6 +106,9 @@ pub struct DeviceSync {
     mixed: bool,
     /// A stage-2 reduce-scatter's failure during `accumulate`, returned by `reduce`.
     deferred: Option<DeepSpeedError>,
+    /// `zero_optimization.ignore_unused_parameters` (stages 1-2 refuse a parameter that no
+    /// rank gave a gradient when it is false, as the host regime does).
+    ignore_unused: bool,
     meter: MemoryMeter,
 }
 
@@ -138,6 +141,7 @@ impl DeviceSync {
             steps: vec![0; layout.slots.len()],
             mixed: false,
             deferred: None,
+            ignore_unused: options.ignore_unused,
             layout,
             coll,
             clip: options.clip,
@@ -343,7 +347,12 @@ impl<M: Module> GradSync<M> for DeviceSync {
             self.discard_state();
             return Err(e);
         }
-        merge_presence(self.coll.communicator().as_ref(), &mut self.present, None)?;
+        let refuse = (self.partitioned() && !self.ignore_unused).then_some(&self.layout);
+        if let Err(e) = merge_presence(self.coll.communicator().as_ref(), &mut self.present, refuse)
+        {
+            self.discard_state();
+            return Err(e);
+        }
         let world = self.coll.world_size();
         let scaling = Scaling::mean(self.predivide, world, self.micro_steps).unscaled(loss_scale);
         let streamed = self.stage == ZeroStage::Gradients;

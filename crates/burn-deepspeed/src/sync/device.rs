@@ -466,10 +466,8 @@ impl<M: Module> GradSync<M> for DeviceSync {
     fn held(&self, model: &M) -> ModelStateBytes {
         ModelStateBytes {
             params: param_bytes(model),
-            grads: self
-                .grads
-                .as_ref()
-                .map_or(0, |_| 4 * self.layout.numel as u64),
+            // Whole at stages 0-1, this rank's slice at stage 2 and after `reduce`.
+            grads: self.grads.as_ref().map_or(0, |g| 4 * g.dims()[0] as u64),
             optimizer: self.state_bytes(),
             offloaded: 0,
         }

@@ -128,10 +128,18 @@ pub fn toy_batch(
     }
 }
 
-/// The run the crash tests kill and resume: GPT tiny on the embedded corpus at ZeRO `stage`,
+/// A GPT small enough for many runs in one test (d 32, 2 layers, 2 heads, context 16).
+pub const GPT_MINI: burn_deepspeed_example_gpt::model::GptShape =
+    burn_deepspeed_example_gpt::model::GptShape {
+        d_model: 32,
+        layers: 2,
+        heads: 2,
+        seq_len: 16,
+    };
+
+/// The run the crash tests kill and resume: [`GPT_MINI`] on the embedded corpus at ZeRO `stage`,
 /// 2 sequences per rank and step, `steps` steps.
 pub fn crash_spec(stage: u8, steps: u64) -> burn_deepspeed_example_gpt::run::RunSpec {
-    use burn_deepspeed_example_gpt::model::GptShape;
     let text = format!(
         r#"{{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
@@ -139,13 +147,7 @@ pub fn crash_spec(stage: u8, steps: u64) -> burn_deepspeed_example_gpt::run::Run
     );
     let (config, _) =
         burn_deepspeed::DeepSpeedConfig::from_json_str(&text).expect("a valid config");
-    let shape = GptShape {
-        d_model: 32,
-        layers: 2,
-        heads: 2,
-        seq_len: 16,
-    };
-    burn_deepspeed_example_gpt::run::RunSpec::on_embedded_corpus(config, shape, steps, 4, 9)
+    burn_deepspeed_example_gpt::run::RunSpec::on_embedded_corpus(config, GPT_MINI, steps, 4, 9)
 }
 
 /// The GPT example's loss on `sequences` held-out windows of the embedded corpus (seed 99).

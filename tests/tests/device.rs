@@ -10,7 +10,10 @@ use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{ModelDevice, RunReport, RunSpec, run_rank};
-use burn_deepspeed_tests::Toy;
+use burn_deepspeed_tests::{GPT_MINI, Toy};
+
+mod common;
+use common::max_rel_diff;
 
 fn spec(stage: u8, device: ModelDevice, steps: u64, shape: GptShape) -> RunSpec {
     let text = format!(
@@ -59,12 +62,7 @@ fn gpt_on_wgpu_matches_flex_at_every_stage() {
         let flex = run(stage, ModelDevice::Flex);
         let wgpu = run(stage, ModelDevice::Wgpu);
         assert_eq!(wgpu.device, "wgpu");
-        let worst = flex
-            .losses
-            .iter()
-            .zip(&wgpu.losses)
-            .map(|(a, b)| (a - b).abs() / a.abs())
-            .fold(0.0, f64::max);
+        let worst = max_rel_diff(&flex.losses, &wgpu.losses);
         let copied = wgpu.host_device_bytes_per_step.iter().max().copied();
         println!(
             "stage {stage}: flex {:.4} -> {:.4}, wgpu {:.4} -> {:.4}, max rel diff {worst:.2e}; \
@@ -111,33 +109,20 @@ fn gpt_on_wgpu_matches_flex_at_every_stage() {
     }
 }
 
-/// A GPT small enough that a checkpoint round trip on lavapipe takes seconds.
-const SMALLEST: GptShape = GptShape {
-    d_model: 32,
-    layers: 2,
-    heads: 2,
-    seq_len: 16,
-};
-
 /// A stage-2 checkpoint saved on wgpu (device-resident slices) resumes on Flex (the host
 /// regime) and on wgpu, with the uninterrupted run's losses: the slices are the host format.
 #[test]
 fn device_resident_stage_2_checkpoints_resume_on_either_regime() {
     let dir = tempfile::tempdir().expect("a temp dir");
-    let whole = run_spec(&spec(2, ModelDevice::Wgpu, 8, SMALLEST));
-    let mut first = spec(2, ModelDevice::Wgpu, 4, SMALLEST);
+    let whole = run_spec(&spec(2, ModelDevice::Wgpu, 8, GPT_MINI));
+    let mut first = spec(2, ModelDevice::Wgpu, 4, GPT_MINI);
     first.save_dir = Some(dir.path().to_path_buf());
     run_spec(&first);
     for device in [ModelDevice::Wgpu, ModelDevice::Flex] {
-        let mut rest = spec(2, device, 8, SMALLEST);
+        let mut rest = spec(2, device, 8, GPT_MINI);
         rest.resume_from = Some(dir.path().to_path_buf());
         let rest = run_spec(&rest);
-        let worst = rest
-            .losses
-            .iter()
-            .zip(&whole.losses[4..])
-            .map(|(a, b)| (a - b).abs() / b.abs())
-            .fold(0.0, f64::max);
+        let worst = max_rel_diff(&whole.losses[4..], &rest.losses);
         assert!(worst <= 1e-5, "resumed on {device:?}: {worst:e}");
     }
 }
@@ -145,11 +130,11 @@ fn device_resident_stage_2_checkpoints_resume_on_either_regime() {
 #[test]
 fn device_resident_stage_0_resumes_from_its_checkpoint() {
     let dir = tempfile::tempdir().expect("a temp dir");
-    let whole = run_spec(&spec(0, ModelDevice::Wgpu, 8, SMALLEST));
-    let mut first = spec(0, ModelDevice::Wgpu, 4, SMALLEST);
+    let whole = run_spec(&spec(0, ModelDevice::Wgpu, 8, GPT_MINI));
+    let mut first = spec(0, ModelDevice::Wgpu, 4, GPT_MINI);
     first.save_dir = Some(dir.path().to_path_buf());
     let first = run_spec(&first);
-    let mut rest = spec(0, ModelDevice::Wgpu, 8, SMALLEST);
+    let mut rest = spec(0, ModelDevice::Wgpu, 8, GPT_MINI);
     rest.resume_from = Some(dir.path().to_path_buf());
     let rest = run_spec(&rest);
     assert_eq!(first.losses, whole.losses[..4]);
@@ -159,10 +144,10 @@ fn device_resident_stage_0_resumes_from_its_checkpoint() {
 
     // A host (Flex) stage-0 checkpoint holds Burn's optimizer record: refused with the reason.
     let host_dir = tempfile::tempdir().expect("a temp dir");
-    let mut host = spec(0, ModelDevice::Flex, 4, SMALLEST);
+    let mut host = spec(0, ModelDevice::Flex, 4, GPT_MINI);
     host.save_dir = Some(host_dir.path().to_path_buf());
     run_spec(&host);
-    let mut on_device = spec(0, ModelDevice::Wgpu, 8, SMALLEST);
+    let mut on_device = spec(0, ModelDevice::Wgpu, 8, GPT_MINI);
     on_device.resume_from = Some(host_dir.path().to_path_buf());
     let err = launch(2, Duration::from_secs(300), |comm| {
         run_rank(&on_device, comm)
@@ -284,7 +269,7 @@ fn toy_stage(stage: u8) {
 #[test]
 fn device_resident_stage_0_in_fp16_matches_flex() {
     let fp16 = |device| {
-        let mut s = spec(0, device, 20, SMALLEST);
+        let mut s = spec(0, device, 20, GPT_MINI);
         s.config.fp16.enabled = true;
         // A scale that overflows neither run: the host regime sums fp16 gradient buffers
         // (DeepSpeed's 2Ψ), which overflow at a scale the device regime's fp32 buffer takes,
@@ -294,12 +279,7 @@ fn device_resident_stage_0_in_fp16_matches_flex() {
     };
     let flex = fp16(ModelDevice::Flex);
     let wgpu = fp16(ModelDevice::Wgpu);
-    let worst = flex
-        .losses
-        .iter()
-        .zip(&wgpu.losses)
-        .map(|(a, b)| (a - b).abs() / a.abs())
-        .fold(0.0, f64::max);
+    let worst = max_rel_diff(&flex.losses, &wgpu.losses);
     println!(
         "fp16 stage 0: flex {:?}, wgpu {:?}, max rel diff {worst:.2e}, skipped {} / {}, \
          host/device bytes per step {:?}",
@@ -338,18 +318,14 @@ fn pipeline_and_one_bit_adam_on_wgpu_match_flex() {
             .into_iter()
             .map(|device| {
                 let (config, _) = DeepSpeedConfig::from_json_str(text).expect("a valid config");
-                let mut s = RunSpec::on_embedded_corpus(config, SMALLEST, 10, 3, 5);
+                let mut s = RunSpec::on_embedded_corpus(config, GPT_MINI, 10, 3, 5);
                 s.keep_final_state = false;
                 s.device = device;
                 run_spec(&s)
             })
             .collect();
         let rel = |range: std::ops::Range<usize>| {
-            runs[0].losses[range.clone()]
-                .iter()
-                .zip(&runs[1].losses[range])
-                .map(|(a, b)| (a - b).abs() / a.abs())
-                .fold(0.0, f64::max)
+            max_rel_diff(&runs[0].losses[range.clone()], &runs[1].losses[range])
         };
         let worst = rel(0..10);
         println!(

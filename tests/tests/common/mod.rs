@@ -21,6 +21,7 @@ pub fn spec(
 
 /// Trains `spec` on `ranks` thread ranks; checks that every rank reports the same losses and
 /// returns rank 0's report.
+#[allow(dead_code)]
 pub fn train(ranks: usize, spec: &RunSpec) -> RunReport {
     let (_, reports) = launch(ranks, Duration::from_secs(120), |comm| run_rank(spec, comm))
         .expect("training runs");

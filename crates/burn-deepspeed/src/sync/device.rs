@@ -239,6 +239,13 @@ impl DeviceSync {
             }
     }
 
+    /// Drops the step's gradient and micro-batch count.
+    fn discard_state(&mut self) {
+        self.grads = None;
+        self.micro_steps = 0;
+        self.present.iter_mut().for_each(|p| *p = 0);
+    }
+
     /// Whether the flat buffers are cut into slices (stages 1-2).
     fn partitioned(&self) -> bool {
         self.stage != ZeroStage::Disabled
@@ -506,39 +513,30 @@ impl<M: Module> GradSync<M> for DeviceSync {
     /// replaced.
     fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
         let n = self.layout.numel;
-        if self.partitioned() {
+        let state = match self.partitioned() {
             // This rank's slice, cut again from the saved slices (any world size).
-            let sizes: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
-            let state = loaded.slice_state(&sizes, std::slice::from_ref(&self.own))?;
-            let model = restore_params(model, &self.layout, &loaded.meta.param_ids, &loaded.params);
-            self.layout = ParamLayout::of(&model);
-            let own = self.own.len();
-            let to_device = |values: Vec<f32>, len: usize| {
-                transfer::write::<1>(TensorData::new(values, [len]), &self.device, DType::F32)
-            };
-            self.m = to_device(state.m, own);
-            self.v = to_device(state.v, own);
-            self.steps = state.steps;
-            self.params = to_device(loaded.params.clone(), n);
-            self.discard_state();
-            return Ok(model);
-        }
-        let state = partition_state_from_bytes(loaded.replicated_state()?, "optim.bin")
-            .ok()
-            .filter(|s| s.m.len() == n && s.v.len() == n && s.steps.len() == self.steps.len())
-            .ok_or_else(|| {
-                DeepSpeedError::Checkpoint(format!(
-                    "optim.bin is not the flat Adam state of this model's {n} elements in {} \
-                     tensors, which stage 0 on a device resumes from (a stage-0 fp32 run on \
-                     the host, Flex, saves Burn's optimizer record instead: resume such a \
-                     checkpoint on the host)",
-                    self.steps.len()
-                ))
-            })?;
+            true => {
+                let sizes: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
+                loaded.slice_state(&sizes, std::slice::from_ref(&self.own))?
+            }
+            false => partition_state_from_bytes(loaded.replicated_state()?, "optim.bin")
+                .ok()
+                .filter(|s| s.m.len() == n && s.v.len() == n && s.steps.len() == self.steps.len())
+                .ok_or_else(|| {
+                    DeepSpeedError::Checkpoint(format!(
+                        "optim.bin is not the flat Adam state of this model's {n} elements in {} \
+                         tensors, which stage 0 on a device resumes from (a stage-0 fp32 run \
+                         on the host, Flex, saves Burn's optimizer record instead: resume such \
+                         a checkpoint on the host)",
+                        self.steps.len()
+                    ))
+                })?,
+        };
         let model = restore_params(model, &self.layout, &loaded.meta.param_ids, &loaded.params);
         self.layout = ParamLayout::of(&model);
         let to_device = |values: Vec<f32>| {
-            transfer::write::<1>(TensorData::new(values, [n]), &self.device, DType::F32)
+            let len = values.len();
+            transfer::write::<1>(TensorData::new(values, [len]), &self.device, DType::F32)
         };
         self.m = to_device(state.m);
         self.v = to_device(state.v);
@@ -547,13 +545,5 @@ impl<M: Module> GradSync<M> for DeviceSync {
         self.params = to_device(loaded.params.clone());
         self.discard_state();
         Ok(model)
-    }
-}
-
-impl DeviceSync {
-    fn discard_state(&mut self) {
-        self.grads = None;
-        self.micro_steps = 0;
-        self.present.iter_mut().for_each(|p| *p = 0);
     }
 }

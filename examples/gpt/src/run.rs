@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
 use burn_deepspeed::comm::{Communicator, CommunicatorExt};
-use burn_deepspeed::engine::transfer::host_device_bytes;
+use burn_deepspeed::engine::transfer::{host_device_bytes, staged_collective_bytes};
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::pipe::PipelineEngine;
 use burn_deepspeed::progress::TrainProgress;
@@ -225,6 +225,9 @@ pub struct RunReport {
     /// directions, counted where the copies happen, the batch's token upload aside; zero on
     /// Flex, whose tensors are host memory).
     pub host_device_bytes_per_step: Vec<u64>,
+    /// The part of `host_device_bytes_per_step` that staged a collective through host memory
+    /// (the only path between wgpu ranks): equal to it where training is device-resident.
+    pub staged_collective_bytes_per_step: Vec<u64>,
     /// Pipeline stages (1 without pipeline parallelism).
     pub pipeline_stages: usize,
     /// Data-parallel replicas (`world / pipeline_stages`).
@@ -421,17 +424,18 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let (mut per_step_bytes, mut per_sample, mut compressed) = (Vec::new(), Vec::new(), 0);
     let mut per_step_model_bytes = Vec::new();
     let (mut fb_seconds, mut optimizer_seconds) = (Vec::new(), Vec::new());
-    let mut host_device = Vec::new();
+    let (mut host_device, mut staged) = (Vec::new(), Vec::new());
     let mut pld_theta = None;
     let mut loss_scale = Vec::new();
     let mut peak_activation = None;
     let start = Instant::now();
     for step in first_step..spec.steps {
         let step_start = Instant::now();
-        let copied = host_device_bytes();
+        let (copied, staged_before) = (host_device_bytes(), staged_collective_bytes());
         let report = train_step(&mut engine, spec, step, &inner)?;
         // ANCHOR_END: engine_loop
         host_device.push(host_device_bytes() - copied);
+        staged.push(staged_collective_bytes() - staged_before);
         losses.push(report.loss);
         per_step_bytes.push(report.bytes_sent);
         per_step_model_bytes.push(report.model_bytes_sent);
@@ -508,6 +512,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
         device: spec.device.name().into(),
         host_device_bytes_per_step: host_device,
+        staged_collective_bytes_per_step: staged,
         pipeline_stages: 1,
         data_parallel: world,
         bubble_fraction: None,
@@ -613,10 +618,10 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
     let mut losses = Vec::with_capacity(spec.steps.min(1 << 16) as usize);
     let mut loss_scale = Vec::new();
     let (mut compute, mut scheduled, mut live) = (0.0f64, 0.0f64, 0usize);
-    let mut host_device = Vec::new();
+    let (mut host_device, mut staged) = (Vec::new(), Vec::new());
     let start = Instant::now();
     for step in 0..spec.steps {
-        let copied = host_device_bytes();
+        let (copied, staged_before) = (host_device_bytes(), staged_collective_bytes());
         // Replica d's micro-batch k holds the rows a data-parallel rank d would train on.
         let report = engine.train_batch(|k| {
             let first = (k as u64 * topo.replicas as u64 + replica as u64) * micro as u64;
@@ -624,6 +629,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         })?;
         // ANCHOR_END: pipe_loop
         host_device.push(host_device_bytes() - copied);
+        staged.push(staged_collective_bytes() - staged_before);
         losses.push(report.loss);
         loss_scale.extend(report.loss_scale);
         compute += report.compute_time.as_secs_f64();
@@ -693,6 +699,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
         device: spec.device.name().into(),
         host_device_bytes_per_step: host_device,
+        staged_collective_bytes_per_step: staged,
         pipeline_stages: topo.stages,
         data_parallel: topo.replicas,
         bubble_fraction: Some(figures.iter().map(|f| f.bubble).sum::<f64>() / world as f64),

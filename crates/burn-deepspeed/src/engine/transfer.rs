@@ -8,6 +8,11 @@
 //! host/device boundary exists. A rank runs its engine on one thread (a thread of the thread
 //! world, or an MPI process's main thread), so [`host_device_bytes`] read on the rank's
 //! thread is that rank's total.
+//!
+//! Copies made to stage a collective (the host communicator moving device buffers, as it must
+//! between wgpu ranks) run inside [`staging`] and are also added to
+//! [`staged_collective_bytes`]: where training is device-resident, every host/device byte of
+//! a step is a staged collective byte, and the two counters agree.
 
 use std::cell::Cell;
 
@@ -17,6 +22,8 @@ use burn_deepspeed_strategies::device::host_resident;
 
 thread_local! {
     static COPIED: Cell<u64> = const { Cell::new(0) };
+    static STAGED: Cell<u64> = const { Cell::new(0) };
+    static STAGING: Cell<u32> = const { Cell::new(0) };
 }
 
 /// Bytes this thread has copied between host memory and a device so far (both directions).
@@ -24,17 +31,43 @@ pub fn host_device_bytes() -> u64 {
     COPIED.with(Cell::get)
 }
 
+/// The part of [`host_device_bytes`] copied to stage a collective (see [`staging`]).
+pub fn staged_collective_bytes() -> u64 {
+    STAGED.with(Cell::get)
+}
+
+/// Runs `f`, a collective whose device buffers pass through host memory: the copies it makes
+/// count as staged collective bytes as well.
+pub(crate) fn staging<T>(f: impl FnOnce() -> T) -> T {
+    struct Scope;
+    impl Drop for Scope {
+        fn drop(&mut self) {
+            STAGING.with(|s| s.set(s.get() - 1));
+        }
+    }
+    STAGING.with(|s| s.set(s.get() + 1));
+    let _scope = Scope;
+    f()
+}
+
+fn add(bytes: usize) {
+    COPIED.with(|c| c.set(c.get() + bytes as u64));
+    if STAGING.with(Cell::get) > 0 {
+        STAGED.with(|c| c.set(c.get() + bytes as u64));
+    }
+}
+
 /// Adds `bytes` copied to or from `device`.
 pub(crate) fn count(device: &Device, bytes: usize) {
     if !host_resident(device) {
-        COPIED.with(|c| c.set(c.get() + bytes as u64));
+        add(bytes);
     }
 }
 
 /// Adds `bytes` copied to or from a device of backend `B` (the custom ops' primitives).
 pub(crate) fn count_primitive<B: Backend>(bytes: usize) {
     if std::any::TypeId::of::<B>() != std::any::TypeId::of::<Flex>() {
-        COPIED.with(|c| c.set(c.get() + bytes as u64));
+        add(bytes);
     }
 }
 
@@ -85,7 +118,9 @@ mod tests {
         assert_eq!(host_device_bytes(), before);
         std::thread::spawn(|| {
             count_primitive::<burn::backend::Autodiff<Flex>>(100);
-            assert_eq!(host_device_bytes(), 100);
+            staging(|| count_primitive::<burn::backend::Autodiff<Flex>>(50));
+            assert_eq!(host_device_bytes(), 150);
+            assert_eq!(staged_collective_bytes(), 50);
         })
         .join()
         .unwrap();
@@ -99,7 +134,9 @@ mod tests {
         let before = host_device_bytes();
         let t = write::<1>(TensorData::new(vec![1.0f32; 10], [10]), &device, DType::F32);
         assert_eq!(host_device_bytes() - before, 40);
-        assert_eq!(read_f32(t), vec![1.0; 10]);
+        let staged = staged_collective_bytes();
+        assert_eq!(staging(|| read_f32(t)), vec![1.0; 10]);
         assert_eq!(host_device_bytes() - before, 80);
+        assert_eq!(staged_collective_bytes() - staged, 40);
     }
 }

@@ -30,7 +30,8 @@ pub(crate) fn send(
         .flat_map(|&d| (d as u64).to_le_bytes())
         .collect();
     comm.send(&header, dst, tag)?;
-    let data = crate::engine::transfer::read(t.clone().cast(dtype));
+    let data =
+        crate::engine::transfer::staging(|| crate::engine::transfer::read(t.clone().cast(dtype)));
     let converted = "a tensor cast to the wire's dtype reads as that dtype";
     match dtype {
         FloatDType::F16 => comm.send(&data.try_into_vec::<f16>().expect(converted), dst, tag)?,
@@ -87,7 +88,9 @@ pub(crate) fn recv(
             TensorData::new(values, dims)
         }
     };
-    Ok(crate::engine::transfer::write(data, device, dtype.into()))
+    Ok(crate::engine::transfer::staging(|| {
+        crate::engine::transfer::write(data, device, dtype.into())
+    }))
 }
 
 #[cfg(test)]

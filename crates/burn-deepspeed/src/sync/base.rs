@@ -202,3 +202,11 @@ pub(crate) fn caller_optimizer_keeps_no_masters(dtype: FloatDType) -> crate::Dee
             .into(),
     }
 }
+
+/// The refusal of a device-resident regime asked for its gradients by a caller that steps
+/// with its own optimizer: the regime steps its fused optimizer on the device.
+pub(crate) fn steps_its_own_fused_optimizer(stage: u8) -> crate::DeepSpeedError {
+    crate::DeepSpeedError::Strategy(format!(
+        "the device-resident stage {stage} steps its own fused optimizer"
+    ))
+}

@@ -3,14 +3,16 @@
 use std::sync::Arc;
 
 use burn::module::Module;
+use burn::tensor::Device;
+use burn_deepspeed_cubecl_kernels::adam::AdamParams;
 use burn_deepspeed_strategies::comm::Communicator;
 use burn_deepspeed_strategies::device::{HostCollectives, host_resident};
 use burn_deepspeed_strategies::zero::PartitionedKind;
 use half::f16;
 
 use super::{
-    CompressedSync, DeviceSync, GradElem, GradSync, NvmeOffload, ParamOffload, PartitionedSync,
-    ReplicatedSync, ShardedSync, SyncOptions, broadcast_params, module_device,
+    CompressedSync, DeviceShardedSync, DeviceSync, GradElem, GradSync, NvmeOffload, ParamOffload,
+    PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions, broadcast_params, module_device,
 };
 use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
 use crate::engine::flat::ParamLayout;
@@ -85,6 +87,12 @@ fn build_with<M: Module, G: GradElem>(
             }
             (model, Box::new(sync))
         }
+        ZeroStage::Parameters if let Some((device, adam)) = on_device(&model, config) => {
+            let coll = HostCollectives::new(comm.clone());
+            let mut sync = DeviceShardedSync::new(layout, coll, &options, adam, device);
+            let model = sync.shard(model);
+            (model, Box::new(sync))
+        }
         ZeroStage::Parameters => {
             let kind = partitioned_kind(optimizer)?;
             let rank = comm.rank();
@@ -105,10 +113,26 @@ fn build_with<M: Module, G: GradElem>(
     })
 }
 
-/// Stages 0-2 on the model's device ([`DeviceSync`]) when the model lives on a device that is
-/// not host memory (wgpu, CUDA), steps Adam or AdamW (in fp32, or fp16/bf16 with fp32
-/// masters) and offloads nothing; `None` otherwise (the host regime, which every other case
-/// and every Flex run keeps).
+/// The model's device and the fused Adam/AdamW's hyper-parameters when the model lives on a
+/// device that is not host memory (wgpu, CUDA), steps Adam or AdamW (in fp32, or fp16/bf16
+/// with fp32 masters) and offloads nothing; `None` otherwise (the host regimes, which every
+/// other case and every Flex run keeps).
+fn on_device<M: Module>(model: &M, config: &DeepSpeedConfig) -> Option<(Device, AdamParams)> {
+    let device = module_device(model)?;
+    let zero = &config.zero_optimization;
+    if host_resident(&device)
+        || zero.optimizer_offload() != OffloadDevice::None
+        || zero.offload_param.is_some()
+    {
+        return None;
+    }
+    match partitioned_kind(config.optimizer.as_ref()?).ok()? {
+        PartitionedKind::Adam(adam) => Some((device, adam)),
+        _ => None,
+    }
+}
+
+/// Stages 0-2 on the model's device ([`DeviceSync`]) where [`on_device`] allows.
 fn device_sync<M: Module>(
     model: &M,
     layout: &ParamLayout,
@@ -116,14 +140,7 @@ fn device_sync<M: Module>(
     options: &SyncOptions,
     config: &DeepSpeedConfig,
 ) -> Option<DeviceSync> {
-    let device = module_device(model)?;
-    if host_resident(&device) || config.zero_optimization.optimizer_offload() != OffloadDevice::None
-    {
-        return None;
-    }
-    let PartitionedKind::Adam(adam) = partitioned_kind(config.optimizer.as_ref()?).ok()? else {
-        return None;
-    };
+    let (device, adam) = on_device(model, config)?;
     Some(DeviceSync::new(
         model,
         layout.clone(),

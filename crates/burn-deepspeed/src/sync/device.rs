@@ -75,6 +75,76 @@ fn flat_params<M: Module>(module: &M, device: &Device) -> Tensor<1> {
     }
 }
 
+/// Runs the collective `f` on `coll`, counting the bytes it staged through host memory as
+/// host/device copies (staged collective bytes) of `device`.
+pub(super) fn staged<T>(
+    coll: &HostCollectives,
+    device: &Device,
+    f: impl FnOnce(&HostCollectives) -> T,
+) -> T {
+    let before = coll.traffic().total();
+    let out = f(coll);
+    let moved = (coll.traffic().total() - before) as usize;
+    transfer::staging(|| transfer::count(device, moved));
+    out
+}
+
+/// One optimizer step of a rank's flat fp32 buffer `params` with the fused Adam/AdamW `adam`
+/// at `lr`, updating `m` and `v` (the buffer's length) in place: one launch over the whole
+/// buffer when every tensor has a gradient and the same step count; otherwise one launch per
+/// piece of a tensor that has a gradient (`pieces`: each tensor's range in the buffer), at
+/// that tensor's own count, and the tensors without one keep their values and state.
+/// `steps` counts each tensor's steps; `present` flags the tensors with a gradient.
+pub(super) fn fused_adam_step(
+    adam: &AdamParams,
+    lr: f64,
+    mut params: Tensor<1>,
+    grads: &Tensor<1>,
+    (m, v): (&mut Tensor<1>, &mut Tensor<1>),
+    (steps, present): (&mut [u32], &[u8]),
+    pieces: &[(usize, Range<usize>)],
+) -> Result<Tensor<1>> {
+    let hyper = AdamParams {
+        lr: lr as f32,
+        ..*adam
+    };
+    let launch = |range: Range<usize>, params: &Tensor<1>, m: &Tensor<1>, v: &Tensor<1>, step| {
+        let slice = |t: &Tensor<1>| t.clone().slice(range.clone());
+        fused_adam(
+            slice(params),
+            slice(grads),
+            slice(m),
+            slice(v),
+            &hyper,
+            step,
+        )
+        .map_err(|e| DeepSpeedError::Strategy(format!("fused Adam on the device: {e}")))
+    };
+    let step = steps.first().copied().unwrap_or(0) + 1;
+    let uniform = present.iter().all(|&p| p != 0) && steps.iter().all(|&s| s + 1 == step);
+    if uniform {
+        let (p, new_m, new_v) = launch(0..params.dims()[0], &params, m, v, step)?;
+        (*m, *v) = (new_m, new_v);
+        steps.iter_mut().for_each(|s| *s += 1);
+        return Ok(p);
+    }
+    for (i, s) in steps.iter_mut().enumerate() {
+        if present[i] != 0 {
+            *s += 1;
+        }
+    }
+    for (i, range) in pieces {
+        if present[*i] == 0 {
+            continue;
+        }
+        let (p, new_m, new_v) = launch(range.clone(), &params, m, v, steps[*i])?;
+        params = params.slice_assign(range.clone(), p);
+        *m = m.clone().slice_assign(range.clone(), new_m);
+        *v = v.clone().slice_assign(range.clone(), new_v);
+    }
+    Ok(params)
+}
+
 /// A rank's ZeRO state on the model's device (stages 0-2).
 pub struct DeviceSync {
     layout: ParamLayout,
@@ -157,41 +227,8 @@ impl DeviceSync {
         }
     }
 
-    /// The bytes a collective staged through host memory are host/device copies too.
     fn collective<T>(&self, f: impl FnOnce(&HostCollectives) -> T) -> T {
-        let before = self.coll.traffic().total();
-        let out = f(&self.coll);
-        transfer::count(
-            &self.device,
-            (self.coll.traffic().total() - before) as usize,
-        );
-        out
-    }
-
-    /// One fused step at count `step` of this rank's slice's elements `range` (in slice
-    /// coordinates): new (parameters, m, v) of the range.
-    fn adam_on(
-        &self,
-        range: Range<usize>,
-        params: &Tensor<1>,
-        grads: &Tensor<1>,
-        step: u32,
-        lr: f64,
-    ) -> Result<(Tensor<1>, Tensor<1>, Tensor<1>)> {
-        let hyper = AdamParams {
-            lr: lr as f32,
-            ..self.adam
-        };
-        let slice = |t: &Tensor<1>| t.clone().slice(range.clone());
-        fused_adam(
-            slice(params),
-            slice(grads),
-            slice(&self.m),
-            slice(&self.v),
-            &hyper,
-            step,
-        )
-        .map_err(|e| DeepSpeedError::Strategy(format!("fused Adam on the device: {e}")))
+        staged(&self.coll, &self.device, f)
     }
 
     /// The model with its parameters replaced by slices of the flat parameters.
@@ -388,7 +425,7 @@ impl<M: Module> GradSync<M> for DeviceSync {
         };
         // The norm's square is the one value the host reads (summed over the slices at
         // stages 1-2, in f64, over the host communicator).
-        let squared = transfer::read_f32(grads.clone().powi_scalar(2).sum());
+        let squared = transfer::staging(|| transfer::read_f32(grads.clone().powi_scalar(2).sum()));
         let local = squared.first().copied().unwrap_or(0.0) as f64;
         let norm = match self.partitioned() {
             true => norm_across(self.coll.communicator().as_ref(), local)?,
@@ -414,38 +451,28 @@ impl<M: Module> GradSync<M> for DeviceSync {
             .grads
             .take()
             .ok_or_else(|| DeepSpeedError::Strategy("step before reduce".into()))?;
-        let step = self.steps.first().copied().unwrap_or(0) + 1;
-        let uniform =
-            self.present.iter().all(|&p| p != 0) && self.steps.iter().all(|&s| s + 1 == step);
         let own = self.own.clone();
-        let mut params = self.params.clone().slice(own.clone());
-        if uniform {
-            let (p, m, v) = self.adam_on(0..own.len(), &params, &grads, step, lr)?;
-            (params, self.m, self.v) = (p, m, v);
-            self.steps.iter_mut().for_each(|s| *s += 1);
-        } else {
-            // Parameters without a gradient keep their values and state; the others step at
-            // their own counts, one launch each (on the part of them in this rank's slice).
-            for i in 0..self.layout.slots.len() {
-                if self.present[i] == 0 {
-                    continue;
-                }
-                self.steps[i] += 1;
-                let slot = &self.layout.slots[i];
-                let (a, b) = (
-                    slot.offset.max(own.start),
-                    (slot.offset + slot.numel).min(own.end),
-                );
-                if a >= b {
-                    continue;
-                }
-                let range = a - own.start..b - own.start;
-                let (p, m, v) = self.adam_on(range.clone(), &params, &grads, self.steps[i], lr)?;
-                params = params.slice_assign(range.clone(), p);
-                self.m = self.m.clone().slice_assign(range.clone(), m);
-                self.v = self.v.clone().slice_assign(range, v);
-            }
-        }
+        // Each parameter's part of this rank's slice, in slice coordinates.
+        let pieces: Vec<(usize, Range<usize>)> = self
+            .layout
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, slot)| {
+                let a = slot.offset.max(own.start);
+                let b = (slot.offset + slot.numel).min(own.end);
+                (a < b).then(|| (i, a - own.start..b - own.start))
+            })
+            .collect();
+        let params = fused_adam_step(
+            &self.adam,
+            lr,
+            self.params.clone().slice(own),
+            &grads,
+            (&mut self.m, &mut self.v),
+            (&mut self.steps, &self.present),
+            &pieces,
+        )?;
         // Stages 1-2: every rank's stepped slice, joined.
         self.params = match self.partitioned() {
             true => self.collective(|c| c.all_gather(params, &self.counts))?,
@@ -465,9 +492,7 @@ impl<M: Module> GradSync<M> for DeviceSync {
     }
 
     fn reduced_gradients(&mut self, _model: &M) -> Result<GradientsParams> {
-        Err(DeepSpeedError::Strategy(
-            "the device-resident stage 0 steps its own fused optimizer".into(),
-        ))
+        Err(super::steps_its_own_fused_optimizer(self.stage.into()))
     }
 
     fn held(&self, model: &M) -> ModelStateBytes {

@@ -576,12 +576,7 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     }
 
     fn whole_model(&self, model: &M) -> Result<M> {
-        // Every parameter's value is gathered, in the same order on every rank.
-        let whole = model.clone().materialize();
-        match self.group.take_error() {
-            Some(e) => Err(e.into()),
-            None => Ok(whole),
-        }
+        gathered_copy(model, &self.group)
     }
 
     fn release_whole(&self, model: M) -> Result<M> {
@@ -625,6 +620,16 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
 
     fn gather_stats(&self) -> Option<GatherStats> {
         Some(self.group.stats())
+    }
+}
+
+/// A copy of the sharded `model` with every parameter gathered whole through `group` (a
+/// collective: every rank gathers the same tensors in the same order), or the gathers' error.
+pub(super) fn gathered_copy<M: Module>(model: &M, group: &GatherGroup) -> Result<M> {
+    let whole = model.clone().materialize();
+    match group.take_error() {
+        Some(e) => Err(e.into()),
+        None => Ok(whole),
     }
 }
 

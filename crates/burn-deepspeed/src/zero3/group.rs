@@ -79,6 +79,9 @@ struct State {
     /// [`take_chunk_grad`](GatherGroup::take_chunk_grad), per tensor. The op's gradient has the
     /// parameter's dtype and would round them; the sync reads these instead.
     chunk_grads: HashMap<usize, Vec<f32>>,
+    /// Whether `chunk_grads` are kept (a regime that reads the op's gradients, rounded to the
+    /// parameter's dtype, turns them off).
+    keep_chunk_grads: bool,
     /// Under `offload_param`: where the partitioned tensors' pieces live (the module holds
     /// empty placeholders), and the rank's accumulated chunk gradients in its buffer order.
     offload: Option<Offload>,
@@ -234,6 +237,7 @@ impl GatherGroup {
                 cache_elems: 0,
                 wire: None,
                 chunk_grads: HashMap::new(),
+                keep_chunk_grads: true,
                 offload: None,
                 btrace: Vec::new(),
                 brecording: true,
@@ -627,7 +631,7 @@ impl GatherGroup {
             }
             return Vec::new();
         }
-        if st.wire.is_some() {
+        if st.wire.is_some() && st.keep_chunk_grads {
             match st.chunk_grads.get_mut(&t) {
                 // A tensor read twice (tied weights) is reduce-scattered once per read.
                 Some(sum) => sum.iter_mut().zip(&out).for_each(|(s, g)| *s += g),
@@ -637,6 +641,17 @@ impl GatherGroup {
             }
         }
         out
+    }
+
+    /// Whether a 16-bit module's reduce-scatters keep their f32 sums for
+    /// [`take_chunk_grad`](Self::take_chunk_grad) (the default). A regime that reads the op's
+    /// gradients in the parameter's dtype turns it off, so that nothing accumulates.
+    pub fn keep_chunk_grads(&self, keep: bool) {
+        let mut st = self.state();
+        st.keep_chunk_grads = keep;
+        if !keep {
+            st.chunk_grads.clear();
+        }
     }
 
     /// Tensor `t`'s chunk gradient in f32 as the reduce-scatters left it, since the last

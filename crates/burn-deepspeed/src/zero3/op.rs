@@ -45,7 +45,12 @@ fn from_data<B: Backend>(data: TensorData, device: &B::Device) -> FloatTensor<B>
 }
 
 /// The gather on a plain backend: `shard` is returned as is when the group is whole again.
+/// Its copies stage the group's host collective.
 fn gather_primitive<B: Backend>(shard: FloatTensor<B>, key: u64, phase: Phase) -> FloatTensor<B> {
+    transfer::staging(|| gather_staged::<B>(shard, key, phase))
+}
+
+fn gather_staged<B: Backend>(shard: FloatTensor<B>, key: u64, phase: Phase) -> FloatTensor<B> {
     match resolve(key) {
         Resolved::Whole => shard,
         Resolved::Group(group, t) => {
@@ -66,13 +71,13 @@ fn reduce_scatter_primitive<B: Backend>(
 ) -> FloatTensor<B> {
     match resolve(key) {
         Resolved::Whole => grad,
-        Resolved::Group(group, t) => {
+        Resolved::Group(group, t) => transfer::staging(|| {
             let device = grad.device();
             let dtype = grad.dtype();
             let chunk = group.reduce_scatter(t, to_vec::<B>(grad));
             let data = TensorData::new(chunk, chunk_shape);
             from_data::<B>(data.convert_dtype(dtype), &device)
-        }
+        }),
     }
 }
 

@@ -280,7 +280,18 @@ pub fn gather_moments(
         return Ok(None);
     };
     let state = optim.export()?;
-    let mine = partition_state_bytes(&state);
+    gather_state(comm, &state, sizes, stage).map(Some)
+}
+
+/// Every rank's optimizer slice `state` joined into the whole state (steps, and m and v in
+/// layout order) on every rank, as [`gather_moments`]: a collective (two all-gathers).
+pub fn gather_state(
+    comm: &dyn Communicator,
+    state: &PartitionState,
+    sizes: &[usize],
+    stage: u8,
+) -> Result<PartitionState> {
+    let mine = partition_state_bytes(state);
     let world = comm.world_size();
     // The lengths travel as u64 little-endian bytes, then the slices themselves.
     let mut lengths = vec![0u8; 8 * world];
@@ -300,7 +311,7 @@ pub fn gather_moments(
         )?);
         at += n;
     }
-    join_slices(slices, sizes, stage, world).map(Some)
+    join_slices(slices, sizes, stage, world)
 }
 
 /// The whole optimizer state (steps, and m and v in layout order) from the slices that

@@ -171,6 +171,37 @@ fn device_resident_stage_3_keeps_persistent_tensors_resumes_and_runs_fp16() {
     );
 }
 
+/// LAMB on the device (moments, per-tensor norms summed over the ranks where tensors are cut,
+/// and trust ratios, all on the device) against the host regimes at stages 1 and 3: only the
+/// staged collectives cross.
+#[test]
+fn device_resident_lamb_matches_flex_at_stages_1_and_3() {
+    for stage in [1u8, 3] {
+        let lamb = |device| {
+            let mut s = spec(stage, device, 10, GPT_MINI);
+            let text = r#"{"type": "Lamb", "params": {"lr": 2e-3, "weight_decay": 0.01}}"#;
+            let (config, _) = DeepSpeedConfig::from_json_str(&format!(
+                r#"{{"train_batch_size": 8, "optimizer": {text}}}"#
+            ))
+            .expect("a valid config");
+            s.config.optimizer = config.optimizer;
+            run_spec(&s)
+        };
+        let (flex, wgpu) = (lamb(ModelDevice::Flex), lamb(ModelDevice::Wgpu));
+        let worst = max_rel_diff(&flex.losses, &wgpu.losses);
+        println!(
+            "LAMB stage {stage}: wgpu vs flex {worst:.2e}, {:?}",
+            wgpu.losses
+        );
+        assert!(worst <= 1e-3, "LAMB stage {stage}: {worst:e}");
+        assert!(wgpu.losses[9] < wgpu.losses[0], "LAMB stage {stage} trains");
+        assert_eq!(
+            wgpu.host_device_bytes_per_step, wgpu.staged_collective_bytes_per_step,
+            "LAMB stage {stage}"
+        );
+    }
+}
+
 /// A stage-2 checkpoint saved on wgpu (device-resident slices) resumes on Flex (the host
 /// regime) and on wgpu, with the uninterrupted run's losses: the slices are the host format.
 #[test]
@@ -268,12 +299,12 @@ fn toy_grads(model: &Toy, step: u64, rank: usize) -> burn::optim::GradientsParam
 /// Six steps of the ZeRO `stage` regime the engine builds for `device` (the device-resident
 /// one on wgpu, the host one on Flex) with clipping and a parameter missing every other step:
 /// the final parameters, the norms and whether the regime stepped with Burn's optimizer.
-fn toy_run(device: Device, stage: u8) -> (Vec<f32>, Vec<f64>, bool) {
+fn toy_run(device: Device, stage: u8, optimizer: &str) -> (Vec<f32>, Vec<f64>, bool) {
     let (_, out) = launch(2, Duration::from_secs(300), |comm| {
         let (mut config, _) = DeepSpeedConfig::from_json_str(&format!(
             r#"{{"train_batch_size": 2, "gradient_clipping": 0.5,
                 "zero_optimization": {{"stage": {stage}}},
-                "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-2, "weight_decay": 0.1}}}}}}"#
+                "optimizer": {{"type": "{optimizer}", "params": {{"lr": 1e-2, "weight_decay": 0.1}}}}}}"#
         ))?;
         config.resolve(comm.world_size())?;
         let rank = comm.rank();
@@ -294,17 +325,22 @@ fn toy_run(device: Device, stage: u8) -> (Vec<f32>, Vec<f64>, bool) {
 
 #[test]
 fn device_resident_stages_0_to_2_step_like_the_host_regimes() {
-    for stage in 0..=2 {
-        toy_stage(stage);
+    for optimizer in ["AdamW", "Lamb"] {
+        for stage in 0..=2 {
+            toy_stage(stage, optimizer);
+        }
     }
 }
 
-fn toy_stage(stage: u8) {
-    let (host, host_norms, burn_optim) = toy_run(Device::flex(), stage);
+/// `optimizer` at ZeRO `stage` (stage 0 on the host: Burn's optimizer; stages 1-2: the
+/// partitioned optimizer's CPU kernels) against the device regime on wgpu.
+fn toy_stage(stage: u8, optimizer: &str) {
+    let (host, host_norms, burn_optim) = toy_run(Device::flex(), stage, optimizer);
     assert_eq!(burn_optim, stage == 0, "Flex keeps the host regime");
     let (dev, dev_norms, burn_optim) = toy_run(
         Device::from(burn::backend::wgpu::WgpuDevice::default()),
         stage,
+        optimizer,
     );
     assert!(!burn_optim, "wgpu takes the device-resident regime");
     let layout = burn_deepspeed::engine::flat::ParamLayout::of(&Toy::new(3, &Device::flex()));
@@ -314,7 +350,7 @@ fn toy_stage(stage: u8) {
     for (a, b) in host_norms.iter().zip(&dev_norms) {
         assert!(
             (a - b).abs() <= 1e-5 * a.abs(),
-            "stage {stage}: norms {host_norms:?} vs {dev_norms:?}"
+            "{optimizer} stage {stage}: norms {host_norms:?} vs {dev_norms:?}"
         );
     }
     let worst = host
@@ -324,7 +360,7 @@ fn toy_stage(stage: u8) {
         .fold(0.0f32, f32::max);
     assert!(
         worst <= 1e-4,
-        "stage {stage}: parameters differ by {worst:e}"
+        "{optimizer} stage {stage}: parameters differ by {worst:e}"
     );
 }
 

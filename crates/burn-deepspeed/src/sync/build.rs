@@ -4,15 +4,15 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use burn_deepspeed_cubecl_kernels::adam::AdamParams;
 use burn_deepspeed_strategies::comm::Communicator;
 use burn_deepspeed_strategies::device::{HostCollectives, host_resident};
 use burn_deepspeed_strategies::zero::PartitionedKind;
 use half::f16;
 
 use super::{
-    CompressedSync, DeviceShardedSync, DeviceSync, GradElem, GradSync, NvmeOffload, ParamOffload,
-    PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions, broadcast_params, module_device,
+    CompressedSync, DeviceOptimizer, DeviceShardedSync, DeviceSync, GradElem, GradSync,
+    NvmeOffload, ParamOffload, PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions,
+    broadcast_params, module_device,
 };
 use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
 use crate::engine::flat::ParamLayout;
@@ -87,9 +87,9 @@ fn build_with<M: Module, G: GradElem>(
             }
             (model, Box::new(sync))
         }
-        ZeroStage::Parameters if let Some((device, adam)) = on_device(&model, config) => {
+        ZeroStage::Parameters if let Some((device, optimizer)) = on_device(&model, config) => {
             let coll = HostCollectives::new(comm.clone());
-            let mut sync = DeviceShardedSync::new(layout, coll, &options, adam, device);
+            let mut sync = DeviceShardedSync::new(layout, coll, &options, optimizer, device);
             let model = sync.shard(model);
             (model, Box::new(sync))
         }
@@ -113,11 +113,11 @@ fn build_with<M: Module, G: GradElem>(
     })
 }
 
-/// The model's device and the fused Adam/AdamW's hyper-parameters when the model lives on a
-/// device that is not host memory (wgpu, CUDA), steps Adam or AdamW (in fp32, or fp16/bf16
+/// The model's device and its optimizer's hyper-parameters when the model lives on a
+/// device that is not host memory (wgpu, CUDA), steps Adam, AdamW or LAMB (in fp32, or fp16/bf16
 /// with fp32 masters) and offloads nothing; `None` otherwise (the host regimes, which every
 /// other case and every Flex run keeps).
-fn on_device<M: Module>(model: &M, config: &DeepSpeedConfig) -> Option<(Device, AdamParams)> {
+fn on_device<M: Module>(model: &M, config: &DeepSpeedConfig) -> Option<(Device, DeviceOptimizer)> {
     let device = module_device(model)?;
     let zero = &config.zero_optimization;
     if host_resident(&device)
@@ -126,10 +126,10 @@ fn on_device<M: Module>(model: &M, config: &DeepSpeedConfig) -> Option<(Device, 
     {
         return None;
     }
-    match partitioned_kind(config.optimizer.as_ref()?).ok()? {
-        PartitionedKind::Adam(adam) => Some((device, adam)),
-        _ => None,
-    }
+    Some(match partitioned_kind(config.optimizer.as_ref()?).ok()? {
+        PartitionedKind::Adam(adam) => (device, DeviceOptimizer::Adam(adam)),
+        PartitionedKind::Lamb(lamb) => (device, DeviceOptimizer::Lamb(lamb)),
+    })
 }
 
 /// Stages 0-2 on the model's device ([`DeviceSync`]) where [`on_device`] allows.
@@ -140,13 +140,13 @@ fn device_sync<M: Module>(
     options: &SyncOptions,
     config: &DeepSpeedConfig,
 ) -> Option<DeviceSync> {
-    let (device, adam) = on_device(model, config)?;
+    let (device, optimizer) = on_device(model, config)?;
     Some(DeviceSync::new(
         model,
         layout.clone(),
         HostCollectives::new(comm.clone()),
         options,
-        adam,
+        optimizer,
         device,
     ))
 }

@@ -1,11 +1,12 @@
 //! [`DeviceSync`]: ZeRO stages 0-2 (arXiv 1910.02054) with every buffer on the model's
-//! device. The flat gradient, the flat fp32 parameters and Adam's moments are rank-1 tensors
+//! device. The flat gradient, the flat fp32 parameters and the moments are rank-1 tensors
 //! of the model's device; a micro-batch's gradients are flattened into the buffer by device
 //! ops, the buffer is averaged through the [`DeviceCollectives`] (all-reduced at stage 0;
 //! reduce-scattered at stage 1 at the end of the step and at stage 2 at every micro-batch,
 //! so that only this rank's slice stays), clipped by its norm (one scalar read to the host,
 //! summed over the slices), stepped by the fused Adam/AdamW (`burn-deepspeed-cubecl-kernels`:
-//! the CubeCL kernel on wgpu and CUDA, one launch over this rank's slice), all-gathered at
+//! the CubeCL kernel on wgpu and CUDA, one launch over this rank's slice) or LAMB (device ops,
+//! see [`super::DeviceOptimizer`]), all-gathered at
 //! stages 1-2, and the model's parameters are written back as slices of the flat buffer.
 //! Nothing crosses to the host but the norm and what the collectives stage (nothing under
 //! NCCL; the buffers they move on wgpu).
@@ -16,7 +17,7 @@
 //! and the written-back slices are rounded to the working dtype.
 //!
 //! The engine takes this regime at stages 0-2 on a device that is not host memory (wgpu, CUDA)
-//! when the model steps Adam or AdamW and offloads nothing; every other case keeps the host
+//! when the model steps Adam, AdamW or LAMB and offloads nothing; every other case keeps the host
 //! regimes ([`ReplicatedSync`](super::ReplicatedSync), [`PartitionedSync`](super::PartitionedSync)),
 //! so runs on Flex are unchanged.
 
@@ -25,13 +26,12 @@ use std::ops::Range;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
-use burn_deepspeed_cubecl_kernels::adam::AdamParams;
-use burn_deepspeed_cubecl_kernels::ext::fused_adam;
 use burn_deepspeed_strategies::comm::ReduceOp;
 use burn_deepspeed_strategies::device::{DeviceCollectives, HostCollectives};
 use burn_deepspeed_strategies::zero::{FlatPartition, PartitionState};
 
 use super::buffer::merge_presence;
+use super::device_step::{DeviceOptimizer, StepState, device_step, staged};
 use super::scale::{Scaling, norm_across};
 use super::{GradSync, Reduced, SavedState, SyncOptions};
 use crate::config::ZeroStage;
@@ -75,76 +75,6 @@ fn flat_params<M: Module>(module: &M, device: &Device) -> Tensor<1> {
     }
 }
 
-/// Runs the collective `f` on `coll`, counting the bytes it staged through host memory as
-/// host/device copies (staged collective bytes) of `device`.
-pub(super) fn staged<T>(
-    coll: &HostCollectives,
-    device: &Device,
-    f: impl FnOnce(&HostCollectives) -> T,
-) -> T {
-    let before = coll.traffic().total();
-    let out = f(coll);
-    let moved = (coll.traffic().total() - before) as usize;
-    transfer::staging(|| transfer::count(device, moved));
-    out
-}
-
-/// One optimizer step of a rank's flat fp32 buffer `params` with the fused Adam/AdamW `adam`
-/// at `lr`, updating `m` and `v` (the buffer's length) in place: one launch over the whole
-/// buffer when every tensor has a gradient and the same step count; otherwise one launch per
-/// piece of a tensor that has a gradient (`pieces`: each tensor's range in the buffer), at
-/// that tensor's own count, and the tensors without one keep their values and state.
-/// `steps` counts each tensor's steps; `present` flags the tensors with a gradient.
-pub(super) fn fused_adam_step(
-    adam: &AdamParams,
-    lr: f64,
-    mut params: Tensor<1>,
-    grads: &Tensor<1>,
-    (m, v): (&mut Tensor<1>, &mut Tensor<1>),
-    (steps, present): (&mut [u32], &[u8]),
-    pieces: &[(usize, Range<usize>)],
-) -> Result<Tensor<1>> {
-    let hyper = AdamParams {
-        lr: lr as f32,
-        ..*adam
-    };
-    let launch = |range: Range<usize>, params: &Tensor<1>, m: &Tensor<1>, v: &Tensor<1>, step| {
-        let slice = |t: &Tensor<1>| t.clone().slice(range.clone());
-        fused_adam(
-            slice(params),
-            slice(grads),
-            slice(m),
-            slice(v),
-            &hyper,
-            step,
-        )
-        .map_err(|e| DeepSpeedError::Strategy(format!("fused Adam on the device: {e}")))
-    };
-    let step = steps.first().copied().unwrap_or(0) + 1;
-    let uniform = present.iter().all(|&p| p != 0) && steps.iter().all(|&s| s + 1 == step);
-    if uniform {
-        let (p, new_m, new_v) = launch(0..params.dims()[0], &params, m, v, step)?;
-        (*m, *v) = (new_m, new_v);
-        steps.iter_mut().for_each(|s| *s += 1);
-        return Ok(p);
-    }
-    for (i, s) in steps.iter_mut().enumerate() {
-        if present[i] != 0 {
-            *s += 1;
-        }
-    }
-    for (i, range) in pieces {
-        if present[*i] == 0 {
-            continue;
-        }
-        let (p, new_m, new_v) = launch(range.clone(), &params, m, v, steps[*i])?;
-        params = params.slice_assign(range.clone(), p);
-        *m = m.clone().slice_assign(range.clone(), new_m);
-        *v = v.clone().slice_assign(range.clone(), new_v);
-    }
-    Ok(params)
-}
-
 /// A rank's ZeRO state on the model's device (stages 0-2).
 pub struct DeviceSync {
     layout: ParamLayout,
@@ -157,7 +87,7 @@ pub struct DeviceSync {
     stage: ZeroStage,
     clip: f64,
     predivide: Option<f32>,
-    adam: AdamParams,
+    optimizer: DeviceOptimizer,
     device: Device,
     /// The accumulated gradient (f32), from the first micro-batch of a step to its end: whole
     /// at stages 0-1; this rank's slice at stage 2 (reduce-scattered at each micro-batch),
@@ -184,13 +114,13 @@ pub struct DeviceSync {
 
 impl DeviceSync {
     /// ZeRO stage `options.stage` (0-2) of `model` (on `device`, in fp32) over `coll`,
-    /// stepping Adam/AdamW `adam` (its `lr` is replaced by each step's).
+    /// stepping `optimizer` (its `lr` is replaced by each step's).
     pub fn new<M: Module>(
         model: &M,
         layout: ParamLayout,
         coll: HostCollectives,
         options: &SyncOptions,
-        adam: AdamParams,
+        optimizer: DeviceOptimizer,
         device: Device,
     ) -> Self {
         let inner = device.clone().inner();
@@ -216,7 +146,7 @@ impl DeviceSync {
             coll,
             clip: options.clip,
             predivide: options.predivide,
-            adam,
+            optimizer,
             grads: None,
             micro_steps: 0,
             params,
@@ -464,14 +394,21 @@ impl<M: Module> GradSync<M> for DeviceSync {
                 (a < b).then(|| (i, a - own.start..b - own.start))
             })
             .collect();
-        let params = fused_adam_step(
-            &self.adam,
+        let across = self.partitioned().then_some(&self.coll);
+        let params = device_step(
+            &self.optimizer,
             lr,
             self.params.clone().slice(own),
             &grads,
-            (&mut self.m, &mut self.v),
-            (&mut self.steps, &self.present),
+            StepState {
+                m: &mut self.m,
+                v: &mut self.v,
+                steps: &mut self.steps,
+                present: &self.present,
+            },
             &pieces,
+            across,
+            &self.device,
         )?;
         // Stages 1-2: every rank's stepped slice, joined.
         self.params = match self.partitioned() {

@@ -5,11 +5,12 @@
 //! tensors whole), as the host regime [`ShardedSync`](super::ShardedSync) does, and the same
 //! [`GatherGroup`] gathers them for forward and backward and reduce-scatters their gradients.
 //! What changes is where the rank's state lives: the accumulated gradient of its pieces, the
-//! persistent tensors' gradients, its fp32 pieces (the masters under fp16/bf16) and Adam's
-//! moments are rank-1 tensors of the model's device. A micro-batch's chunk gradients are
+//! persistent tensors' gradients, its fp32 pieces (the masters under fp16/bf16) and the
+//! optimizer's moments are rank-1 tensors of the model's device. A micro-batch's chunk gradients are
 //! sliced into the buffer by device ops; at the boundary the persistent tensors' gradients are
 //! all-reduced through the [`DeviceCollectives`], the buffer is clipped by the global norm
-//! (one scalar read), stepped by the fused Adam/AdamW (one launch over the rank's pieces),
+//! (one scalar read), stepped by the fused Adam/AdamW (one launch over the rank's pieces) or
+//! LAMB (its per-tensor norms summed over the ranks on the device),
 //! the persistent pieces are all-gathered, and the module's chunks are written back as slices
 //! of the stepped buffer. Nothing crosses to the host but the norm and what the collectives
 //! stage: the gathers and reduce-scatters of the group (host copies on wgpu, the only path
@@ -25,13 +26,12 @@ use std::sync::Arc;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
-use burn_deepspeed_cubecl_kernels::adam::AdamParams;
 use burn_deepspeed_strategies::comm::ReduceOp;
 use burn_deepspeed_strategies::device::{DeviceCollectives, HostCollectives};
 use burn_deepspeed_strategies::zero::{PartitionState, Segment, ShardPlan};
 
 use super::buffer::merge_presence;
-use super::device::{fused_adam_step, staged};
+use super::device_step::{DeviceOptimizer, StepState, device_step, staged};
 use super::scale::{Scaling, norm_across};
 use super::sharded::gathered_copy;
 use super::{GradSync, Reduced, SavedState, SyncOptions, shard_plan};
@@ -66,7 +66,7 @@ pub struct DeviceShardedSync {
     persistent_counts: Vec<usize>,
     persistent_parts: Vec<Vec<Range<usize>>>,
     options: SyncOptions,
-    adam: AdamParams,
+    optimizer: DeviceOptimizer,
     device: Device,
     /// The accumulated chunk gradients of the partitioned pieces, and the persistent
     /// tensors' whole gradients (f32), from a step's first micro-batch to its reduction.
@@ -86,13 +86,13 @@ pub struct DeviceShardedSync {
 }
 
 impl DeviceShardedSync {
-    /// Stage 3 of a model of `layout` on `device` over `coll`, stepping Adam/AdamW `adam`
+    /// Stage 3 of a model of `layout` on `device` over `coll`, stepping `optimizer`
     /// (its `lr` is replaced by each step's). The model is cut by [`shard`](Self::shard).
     pub fn new(
         layout: ParamLayout,
         coll: HostCollectives,
         options: &SyncOptions,
-        adam: AdamParams,
+        optimizer: DeviceOptimizer,
         device: Device,
     ) -> Self {
         let (rank, world) = (coll.rank(), coll.world_size());
@@ -145,7 +145,7 @@ impl DeviceShardedSync {
             persistent_counts,
             persistent_parts,
             options: *options,
-            adam,
+            optimizer,
             chunk_grads: None,
             persistent: None,
             reduced: None,
@@ -581,14 +581,20 @@ impl<M: Module> GradSync<M> for DeviceShardedSync {
             .iter()
             .map(|s| (s.tensor, s.local.clone()))
             .collect();
-        self.params = fused_adam_step(
-            &self.adam,
+        self.params = device_step(
+            &self.optimizer,
             lr,
             self.params.clone(),
             &grads,
-            (&mut self.m, &mut self.v),
-            (&mut self.steps, &self.present),
+            StepState {
+                m: &mut self.m,
+                v: &mut self.v,
+                steps: &mut self.steps,
+                present: &self.present,
+            },
             &pieces,
+            Some(&self.coll),
+            &self.device,
         )?;
         drop((grads, span));
         let whole = self.gather_persistent(&self.params)?;

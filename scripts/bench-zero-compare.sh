@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Compares this checkout with an earlier revision on Flex, in one session: builds the ZeRO
+# benchmark and the GPT example at REV (a git worktree under the target directory) and here,
+# then alternates them, ROUNDS times, on GPT `small` at world 2, stages 0-3 (tokens/s, each
+# binary's ratio to its own stage 0), and trains GPT `small` 3 steps at each stage with both
+# to show whether the losses are bit-identical.
+#
+#   bash scripts/bench-zero-compare.sh d33a202
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rev="${1:?usage: bench-zero-compare.sh REV}"
+ROUNDS="${ROUNDS:-2}"
+STEPS="${STEPS:-6}"
+target="${CARGO_TARGET_DIR:-$PWD/target}"
+out="$target/bench-zero-compare"
+tree="$target/compare-$rev"
+mkdir -p "$out"
+[ -d "$tree" ] || git worktree add --detach "$tree" "$rev" >/dev/null
+build() {
+    (cd "$1" && CARGO_TARGET_DIR="$target" cargo build --release -q --example zero_bench \
+        --example gpt)
+    mkdir -p "$out/$2"
+    cp "$target/release/examples/zero_bench" "$target/release/examples/gpt" "$out/$2/"
+}
+build "$tree" before
+build "$PWD" after
+for round in $(seq 1 "$ROUNDS"); do
+    for side in before after; do
+        "$out/$side/zero_bench" --model small --worlds 2 --stages 0,1,2,3 --steps "$STEPS" \
+            --rounds 1 --json | tail -n 1 > "$out/$side-bench-$round.json"
+    done
+done
+for stage in 0 1 2 3; do
+    cfg=examples/gpt/configs/default.json
+    [ "$stage" != 0 ] && cfg="examples/gpt/configs/zero$stage.json"
+    for side in before after; do
+        "$out/$side/gpt" --config "$cfg" --model small --ranks 2 --steps 3 --json \
+            | tail -n 1 > "$out/$side-gpt-stage$stage.json"
+    done
+done
+python3 - "$out" "$ROUNDS" <<'EOF'
+import json, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+def speeds(side):
+    by_stage = {}
+    for r in range(1, rounds + 1):
+        for row in json.load(open(f"{out}/{side}-bench-{r}.json"))["rows"]:
+            by_stage.setdefault(row["stage"], []).append(row["tokens_per_s"])
+    return {s: sum(v) / len(v) for s, v in by_stage.items()}
+before, after = speeds("before"), speeds("after")
+print("| stage | before tokens/s | after tokens/s | after / before | losses bit-identical |")
+print("|---|---|---|---|---|")
+for s in sorted(before):
+    lb = json.load(open(f"{out}/before-gpt-stage{s}.json"))["losses"]
+    la = json.load(open(f"{out}/after-gpt-stage{s}.json"))["losses"]
+    print(f"| {s} | {before[s]:.0f} | {after[s]:.0f} | {after[s] / before[s]:.3f} | "
+          f"{'yes' if lb == la else 'no: ' + str(lb) + ' vs ' + str(la)} |")
+EOF

@@ -18,7 +18,7 @@ use std::cell::Cell;
 
 use burn::backend::{Backend, Flex};
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use burn_deepspeed_strategies::device::host_resident;
+use burn_deepspeed_strategies::device::{DeviceCollectives, host_resident};
 
 thread_local! {
     static COPIED: Cell<u64> = const { Cell::new(0) };
@@ -48,6 +48,21 @@ pub(crate) fn staging<T>(f: impl FnOnce() -> T) -> T {
     STAGING.with(|s| s.set(s.get() + 1));
     let _scope = Scope;
     f()
+}
+
+/// Runs the device collective `f` on `coll`, counting the bytes it staged through host
+/// memory (the traffic `coll` reports; none under NCCL or on Flex) as host/device copies of
+/// `device` that staged a collective.
+pub(crate) fn staged_collective<T>(
+    coll: &dyn DeviceCollectives,
+    device: &Device,
+    f: impl FnOnce(&dyn DeviceCollectives) -> T,
+) -> T {
+    let before = coll.traffic().total();
+    let out = f(coll);
+    let moved = (coll.traffic().total() - before) as usize;
+    staging(|| count(device, moved));
+    out
 }
 
 fn add(bytes: usize) {

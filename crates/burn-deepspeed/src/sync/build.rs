@@ -5,7 +5,7 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::tensor::Device;
 use burn_deepspeed_strategies::comm::Communicator;
-use burn_deepspeed_strategies::device::{HostCollectives, host_resident};
+use burn_deepspeed_strategies::device::{device_collectives, host_resident};
 use burn_deepspeed_strategies::zero::PartitionedKind;
 use half::f16;
 
@@ -59,11 +59,18 @@ fn build_with<M: Module, G: GradElem>(
     };
     let layout = ParamLayout::of(&model);
     let model = broadcast_params(comm.as_ref(), &layout, model)?;
-    Ok(match options.stage {
-        ZeroStage::Disabled => {
+    // The device regimes' collectives (NCCL on CUDA where every rank can load it; host
+    // staging otherwise): chosen together by the ranks before the regime's first collective.
+    let on_device = match on_device(&model, config) {
+        Some((device, optim)) => Some((device_collectives(comm.clone(), &device)?, device, optim)),
+        None => None,
+    };
+    Ok(match (options.stage, on_device) {
+        (ZeroStage::Disabled, on_device) => {
             match CompressedSync::new(layout.clone(), comm.clone(), &options, optimizer)? {
                 Some(sync) => (model, Box::new(sync)),
-                None if let Some(sync) = device_sync(&model, &layout, &comm, &options, config) => {
+                None if let Some((coll, device, optim)) = on_device => {
+                    let sync = DeviceSync::new(&model, layout, comm, coll, &options, optim, device);
                     (model, Box::new(sync))
                 }
                 None => {
@@ -74,12 +81,11 @@ fn build_with<M: Module, G: GradElem>(
                 }
             }
         }
-        ZeroStage::OptimizerStates | ZeroStage::Gradients
-            if let Some(sync) = device_sync(&model, &layout, &comm, &options, config) =>
-        {
+        (ZeroStage::OptimizerStates | ZeroStage::Gradients, Some((coll, device, optim))) => {
+            let sync = DeviceSync::new(&model, layout, comm, coll, &options, optim, device);
             (model, Box::new(sync))
         }
-        ZeroStage::OptimizerStates | ZeroStage::Gradients => {
+        (ZeroStage::OptimizerStates | ZeroStage::Gradients, None) => {
             let kind = partitioned_kind(optimizer)?;
             let mut sync = PartitionedSync::<G>::new(layout, comm, &options, kind);
             if let Some(nvme) = &offload {
@@ -87,13 +93,12 @@ fn build_with<M: Module, G: GradElem>(
             }
             (model, Box::new(sync))
         }
-        ZeroStage::Parameters if let Some((device, optimizer)) = on_device(&model, config) => {
-            let coll = HostCollectives::new(comm.clone());
-            let mut sync = DeviceShardedSync::new(layout, coll, &options, optimizer, device);
+        (ZeroStage::Parameters, Some((coll, device, optim))) => {
+            let mut sync = DeviceShardedSync::new(layout, comm, coll, &options, optim, device);
             let model = sync.shard(model);
             (model, Box::new(sync))
         }
-        ZeroStage::Parameters => {
+        (ZeroStage::Parameters, None) => {
             let kind = partitioned_kind(optimizer)?;
             let rank = comm.rank();
             let mut sync = ShardedSync::<G>::new(layout, comm, &options, kind);
@@ -130,25 +135,6 @@ fn on_device<M: Module>(model: &M, config: &DeepSpeedConfig) -> Option<(Device, 
         PartitionedKind::Adam(adam) => (device, DeviceOptimizer::Adam(adam)),
         PartitionedKind::Lamb(lamb) => (device, DeviceOptimizer::Lamb(lamb)),
     })
-}
-
-/// Stages 0-2 on the model's device ([`DeviceSync`]) where [`on_device`] allows.
-fn device_sync<M: Module>(
-    model: &M,
-    layout: &ParamLayout,
-    comm: &Arc<dyn Communicator>,
-    options: &SyncOptions,
-    config: &DeepSpeedConfig,
-) -> Option<DeviceSync> {
-    let (device, optimizer) = on_device(model, config)?;
-    Some(DeviceSync::new(
-        model,
-        layout.clone(),
-        HostCollectives::new(comm.clone()),
-        options,
-        optimizer,
-        device,
-    ))
 }
 
 /// The regime for a caller that steps with its own optimizer (the Learner strategy) at ZeRO

@@ -22,12 +22,14 @@
 //! so runs on Flex are unchanged.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
+use burn_deepspeed_strategies::comm::Communicator;
 use burn_deepspeed_strategies::comm::ReduceOp;
-use burn_deepspeed_strategies::device::{DeviceCollectives, HostCollectives};
+use burn_deepspeed_strategies::device::DeviceCollectives;
 use burn_deepspeed_strategies::zero::{FlatPartition, PartitionState};
 
 use super::buffer::merge_presence;
@@ -78,7 +80,8 @@ fn flat_params<M: Module>(module: &M, device: &Device) -> Tensor<1> {
 /// A rank's ZeRO state on the model's device (stages 0-2).
 pub struct DeviceSync {
     layout: ParamLayout,
-    coll: HostCollectives,
+    comm: Arc<dyn Communicator>,
+    coll: Arc<dyn DeviceCollectives>,
     /// Stages 1-2: this rank's slice of the flat buffers ([`FlatPartition::new`], the host
     /// regime's partition, so that checkpoints move between the two) and every rank's slice
     /// length; stage 0: everything.
@@ -118,7 +121,8 @@ impl DeviceSync {
     pub fn new<M: Module>(
         model: &M,
         layout: ParamLayout,
-        coll: HostCollectives,
+        comm: Arc<dyn Communicator>,
+        coll: Arc<dyn DeviceCollectives>,
         options: &SyncOptions,
         optimizer: DeviceOptimizer,
         device: Device,
@@ -143,6 +147,7 @@ impl DeviceSync {
             deferred: None,
             ignore_unused: options.ignore_unused,
             layout,
+            comm,
             coll,
             clip: options.clip,
             predivide: options.predivide,
@@ -157,8 +162,8 @@ impl DeviceSync {
         }
     }
 
-    fn collective<T>(&self, f: impl FnOnce(&HostCollectives) -> T) -> T {
-        staged(&self.coll, &self.device, f)
+    fn collective<T>(&self, f: impl FnOnce(&dyn DeviceCollectives) -> T) -> T {
+        staged(self.coll.as_ref(), &self.device, f)
     }
 
     /// The model with its parameters replaced by slices of the flat parameters.
@@ -322,8 +327,7 @@ impl<M: Module> GradSync<M> for DeviceSync {
             return Err(e);
         }
         let refuse = (self.partitioned() && !self.ignore_unused).then_some(&self.layout);
-        if let Err(e) = merge_presence(self.coll.communicator().as_ref(), &mut self.present, refuse)
-        {
+        if let Err(e) = merge_presence(self.comm.as_ref(), &mut self.present, refuse) {
             self.discard_state();
             return Err(e);
         }
@@ -358,7 +362,7 @@ impl<M: Module> GradSync<M> for DeviceSync {
         let squared = transfer::staging(|| transfer::read_f32(grads.clone().powi_scalar(2).sum()));
         let local = squared.first().copied().unwrap_or(0.0) as f64;
         let norm = match self.partitioned() {
-            true => norm_across(self.coll.communicator().as_ref(), local)?,
+            true => norm_across(self.comm.as_ref(), local)?,
             false => local.sqrt(),
         };
         let grads = match self.clip > 0.0 && norm.is_finite() {
@@ -394,7 +398,7 @@ impl<M: Module> GradSync<M> for DeviceSync {
                 (a < b).then(|| (i, a - own.start..b - own.start))
             })
             .collect();
-        let across = self.partitioned().then_some(&self.coll);
+        let across = self.partitioned().then_some(self.coll.as_ref());
         let params = device_step(
             &self.optimizer,
             lr,

@@ -26,8 +26,9 @@ use std::sync::Arc;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
+use burn_deepspeed_strategies::comm::Communicator;
 use burn_deepspeed_strategies::comm::ReduceOp;
-use burn_deepspeed_strategies::device::{DeviceCollectives, HostCollectives};
+use burn_deepspeed_strategies::device::DeviceCollectives;
 use burn_deepspeed_strategies::zero::{PartitionState, Segment, ShardPlan};
 
 use super::buffer::merge_presence;
@@ -46,7 +47,8 @@ use crate::{DeepSpeedError, Result, agreed};
 /// A rank's ZeRO stage-3 state on the model's device.
 pub struct DeviceShardedSync {
     layout: ParamLayout,
-    coll: HostCollectives,
+    comm: Arc<dyn Communicator>,
+    coll: Arc<dyn DeviceCollectives>,
     group: Arc<GatherGroup>,
     /// This rank's pieces, tensor after tensor (its buffers' order).
     segments: Vec<Segment>,
@@ -90,7 +92,8 @@ impl DeviceShardedSync {
     /// (its `lr` is replaced by each step's). The model is cut by [`shard`](Self::shard).
     pub fn new(
         layout: ParamLayout,
-        coll: HostCollectives,
+        comm: Arc<dyn Communicator>,
+        coll: Arc<dyn DeviceCollectives>,
         options: &SyncOptions,
         optimizer: DeviceOptimizer,
         device: Device,
@@ -120,7 +123,7 @@ impl DeviceShardedSync {
         }
         let (persistent_counts, persistent_parts) = persistent_gather(&plan);
         let group = GatherGroup::new(
-            coll.communicator().clone(),
+            comm.clone(),
             plan,
             layout.slots.iter().map(|s| s.shape.clone()).collect(),
             options.prefetch_bucket,
@@ -128,11 +131,15 @@ impl DeviceShardedSync {
             options.pre_factor(),
             options.fetch_by_all_reduce,
         );
+        // The gathers and reduce-scatters move the device's buffers through the same
+        // collectives as the rest of the regime.
+        group.set_device_collectives(coll.clone());
         let inner = device.inner();
         Self {
             present: vec![0; layout.slots.len()],
             steps: vec![0; layout.slots.len()],
             layout,
+            comm,
             coll,
             group,
             segments,
@@ -246,7 +253,7 @@ impl DeviceShardedSync {
             .filter_map(|t| self.local[t].clone().map(|r| params.clone().slice(r)))
             .collect();
         let input = self.join(input);
-        let out = staged(&self.coll, &self.device, |c| {
+        let out = staged(self.coll.as_ref(), &self.device, |c| {
             c.all_gather(input, &self.persistent_counts)
         })?;
         let persistent = (0..whole.len()).filter(|&t| self.persistent_at[t].is_some());
@@ -285,7 +292,7 @@ impl DeviceShardedSync {
                 None => {
                     let s = self.plan().tensors()[t];
                     let chunk = self.chunk_of(&self.params, t);
-                    let all = staged(&self.coll, &self.device, |c| {
+                    let all = staged(self.coll.as_ref(), &self.device, |c| {
                         c.all_gather(chunk, &vec![s.chunk; world])
                     })?;
                     all.slice(0..s.numel)
@@ -501,7 +508,7 @@ impl<M: Module> GradSync<M> for DeviceShardedSync {
     /// Reports a failed gather, all-reduces the persistent tensors' gradients, averages over
     /// ranks and micro-batches, and clips by the global norm.
     fn reduce(&mut self, loss_scale: f32) -> Result<Reduced> {
-        let comm = self.coll.communicator().clone();
+        let comm = self.comm.clone();
         let gathers = self.group.take_error().map_or(Ok(()), |e| Err(e.into()));
         if let Err(e) = agreed(comm.as_ref(), "ZeRO-3 gathers", gathers) {
             self.clear();
@@ -527,7 +534,7 @@ impl<M: Module> GradSync<M> for DeviceShardedSync {
                 persistent = persistent.mul_scalar(scaling.pre);
             }
             let _span = tracing::debug_span!("zero3_persistent_all_reduce").entered();
-            persistent = staged(&self.coll, &self.device, |c| {
+            persistent = staged(self.coll.as_ref(), &self.device, |c| {
                 c.all_reduce(persistent, ReduceOp::Sum)
             })?;
         }
@@ -593,7 +600,7 @@ impl<M: Module> GradSync<M> for DeviceShardedSync {
                 present: &self.present,
             },
             &pieces,
-            Some(&self.coll),
+            Some(self.coll.as_ref()),
             &self.device,
         )?;
         drop((grads, span));
@@ -711,7 +718,7 @@ impl<M: Module> GradSync<M> for DeviceShardedSync {
 
     fn whole_moments(&self) -> Result<Option<PartitionState>> {
         let sizes: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
-        let comm = self.coll.communicator();
+        let comm = &self.comm;
         gather_state(comm.as_ref(), &self.own_state(), &sizes, 3).map(Some)
     }
 

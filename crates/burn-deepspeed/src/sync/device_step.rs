@@ -18,9 +18,8 @@ use burn_deepspeed_cubecl_kernels::adam::AdamParams;
 use burn_deepspeed_cubecl_kernels::ext::fused_adam;
 use burn_deepspeed_cubecl_kernels::lamb::LambParams;
 use burn_deepspeed_strategies::comm::ReduceOp;
-use burn_deepspeed_strategies::device::{DeviceCollectives, HostCollectives};
+use burn_deepspeed_strategies::device::DeviceCollectives;
 
-use crate::engine::transfer;
 use crate::{DeepSpeedError, Result};
 
 /// The optimizer a device-resident regime steps (its `lr` is replaced by each step's).
@@ -32,19 +31,7 @@ pub enum DeviceOptimizer {
     Lamb(LambParams),
 }
 
-/// Runs the collective `f` on `coll`, counting the bytes it staged through host memory as
-/// host/device copies (staged collective bytes) of `device`.
-pub(super) fn staged<T>(
-    coll: &HostCollectives,
-    device: &Device,
-    f: impl FnOnce(&HostCollectives) -> T,
-) -> T {
-    let before = coll.traffic().total();
-    let out = f(coll);
-    let moved = (coll.traffic().total() - before) as usize;
-    transfer::staging(|| transfer::count(device, moved));
-    out
-}
+pub(super) use crate::engine::transfer::staged_collective as staged;
 
 /// The state one step updates beside the parameters: m and v (the buffer's length), each
 /// tensor's step count, and which tensors have a gradient this step.
@@ -67,9 +54,15 @@ pub(super) fn device_step(
     grads: &Tensor<1>,
     state: StepState<'_>,
     pieces: &[(usize, Range<usize>)],
-    across: Option<&HostCollectives>,
+    across: Option<&dyn DeviceCollectives>,
     device: &Device,
 ) -> Result<Tensor<1>> {
+    // A rank whose slice is empty (more ranks than elements) only counts the step, but joins
+    // LAMB's norm all-reduce as every rank must.
+    if params.dims()[0] == 0 && !matches!(optimizer, DeviceOptimizer::Lamb(_) if across.is_some()) {
+        count_steps(state.steps, state.present);
+        return Ok(params);
+    }
     match optimizer {
         DeviceOptimizer::Adam(adam) => fused_adam_step(adam, lr, params, grads, state, pieces),
         DeviceOptimizer::Lamb(lamb) => {
@@ -186,7 +179,7 @@ fn lamb_step(
     grads: &Tensor<1>,
     st: StepState<'_>,
     pieces: &[(usize, Range<usize>)],
-    across: Option<&HostCollectives>,
+    across: Option<&dyn DeviceCollectives>,
     device: &Device,
 ) -> Result<Tensor<1>> {
     let StepState {
@@ -198,7 +191,8 @@ fn lamb_step(
     let slice = |t: &Tensor<1>, r: &Range<usize>| t.clone().slice(r.clone());
     // The update u of each piece that steps.
     let mut updates: Vec<Option<Tensor<1>>> = vec![None; pieces.len()];
-    if let Some(step) = uniform_step(steps, present) {
+    let uniform = uniform_step(steps, present).filter(|_| params.dims()[0] > 0);
+    if let Some(step) = uniform {
         let (new_m, new_v, u) =
             lamb_moments(h, step, params.clone(), grads.clone(), m.clone(), v.clone());
         (*m, *v) = (new_m, new_v);

@@ -44,27 +44,40 @@ fn from_data<B: Backend>(data: TensorData, device: &B::Device) -> FloatTensor<B>
     B::float_from_data(data, device)
 }
 
-/// The gather on a plain backend: `shard` is returned as is when the group is whole again.
-/// Its copies stage the group's host collective.
-fn gather_primitive<B: Backend>(shard: FloatTensor<B>, key: u64, phase: Phase) -> FloatTensor<B> {
-    transfer::staging(|| gather_staged::<B>(shard, key, phase))
+/// How a backend's primitives reach the group: on the host (the tensor's values read and the
+/// result written back, which stages the group's host collectives), or, for a Cube device
+/// whose group gathers on the device, through its device collectives on the buffers
+/// themselves.
+pub trait ShardIo: Backend {
+    /// The whole parameter of `key` from this rank's `shard` (returned as is when the group
+    /// is whole again).
+    fn gather_shard(shard: FloatTensor<Self>, key: u64, phase: Phase) -> FloatTensor<Self>;
+    /// The chunk of `key` (shaped `chunk_shape`) of the sum over ranks of the whole gradient
+    /// `grad`.
+    fn reduce_scatter_grad(
+        grad: FloatTensor<Self>,
+        key: u64,
+        chunk_shape: Shape,
+    ) -> FloatTensor<Self>;
 }
 
-fn gather_staged<B: Backend>(shard: FloatTensor<B>, key: u64, phase: Phase) -> FloatTensor<B> {
+/// The gather through host memory: its copies stage the group's host collective.
+fn gather_on_host<B: Backend>(shard: FloatTensor<B>, key: u64, phase: Phase) -> FloatTensor<B> {
     match resolve(key) {
         Resolved::Whole => shard,
-        Resolved::Group(group, t) => {
+        Resolved::Group(group, t) => transfer::staging(|| {
             let device = shard.device();
             let dtype = shard.dtype();
             let values = group.gather(t, to_vec::<B>(shard), phase);
             let data = TensorData::new(values, Shape::from(group.shape(t).to_vec()));
             from_data::<B>(data.convert_dtype(dtype), &device)
-        }
+        }),
     }
 }
 
-/// The backward of the gather: the whole gradient reduce-scattered into the chunk's shape.
-fn reduce_scatter_primitive<B: Backend>(
+/// The backward of the gather through host memory: the whole gradient reduce-scattered into
+/// the chunk's shape.
+fn reduce_scatter_on_host<B: Backend>(
     grad: FloatTensor<B>,
     key: u64,
     chunk_shape: Shape,
@@ -81,30 +94,90 @@ fn reduce_scatter_primitive<B: Backend>(
     }
 }
 
+impl ShardIo for Flex {
+    fn gather_shard(shard: FloatTensor<Self>, key: u64, phase: Phase) -> FloatTensor<Self> {
+        gather_on_host::<Self>(shard, key, phase)
+    }
+
+    fn reduce_scatter_grad(
+        grad: FloatTensor<Self>,
+        key: u64,
+        chunk_shape: Shape,
+    ) -> FloatTensor<Self> {
+        reduce_scatter_on_host::<Self>(grad, key, chunk_shape)
+    }
+}
+
+#[cfg(feature = "cube")]
+mod cube {
+    use burn::backend::Cube;
+    use burn::backend::ops::FloatTensorOps;
+
+    use super::*;
+
+    /// A Cube primitive as a rank-1 tensor, and back in `shape`.
+    fn flat(t: FloatTensor<Cube>) -> Tensor<1> {
+        let n = t.shape().num_elements();
+        Tensor::from_primitive::<Cube>(Cube::float_reshape(t, Shape::new([n])))
+    }
+
+    fn shaped(t: Tensor<1>, shape: Shape) -> FloatTensor<Cube> {
+        let prim = t
+            .try_into_primitive::<Cube>()
+            .expect("the device collectives return a tensor of the input's backend");
+        Cube::float_reshape(prim, shape)
+    }
+
+    impl ShardIo for Cube {
+        fn gather_shard(shard: FloatTensor<Self>, key: u64, phase: Phase) -> FloatTensor<Self> {
+            match resolve(key) {
+                Resolved::Group(group, t) if group.device_collectives().is_some() => {
+                    let whole = group.gather_on_device(t, flat(shard), phase);
+                    shaped(whole, Shape::from(group.shape(t).to_vec()))
+                }
+                _ => gather_on_host::<Self>(shard, key, phase),
+            }
+        }
+
+        fn reduce_scatter_grad(
+            grad: FloatTensor<Self>,
+            key: u64,
+            chunk_shape: Shape,
+        ) -> FloatTensor<Self> {
+            match resolve(key) {
+                Resolved::Group(group, t) if group.device_collectives().is_some() => {
+                    shaped(group.reduce_scatter_on_device(t, flat(grad)), chunk_shape)
+                }
+                _ => reduce_scatter_on_host::<Self>(grad, key, chunk_shape),
+            }
+        }
+    }
+}
+
 impl Zero3Ops for Flex {
     fn zero3_gather(shard: FloatTensor<Self>, key: u64) -> FloatTensor<Self> {
-        gather_primitive::<Flex>(shard, key, Phase::Forward)
+        Self::gather_shard(shard, key, Phase::Forward)
     }
 }
 
 #[cfg(feature = "cube")]
 impl Zero3Ops for burn::backend::Cube {
     fn zero3_gather(shard: FloatTensor<Self>, key: u64) -> FloatTensor<Self> {
-        gather_primitive::<Self>(shard, key, Phase::Forward)
+        Self::gather_shard(shard, key, Phase::Forward)
     }
 }
 
 #[derive(Debug)]
 struct GatherBackward;
 
-impl<B: Backend> Backward<B, 1> for GatherBackward {
+impl<B: ShardIo> Backward<B, 1> for GatherBackward {
     /// The key and the chunk's shape.
     type State = (u64, Shape);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (key, chunk_shape) = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |g| {
-            reduce_scatter_primitive::<B>(g, key, chunk_shape)
+            B::reduce_scatter_grad(g, key, chunk_shape)
         });
     }
 }
@@ -117,17 +190,14 @@ struct GatherRetro<B> {
     _backend: std::marker::PhantomData<fn() -> B>,
 }
 
-impl<B: Backend> RetroForward for GatherRetro<B> {
+impl<B: ShardIo> RetroForward for GatherRetro<B> {
     fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
         let shard: FloatTensor<B> = states.get_state(&self.shard);
-        states.save(
-            out_node,
-            gather_primitive::<B>(shard, self.key, Phase::Backward),
-        );
+        states.save(out_node, B::gather_shard(shard, self.key, Phase::Backward));
     }
 }
 
-impl<B: Backend, C: CheckpointStrategy> Zero3Ops for Autodiff<B, C> {
+impl<B: ShardIo, C: CheckpointStrategy> Zero3Ops for Autodiff<B, C> {
     fn zero3_gather(shard: FloatTensor<Self>, key: u64) -> FloatTensor<Self> {
         let chunk_shape = shard.shape();
         let retro = GatherRetro::<B> {
@@ -143,14 +213,12 @@ impl<B: Backend, C: CheckpointStrategy> Zero3Ops for Autodiff<B, C> {
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let whole = gather_primitive::<B>(shard.primitive().clone(), key, Phase::Forward);
+                let whole = B::gather_shard(shard.primitive().clone(), key, Phase::Forward);
                 prep.finish((key, chunk_shape), whole)
             }
-            OpsKind::UnTracked(prep) => prep.finish(gather_primitive::<B>(
-                shard.into_primitive(),
-                key,
-                Phase::Forward,
-            )),
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::gather_shard(shard.into_primitive(), key, Phase::Forward))
+            }
         }
     }
 }

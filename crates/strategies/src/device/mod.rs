@@ -9,12 +9,14 @@ pub mod conformance;
 mod host;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod select;
 
 pub use bootstrap::*;
 pub use collectives::{DeviceCollectives, DeviceTraffic};
 pub use host::*;
 #[cfg(feature = "cuda")]
 pub use nccl::*;
+pub use select::*;
 
 #[cfg(test)]
 mod tests;

@@ -140,9 +140,39 @@ fn bootstrap_failure_on_rank_0_fails_every_rank_with_its_reason() {
 
 /// NCCL (feature `cuda`). The GPU test is ignored by default and run on a GPU machine with
 /// `-- --ignored`, where it fails, not skips, when no GPU or NCCL is present.
+/// The ranks take NCCL only when every one can: one rank that cannot (no library, or
+/// `BURN_DEEPSPEED_NCCL=0`) keeps them all on the host path.
+#[test]
+fn the_ranks_agree_on_whether_all_can() {
+    assert_eq!(
+        run(3, |comm| all_ranks_can(comm.as_ref(), true).ok()),
+        vec![Some(true); 3]
+    );
+    let mixed = run(3, |comm| {
+        all_ranks_can(comm.as_ref(), comm.rank() != 1).ok()
+    });
+    assert_eq!(mixed, vec![Some(false); 3]);
+}
+
+#[test]
+fn host_devices_select_the_host_collectives() {
+    for kind in run(2, |comm| {
+        device_collectives(comm, &Device::flex()).map(|c| (c.kind(), c.world_size()))
+    }) {
+        assert_eq!(kind.expect("no collective fails"), ("host", 2));
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod nccl {
     use super::*;
+
+    #[test]
+    fn cuda_devices_name_their_ordinal() {
+        assert_eq!(cuda_ordinal(&Device::cuda(3)), Some(3));
+        assert_eq!(cuda_ordinal(&Device::cuda(0).autodiff()), Some(0));
+        assert_eq!(cuda_ordinal(&Device::flex()), None);
+    }
 
     #[test]
     fn init_matches_what_this_machine_has() {

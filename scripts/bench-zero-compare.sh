@@ -3,7 +3,8 @@
 # benchmark and the GPT example at REV (a git worktree under the target directory) and here,
 # then alternates them, ROUNDS times, on GPT `small` at world 2, stages 0-3 (tokens/s, each
 # binary's ratio to its own stage 0), and trains GPT `small` 3 steps at each stage with both
-# to show whether the losses are bit-identical.
+# to show whether the losses are bit-identical; writes the `device-flex` section of
+# BENCHMARKS.md.
 #
 #   bash scripts/bench-zero-compare.sh d33a202
 set -euo pipefail
@@ -38,21 +39,4 @@ for stage in 0 1 2 3; do
             | tail -n 1 > "$out/$side-gpt-stage$stage.json"
     done
 done
-python3 - "$out" "$ROUNDS" <<'EOF'
-import json, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
-def speeds(side):
-    by_stage = {}
-    for r in range(1, rounds + 1):
-        for row in json.load(open(f"{out}/{side}-bench-{r}.json"))["rows"]:
-            by_stage.setdefault(row["stage"], []).append(row["tokens_per_s"])
-    return {s: sum(v) / len(v) for s, v in by_stage.items()}
-before, after = speeds("before"), speeds("after")
-print("| stage | before tokens/s | after tokens/s | after / before | losses bit-identical |")
-print("|---|---|---|---|---|")
-for s in sorted(before):
-    lb = json.load(open(f"{out}/before-gpt-stage{s}.json"))["losses"]
-    la = json.load(open(f"{out}/after-gpt-stage{s}.json"))["losses"]
-    print(f"| {s} | {before[s]:.0f} | {after[s]:.0f} | {after[s] / before[s]:.3f} | "
-          f"{'yes' if lb == la else 'no: ' + str(lb) + ' vs ' + str(la)} |")
-EOF
+python3 scripts/benchmarks_md.py device-flex "$out" "$ROUNDS" "$rev" "$(nproc)"

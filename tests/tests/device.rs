@@ -222,6 +222,39 @@ fn device_resident_lamb_matches_flex_at_stages_1_and_3() {
     }
 }
 
+/// Activation checkpointing on wgpu at stages 0 and 3: each block's recompute receives its
+/// output's gradient and hands back the gradients of its input and parameters on the device,
+/// so, as without it, only the staged collectives cross; the losses match Flex.
+#[test]
+fn activation_checkpoints_keep_their_gradients_on_the_device() {
+    for stage in [0u8, 3] {
+        let checkpointed = |device| {
+            let mut s = spec(stage, device, 6, GPT_MINI);
+            let (config, _) = DeepSpeedConfig::from_json_str(
+                r#"{"train_batch_size": 8, "activation_checkpointing": {}}"#,
+            )
+            .expect("a valid config");
+            s.config.activation_checkpointing = config.activation_checkpointing;
+            run_spec(&s)
+        };
+        let (flex, wgpu) = (
+            checkpointed(ModelDevice::Flex),
+            checkpointed(ModelDevice::Wgpu),
+        );
+        assert!(wgpu.activation_checkpointing, "the blocks are checkpointed");
+        let worst = max_rel_diff(&flex.losses, &wgpu.losses);
+        println!(
+            "activation checkpointing, stage {stage}: wgpu vs flex {worst:.2e}, bytes per step {:?}",
+            wgpu.host_device_bytes_per_step
+        );
+        assert!(worst <= 1e-3, "stage {stage}: {worst:e}");
+        assert_eq!(
+            wgpu.host_device_bytes_per_step, wgpu.staged_collective_bytes_per_step,
+            "stage {stage}: a checkpoint's gradients crossed to the host"
+        );
+    }
+}
+
 /// A stage-2 checkpoint saved on wgpu (device-resident slices) resumes on Flex (the host
 /// regime) and on wgpu, with the uninterrupted run's losses: the slices are the host format.
 #[test]

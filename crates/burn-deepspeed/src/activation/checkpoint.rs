@@ -7,8 +7,9 @@ use std::time::Instant;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor, TensorData};
 
-use super::op::{self, Recompute, Recomputed};
+use super::op::{self, FlatGrad, Recompute, Recomputed};
 use super::options::{CheckpointOptions, current_options, record};
+use crate::engine::primitive::autodiff_like;
 use crate::engine::transfer;
 
 /// `forward(module, input)`, with only `input` kept for backward: the activations inside the
@@ -83,7 +84,7 @@ where
     };
     let params = count_params(module);
     let copy = module.clone();
-    let recompute: Recompute = Box::new(move |grad: TensorData| {
+    let recompute: Recompute = Box::new(move |grad: FlatGrad| {
         recompute(copy, saved, input_tracked, forward, grad, options)
     });
     attach.key = op::register(recompute, params);
@@ -102,7 +103,7 @@ fn recompute<M, F, const D: usize, const O: usize>(
     saved: Saved<D>,
     input_tracked: bool,
     forward: F,
-    grad: TensorData,
+    grad: FlatGrad,
     options: CheckpointOptions,
 ) -> Recomputed
 where
@@ -119,7 +120,9 @@ where
     };
     let output = forward(&leaves, input.clone());
     let device = output.device();
-    let grad = transfer::write::<O>(grad, &device, output.dtype());
+    // The output's gradient stays on the device: it enters this graph as a constant.
+    let dims: [usize; O] = grad.shape.dims();
+    let grad = autodiff_like(grad.values.reshape(dims).cast(output.dtype()), &output);
     // d/d(output) of sum(output * grad) is grad: the backward of this graph is the piece of
     // the outer backward that the forward did not keep.
     let grads = (output * grad).sum().backward();
@@ -130,7 +133,7 @@ where
     leaves.visit(&mut collect);
     let recomputed = Recomputed {
         input: input_tracked
-            .then(|| input.grad(&grads).map(transfer::read))
+            .then(|| input.grad(&grads).map(FlatGrad::of))
             .flatten(),
         params: collect.out,
     };
@@ -249,13 +252,13 @@ impl ModuleMapper for FreshLeaves {
 /// The gradient of each parameter's stored tensor, in visiting order.
 struct CollectGrads<'a> {
     grads: &'a burn::tensor::Gradients,
-    out: Vec<Option<TensorData>>,
+    out: Vec<Option<FlatGrad>>,
 }
 
 impl ModuleVisitor for CollectGrads<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         self.out
-            .push(param.base().grad(self.grads).map(transfer::read));
+            .push(param.base().grad(self.grads).map(FlatGrad::of));
     }
 }
 

@@ -21,23 +21,56 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};
-use burn::tensor::{DType, Shape, Tensor, TensorData, read_sync};
+use burn::tensor::{DType, Shape, Tensor};
 
-use crate::engine::transfer;
+use crate::engine::primitive::FlatPrimitive;
+
+/// A gradient passed between the ops and the recompute: flat, on its device (no copy to the
+/// host), with its shape.
+pub(crate) struct FlatGrad {
+    /// The values, flat, on the device (no autodiff).
+    pub values: Tensor<1>,
+    /// The gradient's shape.
+    pub shape: Shape,
+}
+
+impl FlatGrad {
+    /// `grad` (a gradient: no autodiff) flattened.
+    pub fn of<const D: usize>(grad: Tensor<D>) -> Self {
+        let shape = grad.shape();
+        let n = shape.num_elements();
+        Self {
+            values: grad.reshape([n]),
+            shape,
+        }
+    }
+
+    fn from_primitive<B: FlatPrimitive>(t: FloatTensor<B>) -> Self {
+        let shape = t.shape();
+        Self {
+            values: B::into_flat(t),
+            shape,
+        }
+    }
+
+    fn into_primitive<B: FlatPrimitive>(self) -> FloatTensor<B> {
+        B::from_flat(self.values, self.shape)
+    }
+}
 
 /// What a recompute hands back: the gradient of the checkpoint's input (`None` when the
 /// input is not tracked) and of each parameter, in the module's visiting order (`None` for a
 /// frozen parameter or one the closure did not use).
 pub(crate) struct Recomputed {
-    pub input: Option<TensorData>,
-    pub params: Vec<Option<TensorData>>,
+    pub input: Option<FlatGrad>,
+    pub params: Vec<Option<FlatGrad>>,
 }
 
 /// The closure again, with a graph, given the output's gradient.
-pub(crate) type Recompute = Box<dyn FnOnce(TensorData) -> Recomputed + Send>;
+pub(crate) type Recompute = Box<dyn FnOnce(FlatGrad) -> Recomputed + Send>;
 
 /// Parameter gradients from the output op's backward, waiting for their attach ops.
-type Stash = Arc<Mutex<Vec<Option<TensorData>>>>;
+type Stash = Arc<Mutex<Vec<Option<FlatGrad>>>>;
 
 struct Pending {
     recompute: Recompute,
@@ -55,7 +88,7 @@ fn pending() -> std::sync::MutexGuard<'static, HashMap<u64, Pending>> {
 /// names it to the ops that follow.
 pub(crate) fn register(recompute: Recompute, params: usize) -> u64 {
     let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
-    let stash = Arc::new(Mutex::new(vec![None; params]));
+    let stash = Arc::new(Mutex::new((0..params).map(|_| None).collect::<Vec<_>>()));
     pending().insert(key, Pending { recompute, stash });
     key
 }
@@ -115,21 +148,10 @@ plain_checkpoint_ops!(Flex);
 #[cfg(feature = "cube")]
 plain_checkpoint_ops!(burn::backend::Cube);
 
-fn to_data<B: Backend>(t: FloatTensor<B>) -> TensorData {
-    let data = read_sync(B::float_into_data(t)).expect("reading a gradient of a checkpoint");
-    transfer::count_primitive::<B>(data.bytes().len());
-    data
-}
-
-fn from_data<B: Backend>(data: TensorData, device: &B::Device) -> FloatTensor<B> {
-    transfer::count_primitive::<B>(data.bytes().len());
-    B::float_from_data(data, device)
-}
-
 #[derive(Debug)]
 struct AttachBackward;
 
-impl<B: Backend> Backward<B, 2> for AttachBackward {
+impl<B: FlatPrimitive> Backward<B, 2> for AttachBackward {
     /// The checkpoint's stash and this parameter's index in it.
     type State = (Shared<Stash>, usize);
 
@@ -143,8 +165,8 @@ impl<B: Backend> Backward<B, 2> for AttachBackward {
                 .unwrap_or_else(PoisonError::into_inner)
                 .get_mut(index)
                 .and_then(Option::take);
-            if let Some(data) = data {
-                grads.register::<B>(node.id, from_data::<B>(data, &grad.device()));
+            if let Some(g) = data {
+                grads.register::<B>(node.id, g.into_primitive::<B>());
             }
         }
         if let Some(node) = chain {
@@ -176,7 +198,7 @@ impl<T> fmt::Debug for Shared<T> {
     }
 }
 
-impl<B: Backend> Backward<B, 1> for OutputBackward {
+impl<B: FlatPrimitive> Backward<B, 1> for OutputBackward {
     type State = OutputState;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -193,12 +215,12 @@ impl<B: Backend> Backward<B, 1> for OutputBackward {
         let Some(recompute) = recompute else {
             return;
         };
-        let out = recompute(to_data::<B>(grad));
+        let out = recompute(FlatGrad::from_primitive::<B>(grad));
         *state.stash.0.lock().unwrap_or_else(PoisonError::into_inner) = out.params;
         if let Some(node) = chain {
             // The attach ops between the input and this op each consume a gradient.
             let grad_in = match out.input {
-                Some(data) => from_data::<B>(data, &device),
+                Some(g) => g.into_primitive::<B>(),
                 None => B::float_zeros(state.shape, &device, state.dtype.into()),
             };
             grads.register::<B>(node.id, grad_in);
@@ -206,7 +228,7 @@ impl<B: Backend> Backward<B, 1> for OutputBackward {
     }
 }
 
-impl<B: Backend, C: CheckpointStrategy> CheckpointOps for Autodiff<B, C> {
+impl<B: FlatPrimitive, C: CheckpointStrategy> CheckpointOps for Autodiff<B, C> {
     fn checkpoint_attach(
         chain: FloatTensor<Self>,
         param: FloatTensor<Self>,

@@ -10,6 +10,7 @@ pub mod heap;
 pub mod memory;
 mod onebit;
 mod optim;
+pub mod primitive;
 mod report;
 pub mod transfer;
 

@@ -40,6 +40,7 @@ use crate::config::ZeroStage;
 use crate::engine::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
 use crate::engine::flat::{ParamLayout, restore_params};
 use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes};
+use crate::engine::primitive::autodiff_like;
 use crate::engine::transfer;
 use crate::precision::cast_module;
 use crate::{DeepSpeedError, Result};
@@ -185,10 +186,7 @@ impl DeviceSync {
                     .slice(slot.offset..slot.offset + slot.numel)
                     .reshape(shape)
                     .cast(tensor.dtype());
-                let new = match tensor.device().is_autodiff() {
-                    true => Tensor::<D>::from_inner(new),
-                    false => new,
-                };
+                let new = autodiff_like(new, &tensor);
                 let new = new.set_require_grad(tensor.is_require_grad());
                 Param::from_mapped_value(id, new, mapper)
             }

@@ -39,6 +39,7 @@ use super::{GradSync, Reduced, SavedState, SyncOptions, shard_plan};
 use crate::engine::checkpoint::{Loaded, gather_state, partition_state_bytes};
 use crate::engine::flat::{ParamLayout, set_param_ids};
 use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes};
+use crate::engine::primitive::autodiff_like;
 use crate::engine::transfer;
 use crate::precision::cast_module;
 use crate::zero3::{GatherGroup, GatherStats, chunk_shape, shard_module};
@@ -343,10 +344,7 @@ impl DeviceShardedSync {
                 };
                 let shape: [usize; D] = shape.try_into().expect("the parameter's rank");
                 let new = values.cast(dtype).reshape(shape);
-                let new = match tensor.device().is_autodiff() {
-                    true => Tensor::<D>::from_inner(new),
-                    false => new,
-                };
+                let new = autodiff_like(new, &tensor);
                 let new = new.set_require_grad(tensor.is_require_grad());
                 Param::from_mapped_value(id, new, mapper)
             }

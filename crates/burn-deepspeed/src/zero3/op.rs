@@ -111,29 +111,16 @@ impl ShardIo for Flex {
 #[cfg(feature = "cube")]
 mod cube {
     use burn::backend::Cube;
-    use burn::backend::ops::FloatTensorOps;
 
     use super::*;
-
-    /// A Cube primitive as a rank-1 tensor, and back in `shape`.
-    fn flat(t: FloatTensor<Cube>) -> Tensor<1> {
-        let n = t.shape().num_elements();
-        Tensor::from_primitive::<Cube>(Cube::float_reshape(t, Shape::new([n])))
-    }
-
-    fn shaped(t: Tensor<1>, shape: Shape) -> FloatTensor<Cube> {
-        let prim = t
-            .try_into_primitive::<Cube>()
-            .expect("the device collectives return a tensor of the input's backend");
-        Cube::float_reshape(prim, shape)
-    }
+    use crate::engine::primitive::FlatPrimitive;
 
     impl ShardIo for Cube {
         fn gather_shard(shard: FloatTensor<Self>, key: u64, phase: Phase) -> FloatTensor<Self> {
             match resolve(key) {
                 Resolved::Group(group, t) if group.device_collectives().is_some() => {
-                    let whole = group.gather_on_device(t, flat(shard), phase);
-                    shaped(whole, Shape::from(group.shape(t).to_vec()))
+                    let whole = group.gather_on_device(t, Cube::into_flat(shard), phase);
+                    Cube::from_flat(whole, Shape::from(group.shape(t).to_vec()))
                 }
                 _ => gather_on_host::<Self>(shard, key, phase),
             }
@@ -146,7 +133,8 @@ mod cube {
         ) -> FloatTensor<Self> {
             match resolve(key) {
                 Resolved::Group(group, t) if group.device_collectives().is_some() => {
-                    shaped(group.reduce_scatter_on_device(t, flat(grad)), chunk_shape)
+                    let chunk = group.reduce_scatter_on_device(t, Cube::into_flat(grad));
+                    Cube::from_flat(chunk, chunk_shape)
                 }
                 _ => reduce_scatter_on_host::<Self>(grad, key, chunk_shape),
             }

@@ -21,6 +21,7 @@ pub mod precision;
 pub mod progress;
 pub mod strategy;
 pub mod sync;
+pub mod tensor_parallel;
 pub mod zero3;
 
 pub use burn_deepspeed_compress::pld;

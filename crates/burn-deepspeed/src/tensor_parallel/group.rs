@@ -144,6 +144,7 @@ mod tests {
     use burn::tensor::{Device, TensorData};
     use burn_deepspeed_strategies::device::HostCollectives;
 
+    use super::super::test_util::{close, read};
     use super::*;
     use crate::launch::launch;
 
@@ -153,23 +154,6 @@ mod tests {
             .collect()
     }
 
-    fn read<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-        t.into_data().try_to_vec::<f32>().expect("f32")
-    }
-
-    fn close(a: &[f32], b: &[f32], what: &str) {
-        assert_eq!(a.len(), b.len(), "{what}");
-        for (x, y) in a.iter().zip(b) {
-            assert!(
-                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
-                "{what}: {x} vs {y}"
-            );
-        }
-    }
-
-    // Megatron's MLP (a column-parallel linear, tanh, a row-parallel linear) cut over 2
-    // ranks: the output, the input's gradient and each slice's weight gradients are the
-    // unsliced MLP's.
     #[test]
     fn a_sliced_mlp_matches_the_whole_one() {
         sliced_mlp_on(Device::flex());

@@ -4,7 +4,29 @@
 //! and [`TensorParallel::reduce`], its `g`).
 
 mod group;
+mod linear;
 mod op;
 
 pub use group::*;
+pub use linear::*;
 pub use op::TensorParallelOps;
+
+#[cfg(test)]
+mod test_util {
+    use burn::tensor::Tensor;
+
+    pub(super) fn read<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+        t.into_data().try_to_vec::<f32>().expect("f32")
+    }
+
+    /// `a` equals `b` within 1e-5 relative (plus 1e-5 absolute).
+    pub(super) fn close(a: &[f32], b: &[f32], what: &str) {
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (x, y) in a.iter().zip(b) {
+            assert!(
+                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                "{what}: {x} vs {y}"
+            );
+        }
+    }
+}

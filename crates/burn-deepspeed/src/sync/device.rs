@@ -33,7 +33,7 @@ use burn_deepspeed_strategies::device::DeviceCollectives;
 use burn_deepspeed_strategies::zero::{FlatPartition, PartitionState};
 
 use super::buffer::merge_presence;
-use super::device_step::{DeviceOptimizer, StepState, device_step, staged};
+use super::device_step::{DeviceOptimizer, StepState, clip_to, device_step, squared_norm, staged};
 use super::scale::{Scaling, norm_across};
 use super::{GradSync, Reduced, SavedState, SyncOptions};
 use crate::config::ZeroStage;
@@ -357,22 +357,12 @@ impl<M: Module> GradSync<M> for DeviceSync {
         };
         // The norm's square is the one value the host reads (summed over the slices at
         // stages 1-2, in f64, over the host communicator).
-        let squared = transfer::staging(|| transfer::read_f32(grads.clone().powi_scalar(2).sum()));
-        let local = squared.first().copied().unwrap_or(0.0) as f64;
+        let local = squared_norm(&grads);
         let norm = match self.partitioned() {
             true => norm_across(self.comm.as_ref(), local)?,
             false => local.sqrt(),
         };
-        let grads = match self.clip > 0.0 && norm.is_finite() {
-            true => {
-                let coef = self.clip / (norm + 1e-6);
-                match coef < 1.0 {
-                    true => grads.mul_scalar(coef as f32),
-                    false => grads,
-                }
-            }
-            false => grads,
-        };
+        let grads = clip_to(grads, norm, self.clip);
         self.grads = Some(grads);
         Ok(Reduced::global(norm))
     }

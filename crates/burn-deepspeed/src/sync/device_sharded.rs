@@ -32,10 +32,10 @@ use burn_deepspeed_strategies::device::DeviceCollectives;
 use burn_deepspeed_strategies::zero::{PartitionState, Segment, ShardPlan};
 
 use super::buffer::merge_presence;
-use super::device_step::{DeviceOptimizer, StepState, device_step, staged};
+use super::device_step::{DeviceOptimizer, StepState, clip_to, device_step, squared_norm, staged};
 use super::scale::{Scaling, norm_across};
-use super::sharded::gathered_copy;
-use super::{GradSync, Reduced, SavedState, SyncOptions, shard_plan};
+use super::sharded::{gather_group, gathered_copy};
+use super::{GradSync, Reduced, SavedState, SyncOptions};
 use crate::engine::checkpoint::{Loaded, gather_state, partition_state_bytes};
 use crate::engine::flat::{ParamLayout, set_param_ids};
 use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes};
@@ -99,8 +99,9 @@ impl DeviceShardedSync {
         optimizer: DeviceOptimizer,
         device: Device,
     ) -> Self {
-        let (rank, world) = (coll.rank(), coll.world_size());
-        let plan = shard_plan(&layout, options, world);
+        let rank = coll.rank();
+        let group = gather_group(&layout, comm.clone(), options);
+        let plan = group.plan();
         let tensors = plan.tensors().len();
         let segments = plan.segments(rank);
         let own_len = plan.own_len(rank);
@@ -122,16 +123,7 @@ impl DeviceShardedSync {
                 persistent_len += s.numel;
             }
         }
-        let (persistent_counts, persistent_parts) = persistent_gather(&plan);
-        let group = GatherGroup::new(
-            comm.clone(),
-            plan,
-            layout.slots.iter().map(|s| s.shape.clone()).collect(),
-            options.prefetch_bucket,
-            options.max_live,
-            options.pre_factor(),
-            options.fetch_by_all_reduce,
-        );
+        let (persistent_counts, persistent_parts) = persistent_gather(plan);
         // The gathers and reduce-scatters move the device's buffers through the same
         // collectives as the rest of the regime.
         group.set_device_collectives(coll.clone());
@@ -561,14 +553,8 @@ impl<M: Module> GradSync<M> for DeviceShardedSync {
         };
         // The norm's square is the one value the host reads (summed over the ranks' pieces,
         // in f64, over the host communicator).
-        let squared = transfer::staging(|| transfer::read_f32(grads.clone().powi_scalar(2).sum()));
-        let local = squared.first().copied().unwrap_or(0.0) as f64;
-        let norm = norm_across(comm.as_ref(), local)?;
-        let clip = self.options.clip;
-        let grads = match clip > 0.0 && norm.is_finite() && clip / (norm + 1e-6) < 1.0 {
-            true => grads.mul_scalar((clip / (norm + 1e-6)) as f32),
-            false => grads,
-        };
+        let norm = norm_across(comm.as_ref(), squared_norm(&grads))?;
+        let grads = clip_to(grads, norm, self.options.clip);
         self.reduced = Some(grads);
         Ok(Reduced::global(norm))
     }

@@ -31,7 +31,26 @@ pub enum DeviceOptimizer {
     Lamb(LambParams),
 }
 
+use crate::engine::transfer;
 pub(super) use crate::engine::transfer::staged_collective as staged;
+
+/// The squared L2 norm of this rank's gradient buffer, in f64: the one value a device regime
+/// reads to the host each step (its input to the norm's sum over ranks, so counted as
+/// collective staging).
+pub(super) fn squared_norm(grads: &Tensor<1>) -> f64 {
+    let squared = transfer::staging(|| transfer::read_f32(grads.clone().powi_scalar(2).sum()));
+    squared.first().copied().unwrap_or(0.0) as f64
+}
+
+/// `grads` scaled down to the global norm `clip` when clipping is on (`clip > 0`) and the
+/// finite global `norm` exceeds it (DeepSpeed's `clip / (norm + 1e-6)`).
+pub(super) fn clip_to(grads: Tensor<1>, norm: f64, clip: f64) -> Tensor<1> {
+    let coef = clip / (norm + 1e-6);
+    match clip > 0.0 && norm.is_finite() && coef < 1.0 {
+        true => grads.mul_scalar(coef as f32),
+        false => grads,
+    }
+}
 
 /// The state one step updates beside the parameters: m and v (the buffer's length), each
 /// tensor's step count, and which tensors have a gradient this step.

@@ -84,6 +84,25 @@ pub fn shard_plan(layout: &ParamLayout, options: &SyncOptions, world: usize) -> 
     )
 }
 
+/// The stage-3 gather group of a model of `layout` on `comm`: DeepSpeed's cut
+/// ([`shard_plan`]) and the prefetch, live-parameter, pre-division and fetch options.
+pub(super) fn gather_group(
+    layout: &ParamLayout,
+    comm: Arc<dyn Communicator>,
+    options: &SyncOptions,
+) -> Arc<GatherGroup> {
+    let plan = shard_plan(layout, options, comm.world_size());
+    GatherGroup::new(
+        comm,
+        plan,
+        layout.slots.iter().map(|s| s.shape.clone()).collect(),
+        options.prefetch_bucket,
+        options.max_live,
+        options.pre_factor(),
+        options.fetch_by_all_reduce,
+    )
+}
+
 impl<G: GradElem> ShardedSync<G> {
     /// The stage-3 state for a model of `layout` (whole shapes) on `comm`, stepped by the
     /// [`PartitionedOptimizer`] of `kind`.
@@ -111,7 +130,8 @@ impl<G: GradElem> ShardedSync<G> {
         comm: Arc<dyn Communicator>,
         options: &SyncOptions,
     ) -> Self {
-        let plan = shard_plan(&layout, options, comm.world_size());
+        let group = gather_group(&layout, comm.clone(), options);
+        let plan = group.plan();
         let tensors = plan.tensors().len();
         let segments = plan.segments(comm.rank());
         let own_len = plan.own_len(comm.rank());
@@ -127,15 +147,6 @@ impl<G: GradElem> ShardedSync<G> {
                 at += s.numel;
             }
         }
-        let group = GatherGroup::new(
-            comm.clone(),
-            plan,
-            layout.slots.iter().map(|s| s.shape.clone()).collect(),
-            options.prefetch_bucket,
-            options.max_live,
-            options.pre_factor(),
-            options.fetch_by_all_reduce,
-        );
         Self {
             comm,
             group,

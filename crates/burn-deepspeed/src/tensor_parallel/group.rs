@@ -38,6 +38,12 @@ impl Group {
         }) {
             Ok(sum) => sum,
             Err(e) => {
+                // The op cannot return the error: the world is aborted so that the peers
+                // fail at once instead of waiting in their next collective.
+                if !matches!(e, CommError::PeerFailed { .. }) {
+                    self.coll
+                        .abort(&format!("a tensor-parallel all-reduce failed: {e}"));
+                }
                 *error = Some(e);
                 zeros
             }

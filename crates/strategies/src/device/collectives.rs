@@ -63,6 +63,10 @@ pub trait DeviceCollectives: Send + Sync + Debug {
     fn recv(&self, like: Tensor<1>, src: usize, tag: u16) -> Result<Tensor<1>>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<()>;
+    /// Fails every rank's pending and next collectives at once, with `reason` (the host
+    /// communicator's [`abort`](crate::comm::Communicator::abort)): for a rank that failed
+    /// inside an op that cannot return the error, so that its peers do not wait for it.
+    fn abort(&self, reason: &str);
     /// Host/device bytes copied so far by this rank's collectives.
     fn traffic(&self) -> DeviceTraffic;
 }

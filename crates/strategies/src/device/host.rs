@@ -188,6 +188,10 @@ impl DeviceCollectives for HostCollectives {
         self.comm.barrier()
     }
 
+    fn abort(&self, reason: &str) {
+        self.comm.abort(reason);
+    }
+
     fn traffic(&self) -> DeviceTraffic {
         DeviceTraffic {
             device_to_host: self.device_to_host.load(Ordering::Relaxed),

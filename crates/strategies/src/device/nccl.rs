@@ -449,6 +449,10 @@ impl DeviceCollectives for NcclCollectives {
         self.host.barrier()
     }
 
+    fn abort(&self, reason: &str) {
+        self.host.abort(reason);
+    }
+
     fn traffic(&self) -> DeviceTraffic {
         DeviceTraffic::default()
     }

@@ -15,6 +15,7 @@ pub mod activation;
 pub mod config;
 pub mod engine;
 mod error;
+pub mod grid;
 pub mod launch;
 pub mod pipe;
 pub mod precision;

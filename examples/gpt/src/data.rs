@@ -3,6 +3,7 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use crate::model::{GptBatch, SplitMix64};
+use burn_deepspeed::tensor_parallel::TensorParallel;
 
 /// The corpus used when no `--data` is given: a snapshot of burn-deepspeed's own Rust sources
 /// and documentation (text we wrote, so it can ship with the example).
@@ -80,6 +81,7 @@ fn batch_of_windows<'a>(
     let make = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [n, seq_len]), device);
     GptBatch {
         layer_drop: None,
+        vocab_group: TensorParallel::none(),
         inputs: make(inputs),
         targets: make(targets),
     }

@@ -1,8 +1,9 @@
 //! A byte-level GPT: pre-LN transformer blocks, learned positions, an untied head; also as a
-//! sequence of pipeline layers.
+//! sequence of pipeline layers, and sliced across a tensor-parallel group (Megatron-LM's
+//! split: attention heads and the MLP's hidden features cut across the ranks, the vocabulary
+//! of the embedding and of the head too).
 
 use burn::module::{Module, ModuleMapper, Param};
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
@@ -10,6 +11,10 @@ use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_deepspeed::activation::checkpoint;
 use burn_deepspeed::pipe::{LayerInput, PipeBatch, PipeLayer};
 use burn_deepspeed::pld::ProgressiveLayerDrop;
+use burn_deepspeed::tensor_parallel::{
+    ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+};
 
 /// Vocabulary: one token per byte.
 pub const VOCAB: usize = 256;
@@ -74,15 +79,30 @@ impl GptShape {
     }
 }
 
-/// One pre-LN transformer block.
+/// A whole layer, to be sliced as a column-parallel one (`sections` stacked outputs).
+fn column(d_in: usize, d_out: usize, sections: usize, device: &Device) -> ColumnParallelLinear {
+    let whole: Linear = LinearConfig::new(d_in, d_out).init(device);
+    ColumnParallelLinear::from_linear_sections(&whole, sections, TensorParallel::none())
+}
+
+/// A whole layer, to be sliced as a row-parallel one.
+fn row(d_in: usize, d_out: usize, device: &Device) -> RowParallelLinear {
+    let whole: Linear = LinearConfig::new(d_in, d_out).init(device);
+    RowParallelLinear::from_linear(&whole, TensorParallel::none())
+}
+
+/// One pre-LN transformer block: attention (a fused `[q | k | v]` projection, column
+/// parallel by heads, and a row-parallel output) and an MLP (column then row parallel).
+/// Whole, its group is [`TensorParallel::none`] and every op is Burn's.
 #[derive(Module, Debug)]
 pub struct Block {
     ln_attn: LayerNorm,
-    qkv: Linear,
-    attn_out: Linear,
+    qkv: ColumnParallelLinear,
+    attn_out: RowParallelLinear,
     ln_mlp: LayerNorm,
-    mlp_in: Linear,
-    mlp_out: Linear,
+    mlp_in: ColumnParallelLinear,
+    mlp_out: RowParallelLinear,
+    /// Attention heads of the whole block.
     heads: usize,
 }
 
@@ -90,12 +110,36 @@ impl Block {
     fn new(d: usize, heads: usize, device: &Device) -> Self {
         Self {
             ln_attn: LayerNormConfig::new(d).init(device),
-            qkv: LinearConfig::new(d, 3 * d).init(device),
-            attn_out: LinearConfig::new(d, d).init(device),
+            qkv: column(d, 3 * d, 3, device),
+            attn_out: row(d, d, device),
             ln_mlp: LayerNormConfig::new(d).init(device),
-            mlp_in: LinearConfig::new(d, 4 * d).init(device),
-            mlp_out: LinearConfig::new(4 * d, d).init(device),
+            mlp_in: column(d, 4 * d, 1, device),
+            mlp_out: row(4 * d, d, device),
             heads,
+        }
+    }
+
+    /// This rank's slice of the (whole) block: its `heads / tp` heads of q, k and v and the
+    /// matching rows of the output projection, its block of the MLP's hidden features;
+    /// the LayerNorms whole.
+    ///
+    /// # Panics
+    /// When the heads or the hidden features do not split evenly over the group.
+    pub fn sliced(&self, tp: &TensorParallel) -> Self {
+        assert!(
+            self.heads.is_multiple_of(tp.size()),
+            "{} attention heads do not split over {} tensor-parallel ranks",
+            self.heads,
+            tp.size()
+        );
+        Self {
+            ln_attn: self.ln_attn.clone(),
+            qkv: self.qkv.slice(tp.clone()),
+            attn_out: self.attn_out.slice(tp.clone()),
+            ln_mlp: self.ln_mlp.clone(),
+            mlp_in: self.mlp_in.slice(tp.clone()),
+            mlp_out: self.mlp_out.slice(tp.clone()),
+            heads: self.heads,
         }
     }
 
@@ -103,19 +147,21 @@ impl Block {
     /// kept by progressive layer dropping, else 1).
     fn forward(&self, x: Tensor<3>, causal: Tensor<4>, scale: f64) -> Tensor<3> {
         let [b, t, d] = x.dims();
-        let h = self.heads;
-        let dh = d / h;
+        let dh = d / self.heads;
+        // This rank's heads (all of them when whole) and their width.
+        let h = self.heads / self.qkv.tp.size();
+        let dl = h * dh;
         let qkv = self.qkv.forward(self.ln_attn.forward(x.clone()));
         let split = |i: usize| {
             qkv.clone()
-                .narrow(2, i * d, d)
+                .narrow(2, i * dl, dl)
                 .reshape([b, t, h, dh])
                 .swap_dims(1, 2)
         };
         let (q, k, v) = (split(0), split(1), split(2));
         let scores = q.matmul(k.transpose()).div_scalar((dh as f64).sqrt()) + causal;
         let att = softmax(scores, 3).matmul(v);
-        let att = att.swap_dims(1, 2).reshape([b, t, d]);
+        let att = att.swap_dims(1, 2).reshape([b, t, dl]);
         let branch = |y: Tensor<3>| if scale == 1.0 { y } else { y.mul_scalar(scale) };
         let x = x + branch(self.attn_out.forward(att));
         let m = self
@@ -128,7 +174,7 @@ impl Block {
 /// Token and position embeddings: the first layer of the GPT.
 #[derive(Module, Debug)]
 pub struct GptEmbed {
-    tok_emb: Embedding,
+    tok_emb: VocabParallelEmbedding,
     pos_emb: Embedding,
     seq_len: usize,
 }
@@ -154,11 +200,12 @@ impl GptEmbed {
 #[derive(Module, Debug)]
 pub struct GptHead {
     ln_f: LayerNorm,
-    head: Linear,
+    head: ColumnParallelLinear,
 }
 
 impl GptHead {
-    /// Logits `[batch, seq, 256]`.
+    /// Logits `[batch, seq, 256 / tp]`: this rank's block of the vocabulary (all of it when
+    /// whole).
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         self.head.forward(self.ln_f.forward(x))
     }
@@ -183,6 +230,9 @@ pub struct GptBatch {
     pub targets: Tensor<2, Int>,
     /// Progressive layer dropping for this training micro-batch, if on.
     pub layer_drop: Option<LayerDrop>,
+    /// The group the head's vocabulary is cut over, for the pipelined loss (whose last
+    /// stage sees only the logits); [`TensorParallel::none`] without slicing.
+    pub vocab_group: TensorParallel,
 }
 
 /// Progressive layer dropping (arXiv 2010.13369) for one training micro-batch: the engine's
@@ -201,6 +251,12 @@ pub struct LayerDrop {
 }
 
 impl GptBatch {
+    /// The batch whose pipelined loss is the vocabulary-parallel cross-entropy over `tp`.
+    pub fn with_vocab_group(mut self, tp: TensorParallel) -> Self {
+        self.vocab_group = tp;
+        self
+    }
+
     /// The batch with progressive layer dropping at `layer_drop`.
     pub fn with_layer_drop(mut self, layer_drop: Option<LayerDrop>) -> Self {
         self.layer_drop = layer_drop;
@@ -209,17 +265,20 @@ impl GptBatch {
 }
 
 impl GptBatch {
-    /// Mean next-token cross-entropy of `logits` `[batch, seq, 256]`, with the logits (as
-    /// `[batch·seq, 256]`) and flattened targets.
-    pub fn cross_entropy(&self, logits: Tensor<3>) -> (Tensor<1>, Tensor<2>, Tensor<1, Int>) {
+    /// Mean next-token cross-entropy of `logits` `[batch, seq, 256 / tp]` (this rank's block
+    /// of the vocabulary over `tp`), with the logits (as `[batch·seq, 256 / tp]`) and
+    /// flattened targets. The logits are never gathered whole.
+    pub fn cross_entropy(
+        &self,
+        logits: Tensor<3>,
+        tp: &TensorParallel,
+    ) -> (Tensor<1>, Tensor<2>, Tensor<1, Int>) {
         let [b, t, v] = logits.dims();
         // The loss in f32 whatever the parameters' dtype (its backward casts the gradient
         // back), as mixed precision training computes it.
         let logits = logits.reshape([b * t, v]).cast(FloatDType::F32);
         let targets = self.targets.clone().reshape([b * t]);
-        let loss = CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits.clone(), targets.clone());
+        let loss = vocab_parallel_cross_entropy(logits.clone(), targets.clone(), tp);
         (loss, logits, targets)
     }
 }
@@ -232,7 +291,10 @@ impl Gpt {
         let d = shape.d_model;
         let model = Self {
             embed: GptEmbed {
-                tok_emb: EmbeddingConfig::new(VOCAB, d).init(device),
+                tok_emb: VocabParallelEmbedding::from_embedding(
+                    &EmbeddingConfig::new(VOCAB, d).init(device),
+                    TensorParallel::none(),
+                ),
                 pos_emb: EmbeddingConfig::new(shape.seq_len, d).init(device),
                 seq_len: shape.seq_len,
             },
@@ -241,11 +303,42 @@ impl Gpt {
                 .collect(),
             head: GptHead {
                 ln_f: LayerNormConfig::new(d).init(device),
-                head: LinearConfig::new(d, VOCAB).with_bias(false).init(device),
+                head: ColumnParallelLinear::from_linear(
+                    &LinearConfig::new(d, VOCAB).with_bias(false).init(device),
+                    TensorParallel::none(),
+                ),
             },
             checkpoint_blocks: false,
         };
         model.map(&mut GptInit::new(seed, shape.layers))
+    }
+
+    /// This rank's slice of the (whole) model over `tp` (Megatron-LM's split, arXiv
+    /// 1909.08053 §3): in each block its heads and its block of the MLP's hidden features,
+    /// its block of the vocabulary in the token embedding and the head (the loss is the
+    /// vocabulary-parallel cross-entropy); the LayerNorms and the position embedding whole.
+    /// Every parameter keeps its id; the slices' layouts are recorded in `tp`. With
+    /// [`TensorParallel::none`] the model as it is.
+    ///
+    /// # Panics
+    /// When the heads, the hidden features or the vocabulary do not split evenly.
+    pub fn sliced(self, tp: &TensorParallel) -> Self {
+        if tp.size() == 1 {
+            return self;
+        }
+        Self {
+            embed: GptEmbed {
+                tok_emb: self.embed.tok_emb.slice(tp.clone()),
+                pos_emb: self.embed.pos_emb,
+                seq_len: self.embed.seq_len,
+            },
+            blocks: self.blocks.iter().map(|b| b.sliced(tp)).collect(),
+            head: GptHead {
+                ln_f: self.head.ln_f,
+                head: self.head.head.slice(tp.clone()),
+            },
+            checkpoint_blocks: self.checkpoint_blocks,
+        }
     }
 
     /// The model with each block an activation checkpoint (`on`), or not: a checkpointed
@@ -313,7 +406,7 @@ impl Gpt {
     /// Drops layers when the batch asks for it (training only: see [`InferenceStep`]).
     pub fn forward_loss(&self, batch: GptBatch) -> ClassificationOutput {
         let logits = self.forward_dropping(batch.inputs.clone(), batch.layer_drop);
-        let (loss, logits, targets) = batch.cross_entropy(logits);
+        let (loss, logits, targets) = batch.cross_entropy(logits, &self.head.head.tp);
         ClassificationOutput::new(loss, logits, targets)
     }
 
@@ -371,7 +464,7 @@ impl PipeLayer<GptBatch> for GptLayer {
 
 impl PipeBatch for GptBatch {
     fn loss(&self, logits: Tensor<3>) -> Tensor<1> {
-        self.cross_entropy(logits).0
+        self.cross_entropy(logits, &self.vocab_group).0
     }
 }
 // ANCHOR_END: pipe_layer

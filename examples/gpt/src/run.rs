@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::Device;
 use burn_deepspeed::comm::{Communicator, CommunicatorExt};
 use burn_deepspeed::engine::transfer::{host_device_bytes, staged_collective_bytes};
+use burn_deepspeed::grid::Grid;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::pipe::PipelineEngine;
 use burn_deepspeed::progress::TrainProgress;
@@ -159,6 +160,9 @@ pub struct RunReport {
     pub first_step: u64,
     /// Global mean loss of each optimizer step run.
     pub losses: Vec<f64>,
+    /// The global gradient norm (before clipping) of each optimizer step run.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub grad_norms: Vec<f64>,
     /// Tokens per second over all ranks (wall clock of the whole run).
     pub tokens_per_s: f64,
     /// Samples per optimizer step over all ranks.
@@ -230,8 +234,10 @@ pub struct RunReport {
     pub staged_collective_bytes_per_step: Vec<u64>,
     /// Pipeline stages (1 without pipeline parallelism).
     pub pipeline_stages: usize,
-    /// Data-parallel replicas (`world / pipeline_stages`).
+    /// Data-parallel replicas (`world / (pipeline_stages · tensor_parallel)`).
     pub data_parallel: usize,
+    /// Tensor-parallel slices of each layer (`tensor_parallel.tp_size`).
+    pub tensor_parallel: usize,
     /// Pipelined runs: each stage's idle share of its schedule, 1 − (forward + backward
     /// time) / (schedule time) summed over the run, averaged over every rank.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -400,9 +406,13 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let device = spec.device.device(comm.rank());
     let (rank, world) = (comm.rank(), comm.world_size());
     // ANCHOR: engine_loop
+    // The grid of `tensor_parallel.tp_size` slices x the data-parallel replicas; each rank
+    // builds the whole model from the seed and keeps its slice.
+    let grid = Grid::from_config(&spec.config, comm.clone(), &device)?;
     let model = Gpt::new(spec.shape, spec.seed, &device)
-        .with_activation_checkpointing(spec.config.activation_checkpointing.is_some());
-    let mut engine = DeepSpeedEngine::new(model, spec.config.clone(), comm.clone())?;
+        .with_activation_checkpointing(spec.config.activation_checkpointing.is_some())
+        .sliced(grid.tensor_parallel());
+    let mut engine = DeepSpeedEngine::with_grid(model, spec.config.clone(), &grid)?;
     if let Some(dir) = &spec.resume_from {
         engine.load_checkpoint(dir, None)?;
     }
@@ -421,6 +431,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     }
     // Capacity for what a report keeps, not a blind allocation of `--steps` entries.
     let mut losses = Vec::with_capacity((spec.steps - first_step).min(1 << 16) as usize);
+    let mut grad_norms = Vec::with_capacity(losses.capacity());
     let (mut per_step_bytes, mut per_sample, mut compressed) = (Vec::new(), Vec::new(), 0);
     let mut per_step_model_bytes = Vec::new();
     let (mut fb_seconds, mut optimizer_seconds) = (Vec::new(), Vec::new());
@@ -437,6 +448,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         host_device.push(host_device_bytes() - copied);
         staged.push(staged_collective_bytes() - staged_before);
         losses.push(report.loss);
+        grad_norms.push(report.grad_norm);
         per_step_bytes.push(report.bytes_sent);
         per_step_model_bytes.push(report.model_bytes_sent);
         per_sample.push(step_start.elapsed().as_secs_f64() / batch.train_batch_size as f64);
@@ -484,10 +496,11 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         world,
         backend: comm.backend().to_string(),
         zero_stage: engine.config().zero_optimization.stage.into(),
-        params: engine.num_params(),
+        params: engine.model_params(),
         steps: spec.steps,
         first_step,
         losses,
+        grad_norms,
         tokens_per_s: ((spec.steps - first_step) * batch.train_batch_size * seq as u64) as f64
             / elapsed,
         train_batch_size: batch.train_batch_size,
@@ -514,7 +527,8 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         host_device_bytes_per_step: host_device,
         staged_collective_bytes_per_step: staged,
         pipeline_stages: 1,
-        data_parallel: world,
+        data_parallel: grid.topology().data,
+        tensor_parallel: grid.topology().tensor,
         bubble_fraction: None,
         peak_live_activations_per_stage: None,
         gather_stats: engine.gather_stats(),
@@ -605,9 +619,13 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
     let rank = comm.rank();
     let world = comm.world_size();
     // ANCHOR: pipe_loop
-    let layers = Gpt::new(spec.shape, spec.seed, &device).into_layers();
-    let mut engine =
-        PipelineEngine::new(layers, spec.config.clone(), comm.clone(), device.clone())?;
+    // The 3D grid: `pipeline.stages` x the replicas x `tensor_parallel.tp_size` slices.
+    let grid = Grid::from_config(&spec.config, comm.clone(), &device)?;
+    let tp = grid.tensor_parallel().clone();
+    let layers = Gpt::new(spec.shape, spec.seed, &device)
+        .sliced(&tp)
+        .into_layers();
+    let mut engine = PipelineEngine::with_grid(layers, spec.config.clone(), &grid, device.clone())?;
     let batch = engine.batch();
     let topo = engine.topology();
     let replica = engine.replica();
@@ -616,6 +634,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
     let progress = TrainProgress::new(if spec.progress { rank } else { usize::MAX }, spec.steps);
     let inner = device.clone().inner();
     let mut losses = Vec::with_capacity(spec.steps.min(1 << 16) as usize);
+    let mut grad_norms = Vec::with_capacity(losses.capacity());
     let mut loss_scale = Vec::new();
     let (mut compute, mut scheduled, mut live) = (0.0f64, 0.0f64, 0usize);
     let (mut host_device, mut staged) = (Vec::new(), Vec::new());
@@ -625,12 +644,15 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         // Replica d's micro-batch k holds the rows a data-parallel rank d would train on.
         let report = engine.train_batch(|k| {
             let first = (k as u64 * topo.replicas as u64 + replica as u64) * micro as u64;
-            spec.corpus.batch(step, first, micro, seq, &inner)
+            spec.corpus
+                .batch(step, first, micro, seq, &inner)
+                .with_vocab_group(tp.clone())
         })?;
         // ANCHOR_END: pipe_loop
         host_device.push(host_device_bytes() - copied);
         staged.push(staged_collective_bytes() - staged_before);
         losses.push(report.loss);
+        grad_norms.push(report.grad_norm);
         loss_scale.extend(report.loss_scale);
         compute += report.compute_time.as_secs_f64();
         scheduled += report.schedule_time.as_secs_f64();
@@ -672,6 +694,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         steps: spec.steps,
         first_step: 0,
         losses,
+        grad_norms,
         tokens_per_s: (spec.steps * batch.train_batch_size * seq as u64) as f64 / elapsed,
         train_batch_size: batch.train_batch_size,
         gradient_accumulation_steps: batch.gradient_accumulation_steps,
@@ -702,10 +725,14 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         staged_collective_bytes_per_step: staged,
         pipeline_stages: topo.stages,
         data_parallel: topo.replicas,
+        tensor_parallel: grid.topology().tensor,
         bubble_fraction: Some(figures.iter().map(|f| f.bubble).sum::<f64>() / world as f64),
         peak_live_activations_per_stage: Some(
             (0..topo.stages)
-                .map(|s| figures[topo.rank_of(s, 0)].live_activations as usize)
+                // Stage s's first rank: replica 0, slice 0 (the tensor axis fastest).
+                .map(|s| {
+                    figures[s * topo.replicas * grid.topology().tensor].live_activations as usize
+                })
                 .collect(),
         ),
         gather_stats: None,

@@ -15,7 +15,7 @@ use super::serde_util::{count, opt_count};
 use super::{
     ActivationCheckpointingConfig, AioConfig, BatchSizes, Bf16Config, FlopsProfilerConfig,
     Fp16Config, OptimizerConfig, OptimizerKind, PipelineConfig, PldConfig, SchedulerConfig,
-    ZeroConfig, ZeroStage, resolve_batch,
+    TensorParallelConfig, ZeroConfig, ZeroStage, resolve_batch,
 };
 use crate::{DeepSpeedError, Result};
 
@@ -68,6 +68,8 @@ pub struct DeepSpeedConfig {
     /// Pipeline parallelism.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineConfig>,
+    /// Tensor slicing.
+    pub tensor_parallel: TensorParallelConfig,
     /// Progressive layer dropping.
     pub progressive_layer_drop: PldConfig,
     /// Flops profiler.
@@ -98,6 +100,7 @@ impl Default for DeepSpeedConfig {
             bf16: Bf16Config::default(),
             zero_optimization: ZeroConfig::default(),
             pipeline: None,
+            tensor_parallel: TensorParallelConfig::default(),
             progressive_layer_drop: PldConfig::default(),
             flops_profiler: FlopsProfilerConfig::default(),
             activation_checkpointing: None,
@@ -186,6 +189,19 @@ impl DeepSpeedConfig {
         } else {
             None
         }
+    }
+
+    /// Ranks per tensor-parallel group (`tensor_parallel.tp_size`; 1 without slicing).
+    pub fn tp_size(&self) -> usize {
+        usize::try_from(self.tensor_parallel.tp_size).unwrap_or(usize::MAX)
+    }
+
+    /// Pipeline stages (`pipeline.stages`; 1 without a pipeline or with `"auto"`).
+    pub fn pipeline_stages(&self) -> usize {
+        self.pipeline
+            .as_ref()
+            .and_then(|p| p.stage_count())
+            .map_or(1, |n| n as usize)
     }
 
     /// The precision's name as the config spells its section: `fp16`, `bf16` or `fp32`.
@@ -290,6 +306,12 @@ impl DeepSpeedConfig {
             return Err(DeepSpeedError::InvalidValue {
                 path: "gradient_predivide_factor".into(),
                 message: format!("must be a finite number > 0, found {f}"),
+            });
+        }
+        if self.tensor_parallel.tp_size == 0 {
+            return Err(DeepSpeedError::InvalidValue {
+                path: "tensor_parallel.tp_size".into(),
+                message: "must be at least 1".into(),
             });
         }
         let pld = &self.progressive_layer_drop;

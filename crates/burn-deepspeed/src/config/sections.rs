@@ -74,6 +74,23 @@ pub enum AutoTag {
     Auto,
 }
 
+/// `tensor_parallel`: tensor slicing (Megatron-LM, arXiv 1909.08053), the third axis of
+/// 3D parallelism. DeepSpeed spells the size `tp_size` in its inference config and
+/// `autotp_size` in its training config; both are read.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TensorParallelConfig {
+    /// Ranks that each hold a slice of every sliced layer (1: no slicing).
+    #[serde(alias = "autotp_size", deserialize_with = "count")]
+    pub tp_size: u64,
+}
+
+impl Default for TensorParallelConfig {
+    fn default() -> Self {
+        Self { tp_size: 1 }
+    }
+}
+
 /// `pipeline`: pipeline parallelism.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -91,6 +91,13 @@ pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()
             Ok(())
         }
         EntryPoint::Strategy { checkpointer } => {
+            if config.tp_size() > 1 {
+                return refuse(
+                    "tensor_parallel.tp_size",
+                    "the Learner strategy trains data-parallel replicas of the Learner's \
+                     model; train a sliced model with `DeepSpeedEngine::with_grid`",
+                );
+            }
             if checkpointer && stage != ZeroStage::Disabled {
                 return refuse(
                     "zero_optimization.stage",

@@ -15,16 +15,17 @@ use burn_deepspeed_strategies::zero::PartitionState;
 
 use super::checkpoint::{self, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta};
 use super::estimate::{StatePrecision, estimate_model_states};
-use super::flat::param_paths;
+use super::flat::{ParamLayout, param_paths};
 use super::heap::HeapWindow;
 use super::memory::ModelStateBytes;
 use super::{StepLoss, StepReport};
 use crate::activation::{CheckpointStats, take_stats, with_config_options};
-use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
+use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
+use crate::grid::Grid;
 use crate::precision::{
     DynamicLossScaler, LossScalerState, unscaled_backward_message, with_loss_scale,
 };
-use crate::sync::{self, GradSync};
+use crate::sync::{self, GradSync, ModelParallelNorm};
 use crate::{DeepSpeedError, Result, agreed};
 
 /// Data-parallel training engine with ZeRO (arXiv 1910.02054) stages 0 to 3.
@@ -46,7 +47,11 @@ pub struct DeepSpeedEngine<M: Module> {
     model: M,
     sync: Box<dyn GradSync<M>>,
     pld: Option<ProgressiveLayerDrop>,
+    /// The data-parallel group: where gradients are averaged and ZeRO cuts the state.
     comm: Arc<dyn Communicator>,
+    /// The grid: the data-parallel group alone, or with tensor slicing its tensor-parallel
+    /// group too; every rank of its world agrees on each step.
+    grid: Grid,
     config: DeepSpeedConfig,
     batch: BatchSizes,
     loss_sum: f64,
@@ -74,10 +79,47 @@ where
     /// Creates the engine for this rank: resolves the config for the communicator's world
     /// size, refuses what it cannot run, builds the gradient regime (with its optimizer), and
     /// broadcasts rank 0's parameters.
-    pub fn new(model: M, mut config: DeepSpeedConfig, comm: Arc<dyn Communicator>) -> Result<Self> {
+    pub fn new(model: M, config: DeepSpeedConfig, comm: Arc<dyn Communicator>) -> Result<Self> {
+        if config.tp_size() > 1 {
+            return Err(DeepSpeedError::Unsupported {
+                key: "tensor_parallel.tp_size".into(),
+                reason: format!(
+                    "tp_size is {}: build a `grid::Grid` from the config, slice the model \
+                     with its `tensor_parallel()` group, and create the engine with \
+                     `DeepSpeedEngine::with_grid`",
+                    config.tp_size()
+                ),
+            });
+        }
+        Self::with_grid(model, config, &Grid::data_parallel(comm))
+    }
+
+    /// [`new`](Self::new) on a [`Grid`] (DeepSpeed's `initialize(mpu=...)`): `model` is this
+    /// rank's slice of the model over the grid's
+    /// [`tensor_parallel`](Grid::tensor_parallel) group (its sliced layers record their
+    /// layouts there), and the engine is data-parallel over the grid's
+    /// [`data`](Grid::data) group: gradients are averaged there, ZeRO cuts the state there,
+    /// and the batch sizes count its ranks. The global gradient norm counts each logical
+    /// parameter once ([`ModelParallelNorm`](crate::sync::ModelParallelNorm)). Every rank of the grid agrees
+    /// on each step, so a failure on one slice fails the step everywhere.
+    ///
+    /// With tensor slicing this version runs ZeRO stages 0-2 with Adam or AdamW (LAMB's
+    /// per-tensor trust ratios would see slices; stage 3 and 1-bit compression are refused
+    /// by key), and no checkpoints yet.
+    pub fn with_grid(model: M, mut config: DeepSpeedConfig, grid: &Grid) -> Result<Self> {
+        let comm = grid.data().clone();
         let batch = config.resolve(comm.world_size())?;
         check_supported(&config, EntryPoint::Engine)?;
+        check_grid(&config, grid)?;
         let (model, mut sync) = sync::build(model, &config, comm.clone())?;
+        if grid.topology().tensor > 1 {
+            let tp = grid.tensor_parallel();
+            sync.model_parallel_norm(ModelParallelNorm::none().with_tensor(
+                grid.tensor().clone(),
+                sync.layout(),
+                tp,
+            ))?;
+        }
         // Mixed precision: the regime keeps fp32 masters of the (broadcast) f32 parameters,
         // and the model becomes their 16-bit working copy.
         let model = match config.working_dtype() {
@@ -100,6 +142,7 @@ where
             sync,
             pld,
             comm,
+            grid: grid.clone(),
             config,
             batch,
             loss_sum: 0.0,
@@ -178,8 +221,13 @@ where
                     .then(|| "step() called before any forward_backward()".to_string())
             })
             .or_else(|| self.unscaled.then(unscaled_backward_message));
+        // A sliced layer's collective that failed in forward or backward left zeros.
+        let failure = match self.grid.tensor_parallel().take_error() {
+            Some(e) => Some(format!("a tensor-parallel collective failed: {e}")),
+            None => failure,
+        };
         let local = failure.map_or(Ok(()), |f| Err(DeepSpeedError::Data(f)));
-        if let Err(e) = agreed(self.comm.as_ref(), "step", local) {
+        if let Err(e) = agreed(self.grid.world().as_ref(), "step", local) {
             self.sync.discard();
             self.loss_sum = 0.0;
             self.stats_at_step_start = None;
@@ -312,6 +360,7 @@ where
     /// phase), not the compression error buffers: after a load those start from zero, as in
     /// DeepSpeed.
     pub fn save_checkpoint(&self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
+        self.refuse_sliced_checkpoint()?;
         let tag = tag.map_or_else(|| format!("global_step{}", self.global_step), String::from);
         let meta = self.meta();
         checkpoint::save(
@@ -334,6 +383,7 @@ where
     /// checkpoint, every rank returns the error and the engine is left as it was. Returns the
     /// step.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<u64> {
+        self.refuse_sliced_checkpoint()?;
         let comm = self.comm.clone();
         let loaded = checkpoint::load(dir.as_ref(), tag, &self.meta(), comm.as_ref())?;
         let mut scaler = self.scaler.clone();
@@ -355,6 +405,20 @@ where
         self.skipped_steps = loaded.meta.skipped_steps;
         self.loss_sum = 0.0;
         Ok(self.global_step)
+    }
+
+    /// Checkpoints store whole tensors' slices with their layout only from the grid-aware
+    /// format on (not yet): a sliced model is refused rather than saved as if whole.
+    fn refuse_sliced_checkpoint(&self) -> Result<()> {
+        match self.grid.topology().tensor {
+            1 => Ok(()),
+            tp => Err(DeepSpeedError::Unsupported {
+                key: "tensor_parallel.tp_size".into(),
+                reason: format!(
+                    "checkpoints of a model sliced over {tp} ranks are not implemented yet"
+                ),
+            }),
+        }
     }
 
     /// This engine's checkpoint metadata (no files yet).
@@ -392,11 +456,16 @@ impl<M: Module> DeepSpeedEngine<M> {
     /// The whole parameters, flat in layout order (the order the module visits them). At
     /// ZeRO stage 3, and with bf16 masters (gathered in fp32), a collective: every rank calls
     /// it, and a rank that fails to take part in the gather fails it on every rank.
+    ///
+    /// With tensor slicing the slices are joined over the tensor-parallel group (a
+    /// collective), so that every rank returns the whole model's parameters, in the layout
+    /// of the same model unsliced.
     pub fn flat_params(&self) -> Result<Vec<f32>> {
-        Ok(self
+        let local = self
             .sync
             .whole_params(&self.model, true)?
-            .unwrap_or_default())
+            .unwrap_or_default();
+        join_slices(&self.grid, self.sync.layout(), local)
     }
     /// Consumes the engine and returns the model with whole parameters. At ZeRO stage 3 a
     /// collective (every rank calls it); the returned model's parameters read as stored.
@@ -432,6 +501,26 @@ impl<M: Module> DeepSpeedEngine<M> {
         self.batch
     }
     /// This rank's communicator.
+    /// The grid this engine trains on (data parallelism alone when created with
+    /// [`new`](DeepSpeedEngine::new)).
+    pub fn grid(&self) -> &Grid {
+        &self.grid
+    }
+    /// Parameters of the whole model: this rank's, with each sliced tensor counted whole
+    /// (equal to [`num_params`](Self::num_params) without tensor slicing).
+    pub fn model_params(&self) -> usize {
+        let tp = self.grid.tensor_parallel();
+        let layout = self.sync.layout();
+        layout
+            .slots
+            .iter()
+            .map(|s| match tp.layout(s.id) {
+                Some(_) => s.numel * tp.size(),
+                None => s.numel,
+            })
+            .sum()
+    }
+    /// The data-parallel group.
     pub fn comm(&self) -> &Arc<dyn Communicator> {
         &self.comm
     }
@@ -452,7 +541,7 @@ impl<M: Module> DeepSpeedEngine<M> {
     pub fn loss_scaler_state(&self) -> Option<LossScalerState> {
         self.scaler.as_ref().map(DynamicLossScaler::state)
     }
-    /// Number of float parameters.
+    /// Number of float parameters this rank holds (its slices under tensor slicing).
     pub fn num_params(&self) -> usize {
         self.sync.layout().numel
     }
@@ -496,4 +585,72 @@ impl<M: Module> DeepSpeedEngine<M> {
     pub fn one_bit_optimizer(&self) -> Option<&dyn OneBitOptimizer> {
         self.sync.one_bit()
     }
+}
+
+/// What a grid's shape asks of the config: the same tensor-parallel size, no pipeline (the
+/// pipeline engine trains those), and with slicing the optimizers whose step is elementwise.
+fn check_grid(config: &DeepSpeedConfig, grid: &Grid) -> Result<()> {
+    let topology = grid.topology();
+    let refuse = |key: &str, reason: String| {
+        Err(DeepSpeedError::Unsupported {
+            key: key.into(),
+            reason,
+        })
+    };
+    if topology.tensor != config.tp_size() {
+        return refuse(
+            "tensor_parallel.tp_size",
+            format!(
+                "the config asks for {} but the grid has {} tensor-parallel ranks",
+                config.tp_size(),
+                topology.tensor
+            ),
+        );
+    }
+    if topology.pipe > 1 {
+        return refuse(
+            "pipeline.stages",
+            "DeepSpeedEngine trains one stage per rank; train a pipeline with \
+             `burn_deepspeed::pipe::PipelineEngine`"
+                .into(),
+        );
+    }
+    let kind = config.optimizer_kind();
+    if topology.tensor > 1 && !matches!(kind, OptimizerKind::Adam | OptimizerKind::AdamW) {
+        return refuse(
+            "optimizer.type",
+            format!(
+                "{kind:?} with tensor slicing is not implemented: its per-tensor norms would \
+                 see one slice (LAMB's trust ratio) or its compression would cross the \
+                 tensor-parallel group (1-bit); use Adam or AdamW"
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// The whole parameters from this rank's `local` ones (flat in `layout`): each sliced
+/// tensor's slices gathered over the grid's tensor-parallel group and joined by its layout.
+/// Without slicing, `local` as it is.
+fn join_slices(grid: &Grid, layout: &ParamLayout, local: Vec<f32>) -> Result<Vec<f32>> {
+    let tp = grid.tensor_parallel();
+    let parts = tp.size();
+    if parts == 1 {
+        return Ok(local);
+    }
+    let comm = grid.tensor();
+    let mut whole = Vec::with_capacity(local.len() * parts);
+    for slot in &layout.slots {
+        let mine = &local[slot.offset..slot.offset + slot.numel];
+        match tp.layout(slot.id) {
+            None => whole.extend_from_slice(mine),
+            Some(cut) => {
+                let mut all = vec![0.0f32; slot.numel * parts];
+                comm.all_gather_equal(mine, &mut all)?;
+                let slices: Vec<&[f32]> = all.chunks(slot.numel).collect();
+                whole.extend(cut.join(&slices, &slot.shape));
+            }
+        }
+    }
+    Ok(whole)
 }

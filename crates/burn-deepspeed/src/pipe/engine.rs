@@ -20,13 +20,15 @@ use super::run::{Mode, Run, Slot};
 use super::ties::{TiedGroup, find_ties};
 use super::wire::{self, TAG_ACTIVATION, TAG_GRADIENT};
 use crate::activation::{checkpoint, with_config_options};
-use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, check_supported};
+use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
 use crate::engine::build_optimizer;
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat};
 use crate::engine::memory::{ModelStateBytes, burn_state_bytes_per_elem, param_bytes};
+use crate::grid::Grid;
 use crate::precision::{DynamicLossScaler, cast_module};
-use crate::sync::scale::{clip_to, squared_sum, sum_across};
-use crate::sync::{GradBuffer, SyncOptions, broadcast_params};
+use crate::sync::scale::clip_to;
+use crate::sync::{GradBuffer, ModelParallelNorm, SyncOptions, broadcast_params};
+use crate::tensor_parallel::TensorParallel;
 use crate::{DeepSpeedError, Result};
 
 /// The result of one pipelined optimizer step.
@@ -75,8 +77,14 @@ pub struct PipelineEngine<L, B> {
     stage: usize,
     replica: usize,
     world: Arc<dyn Communicator>,
+    /// The tensor-parallel group (this rank alone without slicing).
+    tensor: Arc<dyn Communicator>,
     pipe: Arc<dyn Communicator>,
     data: Arc<dyn Communicator>,
+    /// The group the layers are sliced over.
+    tp: TensorParallel,
+    /// How the gradient norm sums over the stages and the slices.
+    norm: ModelParallelNorm,
     ties: Vec<TiedGroup>,
     optim: ModuleOptimizer,
     config: DeepSpeedConfig,
@@ -172,23 +180,89 @@ where
     /// device the layers live on. Collective: every rank of `comm` must call it.
     pub fn new(
         layers: Vec<L>,
-        mut config: DeepSpeedConfig,
+        config: DeepSpeedConfig,
         comm: Arc<dyn Communicator>,
+        device: Device,
+    ) -> Result<Self> {
+        check_supported(&config, EntryPoint::Pipeline)?;
+        if config.tp_size() > 1 {
+            return Err(DeepSpeedError::Unsupported {
+                key: "tensor_parallel.tp_size".into(),
+                reason: "the layers must be sliced first: build a `grid::Grid` from the \
+                         config, slice the layers with its `tensor_parallel()` group, and \
+                         create the engine with `PipelineEngine::with_grid`"
+                    .into(),
+            });
+        }
+        let grid = Grid::new(comm, config.pipeline_stages(), 1, &device)?;
+        Self::with_grid(layers, config, &grid, device)
+    }
+
+    /// [`new`](Self::new) on a [`Grid`] (the full 3D grid: pp x dp x tp): `layers` are this
+    /// rank's slices over the grid's tensor-parallel group (every rank of the group passes its
+    /// slices of the same list), the stages run over the grid's pipe groups and the replicas
+    /// average over its data groups. The gradient norm counts each logical parameter once
+    /// ([`ModelParallelNorm`]: summed over the stages and the slices). Collective: every rank
+    /// of the grid calls it.
+    pub fn with_grid(
+        layers: Vec<L>,
+        mut config: DeepSpeedConfig,
+        grid: &Grid,
         device: Device,
     ) -> Result<Self> {
         check_supported(&config, EntryPoint::Pipeline)?;
         let pipeline = config.pipeline.clone().unwrap_or_default();
         let stages = pipeline.stage_count().unwrap_or(1) as usize;
-        let topo = PipeDataTopology::new(comm.world_size(), stages)?;
+        let shape = grid.topology();
+        if shape.pipe != stages || shape.tensor != config.tp_size() {
+            return Err(DeepSpeedError::Unsupported {
+                key: "pipeline.stages".into(),
+                reason: format!(
+                    "the config asks for {stages} stages x {} slices, the grid has {} x {}",
+                    config.tp_size(),
+                    shape.pipe,
+                    shape.tensor
+                ),
+            });
+        }
+        let kind = config.optimizer_kind();
+        if shape.tensor > 1 && !matches!(kind, OptimizerKind::Adam | OptimizerKind::AdamW) {
+            return Err(DeepSpeedError::Unsupported {
+                key: "optimizer.type".into(),
+                reason: format!(
+                    "{kind:?} with tensor slicing is not implemented; use Adam or AdamW"
+                ),
+            });
+        }
+        let topo = PipeDataTopology::new(shape.pipe * shape.data, stages)?;
         // The batch arithmetic counts data-parallel replicas, not ranks.
         let batch = config.resolve(topo.replicas)?;
-        let (stage, replica) = topo.coords(comm.rank());
+        let (stage, replica) = (grid.coord().pipe, grid.coord().data);
         let (counts, parts) = partition_layers(&layers, &pipeline.partition, stages)?;
-        let total_params = counts.iter().sum();
         let keys: Vec<Option<String>> = layers.iter().map(|l| l.tie_key()).collect();
+        let tp = grid.tensor_parallel().clone();
+        // Every stage's count of the whole model (its slices counted whole).
+        let total_params = layers
+            .iter()
+            .map(|l| {
+                let layout = ParamLayout::of(l);
+                layout
+                    .slots
+                    .iter()
+                    .map(|s| {
+                        s.numel
+                            * if tp.layout(s.id).is_some() {
+                                tp.size()
+                            } else {
+                                1
+                            }
+                    })
+                    .sum::<usize>()
+            })
+            .sum();
 
-        let pipe = comm.split(replica)?;
-        let data = comm.split(stage)?;
+        let comm = grid.world().clone();
+        let (pipe, data) = (grid.pipe().clone(), grid.data().clone());
         let mine: Vec<L> = layers
             .into_iter()
             .skip(parts[stage])
@@ -203,6 +277,8 @@ where
             })
             .collect();
         let ties = find_ties(&keys, &parts, stage, &ranges, pipe.as_ref())?;
+        let duplicates: Vec<Range<usize>> =
+            ties.iter().flat_map(|t| t.duplicates()).cloned().collect();
 
         let optim_cfg = config
             .optimizer
@@ -212,6 +288,10 @@ where
         let layout = ParamLayout::of(&mine);
         let mine = broadcast_params(data.as_ref(), &layout, mine)?;
         let mine = tie_params(mine, &layout, &ties)?;
+        let mut norm = ModelParallelNorm::none().with_group(pipe.clone(), duplicates);
+        if shape.tensor > 1 {
+            norm = norm.with_tensor(grid.tensor().clone(), &layout, &tp);
+        }
         let grads = GradBuffer::new(layout, data.clone(), &SyncOptions::of(&config));
         // Mixed precision: the optimizer steps fp32 masters, and the layers that run are
         // their 16-bit working copy.
@@ -233,8 +313,11 @@ where
             stage,
             replica,
             world: comm,
+            tensor: grid.tensor().clone(),
             pipe,
             data,
+            tp,
+            norm,
             ties,
             fresh_optim: optim.clone(),
             optim,
@@ -595,20 +678,14 @@ where
     /// Returns the norm before clipping.
     fn clip(&mut self) -> Result<f64> {
         let threshold = self.config.gradient_clipping;
+        // A sliced layer's collective that failed left zeros: the step stops here (the op
+        // aborted the world, so every rank fails).
+        if let Some(e) = self.tp.take_error() {
+            return Err(DeepSpeedError::Comm(e));
+        }
         let flat = self.grads.flat_mut();
-        let duplicates: f64 = self
-            .ties
-            .iter()
-            .flat_map(|t| t.duplicates())
-            .map(|r| squared_sum(&flat[r.clone()]))
-            .sum();
-        let local = squared_sum(flat) - duplicates;
-        let sq = if self.topo.stages > 1 {
-            sum_across(self.pipe.as_ref(), local)?
-        } else {
-            local
-        };
-        let norm = sq.max(0.0).sqrt();
+        let local = self.norm.host_sq(flat, 0);
+        let norm = self.norm.across(local)?.sqrt();
         clip_to(flat, norm, threshold);
         Ok(norm)
     }
@@ -689,11 +766,15 @@ where
     /// This rank's counters over the world, pipeline and data-parallel communicators:
     /// `(measured bytes sent, ring-model bytes sent)`.
     pub fn bytes_sent(&self) -> (u64, u64) {
-        [&self.world, &self.pipe, &self.data]
-            .iter()
-            .map(|c| c.stats())
-            .fold((0, 0), |(m, r), s| {
-                (m + s.total_sent(), r + s.total_model_sent())
-            })
+        let mut comms: Vec<&Arc<dyn Communicator>> = Vec::new();
+        for c in [&self.world, &self.pipe, &self.data, &self.tensor] {
+            // A group that is the whole world is the world's communicator: counted once.
+            if !comms.iter().any(|k| Arc::ptr_eq(k, c)) {
+                comms.push(c);
+            }
+        }
+        comms.iter().map(|c| c.stats()).fold((0, 0), |(m, r), s| {
+            (m + s.total_sent(), r + s.total_model_sent())
+        })
     }
 }

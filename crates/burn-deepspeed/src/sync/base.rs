@@ -174,6 +174,19 @@ pub trait GradSync<M: Module> {
         let _ = (working, dtype);
     }
 
+    /// Model parallelism (tensor slices, pipeline stages): from now on the global norm
+    /// counts each logical parameter once over the model-parallel groups (see [`ModelParallelNorm`](super::ModelParallelNorm)). Regimes that cannot
+    /// refuse.
+    fn model_parallel_norm(&mut self, norm: super::ModelParallelNorm) -> Result<()> {
+        let _ = norm;
+        Err(crate::DeepSpeedError::Unsupported {
+            key: "tensor_parallel.tp_size".into(),
+            reason: "this gradient regime does not run with tensor slicing yet; use ZeRO \
+                     stages 0-2 with Adam or AdamW"
+                .into(),
+        })
+    }
+
     /// Mixed precision: keeps fp32 master copies of this rank's parameters, taken from
     /// `model` (still in f32), and returns the model's working copy in `dtype` (f16 or bf16).
     /// From then on the optimizer steps the masters and the model receives them rounded.

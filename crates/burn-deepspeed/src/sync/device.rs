@@ -32,9 +32,10 @@ use burn_deepspeed_strategies::comm::ReduceOp;
 use burn_deepspeed_strategies::device::DeviceCollectives;
 use burn_deepspeed_strategies::zero::{FlatPartition, PartitionState};
 
+use super::ModelParallelNorm;
 use super::buffer::merge_presence;
 use super::device_step::{DeviceOptimizer, StepState, clip_to, device_step, squared_norm, staged};
-use super::scale::{Scaling, norm_across};
+use super::scale::{Scaling, sum_across};
 use super::{GradSync, Reduced, SavedState, SyncOptions};
 use crate::config::ZeroStage;
 use crate::engine::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
@@ -114,6 +115,9 @@ pub struct DeviceSync {
     /// rank gave a gradient when it is false, as the host regime does).
     ignore_unused: bool,
     meter: MemoryMeter,
+    /// Tensor slicing: the norm's group, and the 0/1 mask of what this rank counts in its
+    /// window of the gradient (`None`: everything).
+    slices: Option<(ModelParallelNorm, Option<Tensor<1>>)>,
 }
 
 impl DeviceSync {
@@ -146,6 +150,7 @@ impl DeviceSync {
             steps: vec![0; layout.slots.len()],
             mixed: false,
             deferred: None,
+            slices: None,
             ignore_unused: options.ignore_unused,
             layout,
             comm,
@@ -357,14 +362,27 @@ impl<M: Module> GradSync<M> for DeviceSync {
         };
         // The norm's square is the one value the host reads (summed over the slices at
         // stages 1-2, in f64, over the host communicator).
-        let local = squared_norm(&grads);
-        let norm = match self.partitioned() {
-            true => norm_across(self.comm.as_ref(), local)?,
-            false => local.sqrt(),
+        let local = match &self.slices {
+            Some((_, Some(mask))) => squared_norm(&(grads.clone() * mask.clone())),
+            _ => squared_norm(&grads),
+        };
+        let data = match self.partitioned() {
+            true => sum_across(self.comm.as_ref(), local)?,
+            false => local,
+        };
+        let norm = match &self.slices {
+            Some((slices, _)) => slices.across(data)?.sqrt(),
+            None => data.sqrt(),
         };
         let grads = clip_to(grads, norm, self.clip);
         self.grads = Some(grads);
         Ok(Reduced::global(norm))
+    }
+
+    fn model_parallel_norm(&mut self, norm: ModelParallelNorm) -> Result<()> {
+        let mask = norm.mask(self.own.clone(), &self.device);
+        self.slices = Some((norm, mask));
+        Ok(())
     }
 
     fn step(&mut self, model: M, lr: f64) -> Result<M> {

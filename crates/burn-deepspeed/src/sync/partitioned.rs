@@ -23,10 +23,11 @@ use burn_deepspeed_strategies::bucket::bucket_ranges;
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, PartitionedOptimizer};
 
+use super::ModelParallelNorm;
 use super::bucket::Bucket;
 use super::buffer::merge_presence;
 use super::elem::{GradElem, add_into};
-use super::scale::{Scaling, clip_across};
+use super::scale::{Scaling, clip_across, clip_to, sum_across};
 use super::{
     GradSync, NvmeOffload, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters,
 };
@@ -66,6 +67,8 @@ pub struct PartitionedSync<G: GradElem = f32> {
     /// Mixed precision: the fp32 masters of this rank's slice, which the optimizer steps
     /// (the model holds them rounded to its 16-bit dtype).
     master: Option<Vec<f32>>,
+    /// Tensor slicing: the norm's group.
+    slices: Option<ModelParallelNorm>,
 }
 
 impl<G: GradElem> PartitionedSync<G> {
@@ -129,6 +132,7 @@ impl<G: GradElem> PartitionedSync<G> {
             deferred: None,
             meter: MemoryMeter::default(),
             master: None,
+            slices: None,
         }
     }
 
@@ -321,9 +325,24 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
             self.reduce_scatter_full(scaling)?;
         }
         let (comm, clip) = (self.comm.clone(), self.options.clip);
+        let (slices, start) = (self.slices.clone(), self.own.start);
         let grads = self.own_grads();
         scaling.apply_post(grads);
-        Ok(Reduced::global(clip_across(comm.as_ref(), grads, clip)?))
+        let norm = match slices {
+            Some(slices) => {
+                let data = sum_across(comm.as_ref(), slices.host_sq(grads, start))?;
+                let norm = slices.across(data)?.sqrt();
+                clip_to(grads, norm, clip);
+                norm
+            }
+            None => clip_across(comm.as_ref(), grads, clip)?,
+        };
+        Ok(Reduced::global(norm))
+    }
+
+    fn model_parallel_norm(&mut self, norm: ModelParallelNorm) -> Result<()> {
+        self.slices = Some(norm);
+        Ok(())
     }
 
     fn step(&mut self, model: M, lr: f64) -> Result<M> {

@@ -18,9 +18,10 @@ use burn::tensor::{Bytes, FloatDType};
 use burn_deepspeed_strategies::comm::{Communicator, ThreadWorld, ThreadWorldOptions};
 use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, PartitionedOptimizer};
 
+use super::ModelParallelNorm;
 use super::buffer::GradBuffer;
 use super::elem::GradElem;
-use super::scale::clip_local;
+use super::scale::{clip_local, clip_to};
 use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
 use crate::engine::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat, restore_params};
@@ -51,6 +52,8 @@ pub struct ReplicatedSync<G: GradElem = f32> {
     flat_kind: Option<PartitionedKind>,
     /// Mixed precision: the whole model's fp32 masters and their optimizer.
     masters: Option<Masters>,
+    /// Tensor slicing: the norm's group.
+    slices: Option<ModelParallelNorm>,
 }
 
 /// The fp32 masters of the whole model and the flat optimizer that steps them.
@@ -82,6 +85,7 @@ impl<G: GradElem> ReplicatedSync<G> {
             meter: MemoryMeter::default(),
             flat_kind: None,
             masters: None,
+            slices: None,
         }
     }
 
@@ -163,10 +167,22 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
 
     fn reduce(&mut self, loss_scale: f32) -> Result<Reduced> {
         self.buffer.average(loss_scale)?;
-        Ok(Reduced::global(clip_local(
-            self.buffer.flat_mut(),
-            self.clip,
-        )))
+        let norm = match &self.slices {
+            Some(slices) => {
+                let norm = slices
+                    .across(slices.host_sq(self.buffer.flat_mut(), 0))?
+                    .sqrt();
+                clip_to(self.buffer.flat_mut(), norm, self.clip);
+                norm
+            }
+            None => clip_local(self.buffer.flat_mut(), self.clip),
+        };
+        Ok(Reduced::global(norm))
+    }
+
+    fn model_parallel_norm(&mut self, norm: ModelParallelNorm) -> Result<()> {
+        self.slices = Some(norm);
+        Ok(())
     }
 
     fn step(&mut self, model: M, lr: f64) -> Result<M> {

@@ -5,24 +5,27 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
 
+use burn::module::ParamId;
 use burn::tensor::Tensor;
 use burn_deepspeed_strategies::CommError;
 use burn_deepspeed_strategies::comm::ReduceOp;
 use burn_deepspeed_strategies::device::DeviceCollectives;
 
-use super::op;
+use super::{SliceLayout, op};
 use crate::engine::transfer;
 
 /// The collectives of one tensor-parallel group and the first failure of its ops.
 pub(crate) struct Group {
     coll: Arc<dyn DeviceCollectives>,
     error: Mutex<Option<CommError>>,
+    /// How each parameter sliced over this group is cut.
+    layouts: Mutex<HashMap<ParamId, SliceLayout>>,
 }
 
 impl Group {
-    /// The sum of `t` over the group (zeros after a failure, which is kept for
+    /// `op` of `t` over the group (zeros after a failure, which is kept for
     /// [`TensorParallel::take_error`]; the calls after it do not communicate).
-    pub(crate) fn all_reduce(&self, t: Tensor<1>) -> Tensor<1> {
+    pub(crate) fn all_reduce(&self, t: Tensor<1>, op: ReduceOp) -> Tensor<1> {
         let mut error = self.error.lock().unwrap_or_else(|e| e.into_inner());
         if error.is_some() || self.coll.world_size() == 1 {
             return match error.is_some() {
@@ -33,9 +36,7 @@ impl Group {
         let device = t.device();
         let zeros = t.zeros_like();
         let _span = tracing::trace_span!("tp_all_reduce", elems = t.dims()[0]).entered();
-        match transfer::staged_collective(self.coll.as_ref(), &device, |c| {
-            c.all_reduce(t, ReduceOp::Sum)
-        }) {
+        match transfer::staged_collective(self.coll.as_ref(), &device, |c| c.all_reduce(t, op)) {
             Ok(sum) => sum,
             Err(e) => {
                 // The op cannot return the error: the world is aborted so that the peers
@@ -74,19 +75,28 @@ pub(crate) fn resolve(id: u64) -> Arc<Group> {
 /// One rank's tensor-parallel group: the ranks that each hold a slice of the same layers
 /// (consecutive ranks of a [`GridTopology`](burn_deepspeed_strategies::pipe::GridTopology)).
 /// Cloning shares the group; it is deregistered when the last clone drops.
+///
+/// [`TensorParallel::none`] is the group of one rank: the layers are whole and the ops are
+/// the identity, so a model written with sliced layers runs unchanged without slicing (as
+/// Megatron-LM's models do at a tensor-parallel size of 1).
 #[derive(Clone)]
 pub struct TensorParallel {
-    id: u64,
-    group: Arc<Group>,
+    group: Option<(u64, Arc<Group>)>,
 }
 
 impl std::fmt::Debug for TensorParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TensorParallel")
-            .field("id", &self.id)
-            .field("rank", &self.group.coll.rank())
-            .field("size", &self.group.coll.world_size())
+            .field("id", &self.group.as_ref().map(|(id, _)| *id))
+            .field("rank", &self.rank())
+            .field("size", &self.size())
             .finish()
+    }
+}
+
+impl Default for TensorParallel {
+    fn default() -> Self {
+        Self::none()
     }
 }
 
@@ -99,42 +109,132 @@ impl TensorParallel {
         let group = Arc::new(Group {
             coll,
             error: Mutex::new(None),
+            layouts: Mutex::new(HashMap::new()),
         });
         registry().insert(id, Arc::downgrade(&group));
-        Self { id, group }
+        Self {
+            group: Some((id, group)),
+        }
+    }
+
+    /// No slicing: a group of this rank alone.
+    pub fn none() -> Self {
+        Self { group: None }
     }
 
     /// This rank's slice index in the group.
     pub fn rank(&self) -> usize {
-        self.group.coll.rank()
+        self.group.as_ref().map_or(0, |(_, g)| g.coll.rank())
     }
 
     /// Ranks in the group (the number of slices).
     pub fn size(&self) -> usize {
-        self.group.coll.world_size()
+        self.group.as_ref().map_or(1, |(_, g)| g.coll.world_size())
+    }
+
+    /// The group's key for the ops, when it has more than one rank (the ops of a group of
+    /// one are the identity, and are not recorded at all).
+    fn key(&self) -> Option<u64> {
+        self.group
+            .as_ref()
+            .filter(|(_, g)| g.coll.world_size() > 1)
+            .map(|(id, _)| *id)
     }
 
     /// Megatron's `f`, before a column-parallel layer: `x` unchanged; in backward, its
     /// gradient summed over the group (each slice contributed a part of it).
     pub fn copy<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        op::tp_copy(x, self.id)
+        match self.key() {
+            Some(id) => op::tp_copy(x, id),
+            None => x,
+        }
     }
 
     /// Megatron's `g`, after a row-parallel layer: `x` summed over the group (each slice
     /// computed a partial product); in backward, the gradient unchanged.
     pub fn reduce<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        op::tp_reduce(x, self.id)
+        match self.key() {
+            Some(id) => op::tp_reduce(x, id),
+            None => x,
+        }
+    }
+
+    /// The elementwise maximum of `x` over the group, outside autodiff (a constant for the
+    /// graph: vocabulary-parallel softmax subtracts it for stability only).
+    pub fn max<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let x = x.detach();
+        match (&self.group, self.key()) {
+            (Some((_, group)), Some(_)) => {
+                let shape = x.shape();
+                let flat = x.reshape([shape.num_elements()]);
+                group.all_reduce(flat, ReduceOp::Max).reshape(shape)
+            }
+            _ => x,
+        }
+    }
+
+    /// Records how parameter `id`, one of this rank's slices, is cut from its whole tensor
+    /// (see [`TensorParallel::gather`]). Sliced layers call it as they cut.
+    pub fn record(&self, id: ParamId, layout: SliceLayout) {
+        if let Some((_, group)) = &self.group {
+            lock(&group.layouts).insert(id, layout);
+        }
+    }
+
+    /// How parameter `id` is cut, `None` when it is whole on every rank of the group
+    /// (replicated: a LayerNorm, a row-parallel layer's bias).
+    pub fn layout(&self, id: ParamId) -> Option<SliceLayout> {
+        match self.key() {
+            Some(_) => self
+                .group
+                .as_ref()
+                .and_then(|(_, g)| lock(&g.layouts).get(&id).copied()),
+            None => None,
+        }
+    }
+
+    /// The whole tensor of which `slice` is this rank's block under `layout`: every rank's
+    /// block, gathered over the group (a collective: every rank calls it, in the same
+    /// order). Outside autodiff.
+    pub fn gather<const D: usize>(
+        &self,
+        slice: Tensor<D>,
+        layout: SliceLayout,
+    ) -> Result<Tensor<D>, CommError> {
+        let (Some((_, group)), Some(_)) = (&self.group, self.key()) else {
+            return Ok(slice);
+        };
+        let size = self.size();
+        let shape = slice.shape();
+        let n = shape.num_elements();
+        let device = slice.device();
+        let flat = slice.detach().reshape([n]);
+        let all = transfer::staged_collective(group.coll.as_ref(), &device, |c| {
+            c.all_gather(flat, &vec![n; size])
+        })?;
+        let block = shape[layout.dim] / layout.sections;
+        let ranks: Vec<Tensor<D>> = (0..size)
+            .map(|r| all.clone().narrow(0, r * n, n).reshape(shape.clone()))
+            .collect();
+        let pieces = (0..layout.sections)
+            .flat_map(|s| {
+                ranks
+                    .iter()
+                    .map(move |t| t.clone().narrow(layout.dim, s * block, block))
+            })
+            .collect();
+        Ok(Tensor::cat(pieces, layout.dim))
     }
 
     /// The first collective failure of this group's ops since the last call: the ops return
     /// zeros after one, so a training step checks this before it steps.
     pub fn take_error(&self) -> Option<CommError> {
-        self.group
-            .error
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
+        self.group.as_ref().and_then(|(_, g)| lock(&g.error).take())
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Drop for Group {

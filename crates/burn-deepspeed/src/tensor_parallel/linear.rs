@@ -12,16 +12,55 @@ use burn::nn::Linear;
 use burn::tensor::Tensor;
 use burn::tensor::module::linear;
 
-use super::TensorParallel;
+use super::{SliceLayout, TensorParallel};
 
-/// The block `rank` of `parts` equal blocks of `n`, refusing a split that is not even.
-fn block(n: usize, parts: usize, rank: usize, what: &str) -> std::ops::Range<usize> {
+/// This rank's block of `whole` cut under `layout` over `tp` (see [`SliceLayout`]).
+///
+/// # Panics
+/// When a section does not split into equal blocks over the group.
+pub(crate) fn cut<const D: usize>(
+    whole: Tensor<D>,
+    layout: SliceLayout,
+    tp: &TensorParallel,
+    what: &str,
+) -> Tensor<D> {
+    let n = whole.dims()[layout.dim];
+    let (size, rank) = (tp.size(), tp.rank());
     assert!(
-        n.is_multiple_of(parts),
-        "{what}: {n} does not split into {parts} equal tensor-parallel slices"
+        n.is_multiple_of(layout.sections * size),
+        "{what}: {n} features in {} sections do not split into {size} equal tensor-parallel \
+         slices",
+        layout.sections
     );
-    let len = n / parts;
-    rank * len..(rank + 1) * len
+    let section = n / layout.sections;
+    let block = section / size;
+    let pieces = (0..layout.sections)
+        .map(|s| {
+            whole
+                .clone()
+                .narrow(layout.dim, s * section + rank * block, block)
+        })
+        .collect();
+    Tensor::cat(pieces, layout.dim)
+}
+
+/// This rank's slice of `whole` as a parameter with the whole's id (the slices of one
+/// logical tensor share it on every rank), its layout recorded in the group.
+pub(crate) fn sliced<const D: usize>(
+    whole: &Param<Tensor<D>>,
+    layout: SliceLayout,
+    tp: &TensorParallel,
+    what: &str,
+) -> Param<Tensor<D>> {
+    if tp.size() == 1 {
+        // Whole: the parameter itself, still lazy if it was.
+        return whole.clone();
+    }
+    let value = cut(whole.val(), layout, tp, what).detach();
+    tp.record(whole.id, layout);
+    let mut param = Param::from_tensor(value);
+    param.id = whole.id;
+    param
 }
 
 /// A linear layer whose output features are cut across the tensor-parallel group.
@@ -34,28 +73,55 @@ pub struct ColumnParallelLinear {
     /// The group.
     #[module(skip)]
     pub tp: TensorParallel,
+    /// The output is this many equal sections stacked (3 for a fused `[q | k | v]`
+    /// projection), each cut on its own.
+    #[module(skip)]
+    pub sections: usize,
 }
 
 impl ColumnParallelLinear {
-    /// This rank's slice of `whole` (the same layer on every rank).
+    /// This rank's slice of `whole` (the same layer on every rank). The parameters keep
+    /// `whole`'s ids.
     ///
     /// # Panics
     /// When the output features do not split evenly over the group.
     pub fn from_linear(whole: &Linear, tp: TensorParallel) -> Self {
-        let w = whole.weight.val();
-        let [d_in, d_out] = w.dims();
-        let cols = block(
-            d_out,
-            tp.size(),
-            tp.rank(),
-            "column-parallel output features",
-        );
-        let weight = Param::from_tensor(w.slice([0..d_in, cols.clone()]).detach());
-        let bias = whole
-            .bias
-            .as_ref()
-            .map(|b| Param::from_tensor(b.val().slice([cols.clone()]).detach()));
-        Self { weight, bias, tp }
+        Self::from_linear_sections(whole, 1, tp)
+    }
+
+    /// [`from_linear`](Self::from_linear) for a layer whose output is `sections` equal parts
+    /// stacked, each cut across the group on its own: a fused `[q | k | v]` projection (3
+    /// sections) keeps this rank's heads of each of q, k and v.
+    ///
+    /// # Panics
+    /// When a section's features do not split evenly over the group.
+    pub fn from_linear_sections(whole: &Linear, sections: usize, tp: TensorParallel) -> Self {
+        Self::cut_from(&whole.weight, whole.bias.as_ref(), sections, tp)
+    }
+
+    /// This (whole) layer cut across `tp`.
+    ///
+    /// # Panics
+    /// When the layer is a slice already, or does not split evenly over the group.
+    pub fn slice(&self, tp: TensorParallel) -> Self {
+        assert_eq!(self.tp.size(), 1, "the layer is a slice already");
+        Self::cut_from(&self.weight, self.bias.as_ref(), self.sections, tp)
+    }
+
+    fn cut_from(
+        weight: &Param<Tensor<2>>,
+        bias: Option<&Param<Tensor<1>>>,
+        sections: usize,
+        tp: TensorParallel,
+    ) -> Self {
+        let what = "column-parallel output features";
+        let layout = |dim| SliceLayout { dim, sections };
+        Self {
+            weight: sliced(weight, layout(1), &tp, what),
+            bias: bias.map(|b| sliced(b, layout(0), &tp, what)),
+            tp,
+            sections,
+        }
     }
 
     /// This rank's block of `x · W + b` (its features; `x` is whole on every rank).
@@ -79,24 +145,46 @@ pub struct RowParallelLinear {
 }
 
 impl RowParallelLinear {
-    /// This rank's slice of `whole` (the same layer on every rank).
+    /// This rank's slice of `whole` (the same layer on every rank). The parameters keep
+    /// `whole`'s ids.
     ///
     /// # Panics
     /// When the input features do not split evenly over the group.
     pub fn from_linear(whole: &Linear, tp: TensorParallel) -> Self {
-        let w = whole.weight.val();
-        let [d_in, d_out] = w.dims();
-        let rows = block(d_in, tp.size(), tp.rank(), "row-parallel input features");
-        let weight = Param::from_tensor(w.slice([rows, 0..d_out]).detach());
-        let bias = whole
-            .bias
-            .as_ref()
-            .map(|b| Param::from_tensor(b.val().detach()));
-        Self { weight, bias, tp }
+        Self::cut_from(&whole.weight, whole.bias.as_ref(), tp)
+    }
+
+    /// This (whole) layer cut across `tp`.
+    ///
+    /// # Panics
+    /// When the layer is a slice already, or does not split evenly over the group.
+    pub fn slice(&self, tp: TensorParallel) -> Self {
+        assert_eq!(self.tp.size(), 1, "the layer is a slice already");
+        Self::cut_from(&self.weight, self.bias.as_ref(), tp)
+    }
+
+    fn cut_from(
+        weight: &Param<Tensor<2>>,
+        bias: Option<&Param<Tensor<1>>>,
+        tp: TensorParallel,
+    ) -> Self {
+        let layout = SliceLayout {
+            dim: 0,
+            sections: 1,
+        };
+        Self {
+            weight: sliced(weight, layout, &tp, "row-parallel input features"),
+            // Whole on every rank: the same parameter.
+            bias: bias.cloned(),
+            tp,
+        }
     }
 
     /// `x · W + b` whole on every rank, from this rank's block of the input features.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        if self.tp.size() == 1 {
+            return linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()));
+        }
         let partial = linear(x, self.weight.val(), None);
         let sum = self.tp.reduce(partial);
         match &self.bias {
@@ -176,6 +264,47 @@ mod tests {
                 let row_slice = gb.clone().slice([r * cols..(r + 1) * cols, 0..d]);
                 close(&grow, &read(row_slice), "row slice");
                 close(&bias, &gb_bias, "row bias");
+            }
+        }
+    }
+
+    /// A fused `[q | k | v]` projection cut over 2 and 3 ranks keeps each rank's block of
+    /// every section, and gathering the slices (weight and bias, by their recorded layouts)
+    /// gives back the whole layer.
+    #[test]
+    fn a_sectioned_slice_gathers_back_whole() {
+        let device = Device::flex();
+        let (d, sections) = (4, 3);
+        let whole = LinearConfig::new(d, sections * 6).init(&device);
+        let x0 = Tensor::<2>::random([5, d], Distribution::Default, &device).into_data();
+        let whole_y = whole.forward(Tensor::<2>::from_data(x0.clone(), &device));
+        for world in [2usize, 3] {
+            let (_, ranks) = launch(world, Duration::from_secs(60), |comm| {
+                let tp = TensorParallel::new(Arc::new(HostCollectives::new(comm)));
+                let layer =
+                    ColumnParallelLinear::from_linear_sections(&whole, sections, tp.clone());
+                let y = layer.forward(Tensor::<2>::from_data(x0.clone(), &device));
+                let layout = tp.layout(layer.weight.id).expect("the weight's layout");
+                let weight = tp.gather(layer.weight.val(), layout)?;
+                let bias = layer.bias.as_ref().expect("a bias");
+                let bias_layout = tp.layout(bias.id).expect("the bias's layout");
+                let bias = tp.gather(bias.val(), bias_layout)?;
+                Ok((tp.rank(), read(y), read(weight), read(bias)))
+            })
+            .expect("the ranks run");
+            let block = 6 / world;
+            for (r, y, weight, bias) in ranks {
+                let mine: Vec<_> = (0..sections)
+                    .map(|s| whole_y.clone().narrow(1, s * 6 + r * block, block))
+                    .collect();
+                close(
+                    &y,
+                    &read(Tensor::cat(mine, 1)),
+                    "this rank's heads of q, k and v",
+                );
+                close(&weight, &read(whole.weight.val()), "the gathered weight");
+                let whole_bias = whole.bias.as_ref().expect("a bias").val();
+                close(&bias, &read(whole_bias), "the gathered bias");
             }
         }
     }

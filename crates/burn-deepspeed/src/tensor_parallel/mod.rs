@@ -1,14 +1,21 @@
 //! Tensor slicing (Megatron-LM, arXiv 1909.08053), the third axis of DeepSpeed's 3D
 //! parallelism: a layer's weight is cut across the ranks of a tensor-parallel group, and two
 //! conjugate ops keep the activations consistent ([`TensorParallel::copy`], Megatron's `f`,
-//! and [`TensorParallel::reduce`], its `g`).
+//! and [`TensorParallel::reduce`], its `g`). The layers: [`ColumnParallelLinear`],
+//! [`RowParallelLinear`], [`VocabParallelEmbedding`] and [`vocab_parallel_cross_entropy`].
 
+mod cross_entropy;
+mod embedding;
 mod group;
+mod layout;
 mod linear;
 mod op;
 
+pub use cross_entropy::vocab_parallel_cross_entropy;
+pub use embedding::VocabParallelEmbedding;
 pub use group::*;
-pub use linear::*;
+pub use layout::SliceLayout;
+pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use op::TensorParallelOps;
 
 #[cfg(test)]

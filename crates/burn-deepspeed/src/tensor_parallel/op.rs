@@ -10,6 +10,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Dispatch, Flex, TensorMetadata, backend_extension};
 use burn::tensor::Tensor;
+use burn_deepspeed_strategies::comm::ReduceOp;
 
 use super::group::resolve;
 use crate::engine::primitive::FlatPrimitive;
@@ -27,7 +28,7 @@ pub trait TensorParallelOps: burn::backend::Backend {
 /// The sum of a primitive over group `group`, on its device.
 fn all_reduce<B: FlatPrimitive>(x: FloatTensor<B>, group: u64) -> FloatTensor<B> {
     let shape = x.shape();
-    let sum = resolve(group).all_reduce(B::into_flat(x));
+    let sum = resolve(group).all_reduce(B::into_flat(x), ReduceOp::Sum);
     B::from_flat(sum, shape)
 }
 

@@ -1,0 +1,212 @@
+//! [`Grid`]: one rank's place in the 3D grid (pipeline stages x data-parallel replicas x
+//! tensor-parallel slices) and the communicators of its three groups: what Megatron-LM calls
+//! the `mpu` and DeepSpeed's `initialize(mpu=...)` takes, built here from the config.
+
+use std::sync::Arc;
+
+use burn::tensor::Device;
+use burn_deepspeed_strategies::comm::Communicator;
+use burn_deepspeed_strategies::device::device_collectives;
+use burn_deepspeed_strategies::pipe::{GridAxis, GridCoord, GridTopology};
+
+use crate::tensor_parallel::TensorParallel;
+use crate::{DeepSpeedConfig, DeepSpeedError, Result};
+
+/// This rank's groups in a pp x dp x tp grid (DeepSpeed's rank order: the tensor axis
+/// fastest, so a tensor-parallel group is consecutive ranks, placed on one node by a
+/// launcher).
+///
+/// Build one per rank (a collective: every rank of `world` calls it), slice the model with
+/// [`tensor_parallel`](Self::tensor_parallel), and hand both to
+/// [`DeepSpeedEngine::with_grid`](crate::DeepSpeedEngine::with_grid):
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # use burn::tensor::Device;
+/// # use burn_deepspeed::{DeepSpeedConfig, comm::Communicator, grid::Grid};
+/// # fn run(config: DeepSpeedConfig, world: Arc<dyn Communicator>) -> burn_deepspeed::Result<()> {
+/// let device = Device::flex().autodiff();
+/// let grid = Grid::from_config(&config, world, &device)?;
+/// let tp = grid.tensor_parallel().clone();
+/// // let model = MyModel::new(&device).slice(tp);
+/// // let engine = DeepSpeedEngine::with_grid(model, config, &grid)?;
+/// # let _ = tp; Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Grid {
+    topology: GridTopology,
+    coord: GridCoord,
+    world: Arc<dyn Communicator>,
+    pipe: Arc<dyn Communicator>,
+    data: Arc<dyn Communicator>,
+    tensor: Arc<dyn Communicator>,
+    tp: TensorParallel,
+}
+
+impl std::fmt::Debug for Grid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grid")
+            .field("topology", &self.topology)
+            .field("coord", &self.coord)
+            .finish()
+    }
+}
+
+impl Grid {
+    /// The grid of `world`'s ranks in `pipe` stages of `tensor` slices each (the replicas
+    /// take the rest); the tensor-parallel ops run on `device`'s collectives (NCCL on CUDA
+    /// where every rank can load it). A collective.
+    pub fn new(
+        world: Arc<dyn Communicator>,
+        pipe: usize,
+        tensor: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let key = match tensor > 1 {
+            true => "tensor_parallel.tp_size",
+            false => "pipeline.stages",
+        };
+        let topology = GridTopology::new(world.world_size(), pipe, tensor).map_err(|e| {
+            DeepSpeedError::Unsupported {
+                key: key.into(),
+                reason: e.to_string(),
+            }
+        })?;
+        let rank = world.rank();
+        let coord = topology.coords(rank);
+        // The same splits, in the same order, on every rank; a group that is the whole
+        // world is the world itself (its traffic counted in the world's stats).
+        let group = |axis: GridAxis| match topology.len(axis) == topology.world() {
+            true => Ok(world.clone()),
+            false => world.split(topology.color(axis, rank)),
+        };
+        let pipe = group(GridAxis::Pipe)?;
+        let data = group(GridAxis::Data)?;
+        let tensor = group(GridAxis::Tensor)?;
+        let tp = match topology.tensor > 1 {
+            true => TensorParallel::new(device_collectives(tensor.clone(), device)?),
+            false => TensorParallel::none(),
+        };
+        Ok(Self {
+            topology,
+            coord,
+            world,
+            pipe,
+            data,
+            tensor,
+            tp,
+        })
+    }
+
+    /// The grid a config names: `tensor_parallel.tp_size` slices and `pipeline.stages`
+    /// stages. A collective.
+    pub fn from_config(
+        config: &DeepSpeedConfig,
+        world: Arc<dyn Communicator>,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::new(world, config.pipeline_stages(), config.tp_size(), device)
+    }
+
+    /// Data parallelism alone: every rank a replica (no group is split off).
+    pub fn data_parallel(world: Arc<dyn Communicator>) -> Self {
+        let topology = GridTopology {
+            pipe: 1,
+            data: world.world_size(),
+            tensor: 1,
+        };
+        Self {
+            coord: topology.coords(world.rank()),
+            topology,
+            pipe: world.clone(),
+            data: world.clone(),
+            tensor: world.clone(),
+            world,
+            tp: TensorParallel::none(),
+        }
+    }
+
+    /// The grid's shape.
+    pub fn topology(&self) -> GridTopology {
+        self.topology
+    }
+
+    /// This rank's place.
+    pub fn coord(&self) -> GridCoord {
+        self.coord
+    }
+
+    /// Every rank of the grid.
+    pub fn world(&self) -> &Arc<dyn Communicator> {
+        &self.world
+    }
+
+    /// The ranks of this rank's pipeline (same replica and slice, every stage).
+    pub fn pipe(&self) -> &Arc<dyn Communicator> {
+        &self.pipe
+    }
+
+    /// The ranks that average gradients with this one (same stage and slice, every
+    /// replica): where ZeRO partitions the state.
+    pub fn data(&self) -> &Arc<dyn Communicator> {
+        &self.data
+    }
+
+    /// The ranks that hold the other slices of this rank's layers.
+    pub fn tensor(&self) -> &Arc<dyn Communicator> {
+        &self.tensor
+    }
+
+    /// The tensor-parallel group the sliced layers run their ops on
+    /// ([`TensorParallel::none`] when `tp` is 1).
+    pub fn tensor_parallel(&self) -> &TensorParallel {
+        &self.tp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::launch::launch;
+
+    /// 8 ranks as (pp 2, tp 2): each rank's groups are the topology's, ranked in grid order.
+    #[test]
+    fn the_groups_follow_the_topology() {
+        let (_, ranks) = launch(8, Duration::from_secs(60), |world| {
+            let grid = Grid::new(world.clone(), 2, 2, &Device::flex())?;
+            let sizes = [grid.pipe(), grid.data(), grid.tensor()].map(|c| c.world_size());
+            let index = [grid.pipe(), grid.data(), grid.tensor()].map(|c| c.rank());
+            Ok((
+                world.rank(),
+                grid.coord(),
+                sizes,
+                index,
+                grid.tensor_parallel().size(),
+            ))
+        })
+        .expect("the ranks run");
+        for (rank, coord, sizes, index, tp) in ranks {
+            // rank = (pipe · dp + data) · tp + tensor with dp 2, tp 2.
+            assert_eq!(rank, (coord.pipe * 2 + coord.data) * 2 + coord.tensor);
+            assert_eq!(sizes, [2, 2, 2]);
+            assert_eq!(index, [coord.pipe, coord.data, coord.tensor]);
+            assert_eq!(tp, 2);
+        }
+    }
+
+    #[test]
+    fn a_world_that_does_not_split_is_refused_by_key() {
+        let (_, ranks) = launch(3, Duration::from_secs(60), |world| {
+            Ok(Grid::new(world, 1, 2, &Device::flex()).map(|_| ()))
+        })
+        .expect("the ranks run");
+        for r in ranks {
+            let e = r
+                .expect_err("3 ranks are not a multiple of tp 2")
+                .to_string();
+            assert!(e.contains("tensor_parallel.tp_size"), "{e}");
+        }
+    }
+}

@@ -674,8 +674,8 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
             sent,
             model_sent,
             state,
-            // fp32 Adam: 4 bytes each of parameter, gradient, m and v per stage parameter.
-            formula: 16 * engine.stage_params() as u64,
+            // This rank's stage slice as Ψ (ZeRO stage 1: the optimizer state over dp).
+            formula: engine.model_state_bytes_formula(),
             peak_state: state,
             rss: peak_rss_bytes(),
             bubble: if scheduled > 0.0 {

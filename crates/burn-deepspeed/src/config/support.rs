@@ -64,14 +64,7 @@ pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()
                 );
             }
             match stage {
-                ZeroStage::Disabled => {}
-                ZeroStage::OptimizerStates => {
-                    return refuse(
-                        "zero_optimization.stage",
-                        "ZeRO stage 1 with a pipeline is not implemented yet; set the stage \
-                         to 0",
-                    );
-                }
+                ZeroStage::Disabled | ZeroStage::OptimizerStates => {}
                 _ => {
                     return refuse(
                         "zero_optimization.stage",
@@ -421,7 +414,7 @@ mod tests {
                 [true, false, false],
             ),
             (
-                r#""zero_optimization": {"stage": 1}"#,
+                r#""zero_optimization": {"stage": 2}"#,
                 "zero_optimization.stage",
                 [false, true, false],
             ),

@@ -568,13 +568,7 @@ impl<M: Module> DeepSpeedEngine<M> {
     }
     /// The bytes per parameter this engine's model states take ([`StatePrecision`]).
     pub fn state_precision(&self) -> StatePrecision {
-        if self.config.fp16.enabled {
-            StatePrecision::Mixed
-        } else if self.config.bf16.enabled {
-            StatePrecision::MixedFp32Grads
-        } else {
-            StatePrecision::Fp32
-        }
+        StatePrecision::of(&self.config)
     }
     /// Burn's module optimizer, when the engine steps with one (ZeRO stage 0, no 1-bit
     /// optimizer).

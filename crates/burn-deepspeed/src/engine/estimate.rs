@@ -35,6 +35,20 @@ pub enum StatePrecision {
     MixedFp32Grads,
 }
 
+impl StatePrecision {
+    /// The precision a config trains in: fp16 (16-bit gradients), bf16 (fp32 gradients) or
+    /// fp32.
+    pub fn of(config: &crate::DeepSpeedConfig) -> Self {
+        if config.fp16.enabled {
+            Self::Mixed
+        } else if config.bf16.enabled {
+            Self::MixedFp32Grads
+        } else {
+            Self::Fp32
+        }
+    }
+}
+
 /// [`MemoryEstimate`] for `params` parameters on `world` ranks at ZeRO `stage` (0-3), with
 /// `bucket` elements per reduction bucket (`reduce_bucket_size`) and, at stage 3,
 /// `live_params` gathered elements alive at once (the largest layer, or

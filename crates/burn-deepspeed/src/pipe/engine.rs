@@ -20,14 +20,20 @@ use super::run::{Mode, Run, Slot};
 use super::ties::{TiedGroup, find_ties};
 use super::wire::{self, TAG_ACTIVATION, TAG_GRADIENT};
 use crate::activation::{checkpoint, with_config_options};
+use crate::config::ZeroStage;
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
 use crate::engine::build_optimizer;
+use crate::engine::estimate::{StatePrecision, estimate_model_states};
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat};
 use crate::engine::memory::{ModelStateBytes, burn_state_bytes_per_elem, param_bytes};
+use crate::engine::partitioned_kind;
 use crate::grid::Grid;
 use crate::precision::{DynamicLossScaler, cast_module};
 use crate::sync::scale::clip_to;
-use crate::sync::{GradBuffer, ModelParallelNorm, SyncOptions, broadcast_params};
+use crate::sync::{
+    GradBuffer, GradSync, ModelParallelNorm, PartitionedSync, Reduced, SyncOptions,
+    broadcast_params,
+};
 use crate::tensor_parallel::TensorParallel;
 use crate::{DeepSpeedError, Result};
 
@@ -89,7 +95,13 @@ pub struct PipelineEngine<L, B> {
     optim: ModuleOptimizer,
     config: DeepSpeedConfig,
     batch: BatchSizes,
-    grads: GradBuffer,
+    /// This stage's gradients: averaged and stepped whole (ZeRO stage 0), or reduce-scattered
+    /// over the replicas and stepped in slices (stage 1).
+    grads: StageGrads<L>,
+    /// This stage's parameter layout.
+    layout: ParamLayout,
+    /// Stage 1: the reduction [`GradSync::reduce`] left for the optimizer step.
+    reduced: Option<Reduced>,
     /// The optimizer as built (stepped nothing), for measuring its state per element.
     fresh_optim: ModuleOptimizer,
     /// Bytes of the optimizer's state (counted after the first step).
@@ -106,6 +118,17 @@ pub struct PipelineEngine<L, B> {
     /// fp16: the loss scaler.
     scaler: Option<DynamicLossScaler>,
     _batch: PhantomData<fn(&B)>,
+}
+
+/// How a stage keeps its gradients and steps: DeepSpeed allows ZeRO stage 1 on a pipeline's
+/// data-parallel axis (stages 2 and 3 would cut the gradients that accumulate across
+/// micro-batches).
+enum StageGrads<L> {
+    /// Stage 0: the whole flat gradient, averaged over the replicas, and Burn's optimizer.
+    Replicated(Box<GradBuffer>),
+    /// Stage 1: the ZeRO regime over the data-parallel group ([`PartitionedSync`]): each
+    /// replica steps its slice of the stage's optimizer state.
+    Partitioned(Box<dyn GradSync<Vec<L>>>),
 }
 
 fn pipeline_error(msg: String) -> DeepSpeedError {
@@ -292,12 +315,41 @@ where
         if shape.tensor > 1 {
             norm = norm.with_tensor(grid.tensor().clone(), &layout, &tp);
         }
-        let grads = GradBuffer::new(layout, data.clone(), &SyncOptions::of(&config));
+        let options = SyncOptions::of(&config);
         // Mixed precision: the optimizer steps fp32 masters, and the layers that run are
         // their 16-bit working copy.
-        let (layers, masters) = match config.working_dtype() {
-            Some(dtype) => (cast_layers(&mine, dtype), Some(mine)),
-            None => (mine, None),
+        let (grads, layers, masters) = match options.stage {
+            ZeroStage::Disabled => {
+                let grads = StageGrads::Replicated(Box::new(GradBuffer::new(
+                    layout.clone(),
+                    data.clone(),
+                    &options,
+                )));
+                match config.working_dtype() {
+                    Some(dtype) => (grads, cast_layers(&mine, dtype), Some(mine)),
+                    None => (grads, mine, None),
+                }
+            }
+            _ => {
+                if !ties.is_empty() {
+                    return Err(DeepSpeedError::Unsupported {
+                        key: "zero_optimization.stage".into(),
+                        reason: "ZeRO stage 1 with tied layers across stages is not \
+                                 implemented yet; set the stage to 0"
+                            .into(),
+                    });
+                }
+                let kind = partitioned_kind(&optim_cfg)?;
+                let sync =
+                    PartitionedSync::<f32>::new(layout.clone(), data.clone(), &options, kind);
+                let mut sync: Box<dyn GradSync<Vec<L>>> = Box::new(sync);
+                sync.model_parallel_norm(norm.clone())?;
+                let layers = match config.working_dtype() {
+                    Some(dtype) => sync.keep_masters(mine, dtype)?,
+                    None => mine,
+                };
+                (StageGrads::Partitioned(sync), layers, None)
+            }
         };
         let scaler = match config.fp16.enabled {
             true => Some(DynamicLossScaler::new(&config.fp16)?),
@@ -324,6 +376,8 @@ where
             config,
             batch,
             grads,
+            layout,
+            reduced: None,
             optim_bytes: 0,
             kind: ScheduleKind::default(),
             device,
@@ -386,12 +440,23 @@ where
                     }
                     PipeInstruction::ReduceTiedGrads => {
                         run.schedule_time = start.elapsed();
-                        let flat = self.grads.flat_mut();
-                        for tie in &self.ties {
-                            tie.sum(flat)?;
+                        // Stage 1 refuses ties: its gradient is whole only in the regime.
+                        if let StageGrads::Replicated(buffer) = &mut self.grads {
+                            let flat = buffer.flat_mut();
+                            for tie in &self.ties {
+                                tie.sum(flat)?;
+                            }
                         }
                     }
-                    PipeInstruction::ReduceGrads => self.grads.average(self.loss_scale())?,
+                    PipeInstruction::ReduceGrads => {
+                        let scale = self.loss_scale();
+                        match &mut self.grads {
+                            StageGrads::Replicated(buffer) => buffer.average(scale)?,
+                            StageGrads::Partitioned(sync) => {
+                                self.reduced = Some(sync.reduce(scale)?)
+                            }
+                        }
+                    }
                     PipeInstruction::OptimizerStep => {
                         grad_norm = self.clip()?;
                         // The norm is summed over the pipeline and the gradient averaged over
@@ -401,8 +466,13 @@ where
                             scaler.update(overflow)?;
                         }
                         if overflow {
-                            self.grads.reset();
-                            self.grads.clear_marks();
+                            match &mut self.grads {
+                                StageGrads::Replicated(buffer) => {
+                                    buffer.reset();
+                                    buffer.clear_marks();
+                                }
+                                StageGrads::Partitioned(sync) => sync.discard(),
+                            }
                             self.skipped_steps += 1;
                             tracing::warn!(
                                 stage = self.stage,
@@ -410,7 +480,7 @@ where
                                 "the gradient norm is not finite: step skipped on every rank"
                             );
                         } else {
-                            self.optimizer_step(lr);
+                            self.optimizer_step(lr)?;
                         }
                     }
                     other => {
@@ -574,16 +644,24 @@ where
 
     /// Steps this stage's layers with the averaged, clipped gradient (under mixed precision,
     /// the fp32 masters, then casts them into the working copy).
-    fn optimizer_step(&mut self, lr: f64) {
+    fn optimizer_step(&mut self, lr: f64) -> Result<()> {
+        let buffer = match &mut self.grads {
+            StageGrads::Replicated(buffer) => buffer,
+            StageGrads::Partitioned(sync) => {
+                let layers = std::mem::take(&mut self.layers);
+                self.layers = sync.step(layers, lr)?;
+                return Ok(());
+            }
+        };
         match self.masters.take() {
             Some(masters) => {
-                let grads: GradientsParams = self.grads.take(&masters);
+                let grads: GradientsParams = buffer.take(&masters);
                 let masters = self.optim.step(lr, masters, grads);
                 self.layers = cast_layers(&masters, self.wire_dtype());
                 self.masters = Some(masters);
             }
             None => {
-                let grads: GradientsParams = self.grads.take(&self.layers);
+                let grads: GradientsParams = buffer.take(&self.layers);
                 let layers = std::mem::take(&mut self.layers);
                 self.layers = self.optim.step(lr, layers, grads);
             }
@@ -594,7 +672,10 @@ where
             let per_elem = burn_state_bytes_per_elem(&self.fresh_optim);
             self.optim_bytes = (per_elem * self.stage_params() as f64).round() as u64;
         }
-        self.grads.clear_marks();
+        if let StageGrads::Replicated(buffer) = &mut self.grads {
+            buffer.clear_marks();
+        }
+        Ok(())
     }
 
     /// Runs this stage's layers on a slot's input. With `activation_checkpoint_interval` k > 0
@@ -670,7 +751,12 @@ where
         }
         slot.batch = None;
         let grads = GradientsParams::from_grads(grads, &self.layers);
-        self.grads.accumulate(&self.layers, &grads);
+        match &mut self.grads {
+            StageGrads::Replicated(buffer) => {
+                buffer.accumulate(&self.layers, &grads);
+            }
+            StageGrads::Partitioned(sync) => sync.accumulate(&self.layers, &grads),
+        }
         Ok(())
     }
 
@@ -683,11 +769,22 @@ where
         if let Some(e) = self.tp.take_error() {
             return Err(DeepSpeedError::Comm(e));
         }
-        let flat = self.grads.flat_mut();
-        let local = self.norm.host_sq(flat, 0);
-        let norm = self.norm.across(local)?.sqrt();
-        clip_to(flat, norm, threshold);
-        Ok(norm)
+        match &mut self.grads {
+            StageGrads::Replicated(buffer) => {
+                let flat = buffer.flat_mut();
+                let local = self.norm.host_sq(flat, 0);
+                let norm = self.norm.across(local)?.sqrt();
+                clip_to(flat, norm, threshold);
+                Ok(norm)
+            }
+            // The regime clipped its slice by the norm over the replicas, the stages and the
+            // slices when it reduced.
+            StageGrads::Partitioned(_) => self
+                .reduced
+                .take()
+                .map(|r| r.norm)
+                .ok_or_else(|| pipeline_error("an optimizer step before the reduction".into())),
+        }
     }
 
     /// Learning rate of optimizer step `step` (0-based).
@@ -749,20 +846,38 @@ where
     }
     /// Float parameters of this stage.
     pub fn stage_params(&self) -> usize {
-        self.grads.layout().numel
+        self.layout.numel
     }
     /// The model state this rank holds, measured: its layers' stored parameters, its gradient
     /// buffer, and the state tensors of its optimizer (read after the first step), with the
     /// fp32 masters of a mixed-precision run.
     pub fn model_state_bytes(&self) -> ModelStateBytes {
+        let buffer = match &self.grads {
+            StageGrads::Replicated(buffer) => buffer,
+            StageGrads::Partitioned(sync) => return sync.held(&self.layers),
+        };
         let masters: u64 = self.masters.iter().flatten().map(param_bytes).sum();
         ModelStateBytes {
             params: self.layers.iter().map(param_bytes).sum(),
-            grads: self.grads.bytes(),
+            grads: buffer.bytes(),
             optimizer: self.optim_bytes + masters,
             offloaded: 0,
         }
     }
+    /// What ZeRO's formula (arXiv 1910.02054) gives for this rank's model state, not
+    /// measured: its stage's parameters (its slices under tensor slicing) as Ψ, the
+    /// optimizer state cut over the replicas at stage 1.
+    pub fn model_state_bytes_formula(&self) -> u64 {
+        let stage: u8 = self.config.zero_optimization.stage.into();
+        // The pipeline accumulates fp32 gradients under fp16 as under bf16.
+        let precision = match StatePrecision::of(&self.config) {
+            StatePrecision::Mixed => StatePrecision::MixedFp32Grads,
+            other => other,
+        };
+        let (params, replicas) = (self.stage_params() as u64, self.topo.replicas as u64);
+        estimate_model_states(params, replicas, stage, precision, 0, 0).total
+    }
+
     /// This rank's counters over the world, pipeline and data-parallel communicators:
     /// `(measured bytes sent, ring-model bytes sent)`.
     pub fn bytes_sent(&self) -> (u64, u64) {

@@ -32,7 +32,8 @@ pub fn vocab_parallel_cross_entropy(
     // and each one's own block is all its backward reaches.
     let sum_exp = tp.reduce(shifted.clone().exp().sum_dim(1));
     let (index, held) = local_ids(targets, vocab_rows(block * tp.size(), tp));
-    let target = tp.reduce(shifted.gather(1, index.unsqueeze_dim(1)) * held.unsqueeze_dim(1));
+    let held = held.cast(shifted.dtype()).unsqueeze_dim(1);
+    let target = tp.reduce(shifted.gather(1, index.unsqueeze_dim(1)) * held);
     (sum_exp.log() - target).mean()
 }
 

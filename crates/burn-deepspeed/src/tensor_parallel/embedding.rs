@@ -82,7 +82,9 @@ impl VocabParallelEmbedding {
             return embedding(self.weight.val(), ids);
         }
         let (index, held) = local_ids(ids, vocab_rows(self.vocab, &self.tp));
-        let partial = embedding(self.weight.val(), index) * held.unsqueeze_dim(2);
+        let rows = embedding(self.weight.val(), index);
+        // The mask in the table's dtype (f16 or bf16 under mixed precision).
+        let partial = rows.clone() * held.cast(rows.dtype()).unsqueeze_dim(2);
         self.tp.reduce(partial)
     }
 }

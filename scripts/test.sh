@@ -181,27 +181,32 @@ sys.exit(0 if ok else 1)
 PY
 
 # The 3D grid (tp 2 x pp 2 x dp 2) under mpirun -n 8 and in 8 threads follows one rank
-# training the same global batch (the same config without the pipeline and the slicing).
+# training the same global batch (the same config without the pipeline and the slicing),
+# and a checkpoint saved by the threads' grid continues under mpirun -n 4 (tp 2 x pp 2 x dp 1).
 args=(--config examples/gpt/configs/3d.json --steps 3 --seed 7 --json)
 "$gpt" --ranks 8 "${args[@]}" | tail -n 1 > "$out/3d-threads.json"
 mpirun -n 8 "$gpt" "${args[@]}" | tail -n 1 > "$out/3d-mpi.json"
 python3 - examples/gpt/configs/3d.json "$out/3d-one.json" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))
-c.pop("pipeline"); c.pop("tensor_parallel")
-c["gradient_accumulation_steps"] *= 2  # one rank trains both replicas' micro-batches
+c.pop("pipeline"); c.pop("tensor_parallel")  # train_batch_size fixes the global batch
 json.dump(c, open(sys.argv[2], "w"))
 PY
 "$gpt" --ranks 1 --config "$out/3d-one.json" --steps 3 --seed 7 --json | tail -n 1 > "$out/3d-one-rank.json"
-python3 - "$out/3d-one-rank.json" "$out/3d-threads.json" "$out/3d-mpi.json" <<'PY'
+"$gpt" --ranks 8 --config examples/gpt/configs/3d.json --steps 2 --seed 7 --save-dir "$out/3d-ckpt" > /dev/null
+mpirun -n 4 "$gpt" "${args[@]}" --resume "$out/3d-ckpt" | tail -n 1 > "$out/3d-resumed.json"
+python3 - "$out/3d-one-rank.json" "$out/3d-threads.json" "$out/3d-mpi.json" "$out/3d-resumed.json" <<'PY'
 import json, sys
-one, a, b = (json.load(open(p)) for p in sys.argv[1:4])
+one, a, b, resumed = (json.load(open(p)) for p in sys.argv[1:5])
+assert (resumed["first_step"], resumed["data_parallel"], resumed["backend"]) == (2, 1, "mpi"), resumed
+again = abs(resumed["losses"][0] - a["losses"][2]) / abs(a["losses"][2])
+print(f"3D checkpoint saved at (2, 2, 2) in threads, step 3 under mpirun -n 4 at (2, 2, 1): {resumed['losses'][0]} vs {a['losses'][2]}, rel diff {again:.2e}")
 assert a["backend"] == "threads" and b["backend"] == "mpi", (a["backend"], b["backend"])
 grid = [(r["pipeline_stages"], r["data_parallel"], r["tensor_parallel"]) for r in (a, b)]
 assert grid == [(2, 2, 2), (2, 2, 2)], grid
 worst = max(abs(x - y) / abs(x) for r in (a, b) for x, y in zip(one["losses"], r["losses"]))
 print(f"3D gpt (tp 2, pp 2, dp 2): one rank {one['losses']}, threads {a['losses']}, mpirun -n 8 {b['losses']}, max rel diff {worst:.2e}")
-ok = len(one["losses"]) == len(a["losses"]) == len(b["losses"]) == 3 and worst <= 1e-4
+ok = len(one["losses"]) == len(a["losses"]) == len(b["losses"]) == 3 and worst <= 1e-4 and again <= 1e-4
 print("mpi 3d grid parity: 1 passed, 0 failed" if ok else "mpi 3d grid parity: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY

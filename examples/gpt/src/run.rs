@@ -32,10 +32,11 @@ pub struct RunSpec {
     pub seed: u64,
     /// Show the progress bar (rank 0).
     pub progress: bool,
-    /// Save a checkpoint here after the last step (data-parallel runs).
+    /// Save a checkpoint here after the last step (pipelined runs: at ZeRO stage 1, loadable
+    /// on any grid).
     pub save_dir: Option<PathBuf>,
-    /// Resume from the latest checkpoint here (data-parallel runs); training continues at the
-    /// saved step, on the batches an uninterrupted run would see.
+    /// Resume from the latest checkpoint here; training continues at the saved step, on the
+    /// batches an uninterrupted run would see.
     pub resume_from: Option<PathBuf>,
     /// Gather the whole parameters and moments after the last step into the report (for
     /// tests' comparisons; a model larger than memory must not).
@@ -607,14 +608,6 @@ fn check_corpus(spec: &RunSpec) -> Result<()> {
 
 /// Trains one stage of the pipelined GPT on this rank.
 fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport> {
-    if spec.save_dir.is_some() || spec.resume_from.is_some() {
-        return Err(DeepSpeedError::Unsupported {
-            key: "pipeline.stages".into(),
-            reason: "checkpoints of pipelined runs are not implemented yet; train without \
-                     --save-dir/--resume"
-                .into(),
-        });
-    }
     let device = spec.device.device(comm.rank());
     let rank = comm.rank();
     let world = comm.world_size();
@@ -626,6 +619,18 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         .sliced(&tp)
         .into_layers();
     let mut engine = PipelineEngine::with_grid(layers, spec.config.clone(), &grid, device.clone())?;
+    // A checkpoint written on any grid continues here, on the batches an uninterrupted run
+    // would see.
+    let first_step = match &spec.resume_from {
+        Some(dir) => engine.load_checkpoint(dir, None)?,
+        None => 0,
+    };
+    if first_step > spec.steps {
+        return Err(DeepSpeedError::Data(format!(
+            "--steps {} is below the step the checkpoint resumes from ({first_step})",
+            spec.steps
+        )));
+    }
     let batch = engine.batch();
     let topo = engine.topology();
     let replica = engine.replica();
@@ -639,7 +644,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
     let (mut compute, mut scheduled, mut live) = (0.0f64, 0.0f64, 0usize);
     let (mut host_device, mut staged) = (Vec::new(), Vec::new());
     let start = Instant::now();
-    for step in 0..spec.steps {
+    for step in first_step..spec.steps {
         let (copied, staged_before) = (host_device_bytes(), staged_collective_bytes());
         // Replica d's micro-batch k holds the rows a data-parallel rank d would train on.
         let report = engine.train_batch(|k| {
@@ -657,12 +662,15 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         compute += report.compute_time.as_secs_f64();
         scheduled += report.schedule_time.as_secs_f64();
         live = live.max(report.peak_live_activations);
-        let tokens = (step + 1) * batch.train_batch_size * seq as u64;
+        let tokens = (step + 1 - first_step) * batch.train_batch_size * seq as u64;
         progress.update(
             step + 1,
             report.loss,
             tokens as f64 / start.elapsed().as_secs_f64(),
         );
+    }
+    if let Some(dir) = &spec.save_dir {
+        engine.save_checkpoint(dir, None)?;
     }
     let elapsed = start.elapsed().as_secs_f64();
     progress.finish();
@@ -692,10 +700,11 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         zero_stage: engine.config().zero_optimization.stage.into(),
         params: engine.total_params(),
         steps: spec.steps,
-        first_step: 0,
+        first_step,
         losses,
         grad_norms,
-        tokens_per_s: (spec.steps * batch.train_batch_size * seq as u64) as f64 / elapsed,
+        tokens_per_s: ((spec.steps - first_step) * batch.train_batch_size * seq as u64) as f64
+            / elapsed,
         train_batch_size: batch.train_batch_size,
         gradient_accumulation_steps: batch.gradient_accumulation_steps,
         model_state_bytes_per_rank: figures.iter().map(|f| f.state).max().unwrap_or(0),

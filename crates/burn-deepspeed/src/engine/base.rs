@@ -15,7 +15,7 @@ use burn_deepspeed_strategies::zero::PartitionState;
 
 use super::checkpoint::{self, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta};
 use super::estimate::{StatePrecision, estimate_model_states};
-use super::flat::{ParamLayout, param_paths};
+use super::flat::param_paths;
 use super::heap::HeapWindow;
 use super::memory::ModelStateBytes;
 use super::{StepLoss, StepReport};
@@ -26,6 +26,7 @@ use crate::precision::{
     DynamicLossScaler, LossScalerState, unscaled_backward_message, with_loss_scale,
 };
 use crate::sync::{self, GradSync, ModelParallelNorm};
+use crate::tensor_parallel::join_flat;
 use crate::{DeepSpeedError, Result, agreed};
 
 /// Data-parallel training engine with ZeRO (arXiv 1910.02054) stages 0 to 3.
@@ -465,7 +466,13 @@ impl<M: Module> DeepSpeedEngine<M> {
             .sync
             .whole_params(&self.model, true)?
             .unwrap_or_default();
-        join_slices(&self.grid, self.sync.layout(), local)
+        let grid = &self.grid;
+        join_flat(
+            grid.tensor().as_ref(),
+            grid.tensor_parallel(),
+            self.sync.layout(),
+            &local,
+        )
     }
     /// Consumes the engine and returns the model with whole parameters. At ZeRO stage 3 a
     /// collective (every rank calls it); the returned model's parameters read as stored.
@@ -621,30 +628,4 @@ fn check_grid(config: &DeepSpeedConfig, grid: &Grid) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// The whole parameters from this rank's `local` ones (flat in `layout`): each sliced
-/// tensor's slices gathered over the grid's tensor-parallel group and joined by its layout.
-/// Without slicing, `local` as it is.
-fn join_slices(grid: &Grid, layout: &ParamLayout, local: Vec<f32>) -> Result<Vec<f32>> {
-    let tp = grid.tensor_parallel();
-    let parts = tp.size();
-    if parts == 1 {
-        return Ok(local);
-    }
-    let comm = grid.tensor();
-    let mut whole = Vec::with_capacity(local.len() * parts);
-    for slot in &layout.slots {
-        let mine = &local[slot.offset..slot.offset + slot.numel];
-        match tp.layout(slot.id) {
-            None => whole.extend_from_slice(mine),
-            Some(cut) => {
-                let mut all = vec![0.0f32; slot.numel * parts];
-                comm.all_gather_equal(mine, &mut all)?;
-                let slices: Vec<&[f32]> = all.chunks(slot.numel).collect();
-                whole.extend(cut.join(&slices, &slot.shape));
-            }
-        }
-    }
-    Ok(whole)
 }

@@ -24,7 +24,7 @@ use crate::config::ZeroStage;
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
 use crate::engine::build_optimizer;
 use crate::engine::estimate::{StatePrecision, estimate_model_states};
-use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat};
+use crate::engine::flat::{ParamLayout, param_paths, params_from_flat, params_to_flat};
 use crate::engine::memory::{ModelStateBytes, burn_state_bytes_per_elem, param_bytes};
 use crate::engine::partitioned_kind;
 use crate::grid::Grid;
@@ -77,29 +77,34 @@ pub struct PipeStepReport {
 /// replicas of its stage, clips by the norm over all stages, and steps its own layers. The
 /// result equals data-parallel training over `replicas` ranks with the same global batch.
 pub struct PipelineEngine<L, B> {
-    layers: Vec<L>,
+    pub(super) layers: Vec<L>,
     parts: Vec<usize>,
     topo: PipeDataTopology,
-    stage: usize,
-    replica: usize,
-    world: Arc<dyn Communicator>,
+    pub(super) stage: usize,
+    pub(super) replica: usize,
+    pub(super) world: Arc<dyn Communicator>,
     /// The tensor-parallel group (this rank alone without slicing).
-    tensor: Arc<dyn Communicator>,
+    pub(super) tensor: Arc<dyn Communicator>,
     pipe: Arc<dyn Communicator>,
-    data: Arc<dyn Communicator>,
+    pub(super) data: Arc<dyn Communicator>,
     /// The group the layers are sliced over.
-    tp: TensorParallel,
+    pub(super) tp: TensorParallel,
     /// How the gradient norm sums over the stages and the slices.
     norm: ModelParallelNorm,
     ties: Vec<TiedGroup>,
     optim: ModuleOptimizer,
-    config: DeepSpeedConfig,
+    pub(super) config: DeepSpeedConfig,
     batch: BatchSizes,
     /// This stage's gradients: averaged and stepped whole (ZeRO stage 0), or reduce-scattered
     /// over the replicas and stepped in slices (stage 1).
-    grads: StageGrads<L>,
+    pub(super) grads: StageGrads<L>,
     /// This stage's parameter layout.
-    layout: ParamLayout,
+    pub(super) layout: ParamLayout,
+    /// Every tensor of the whole model, whole (its slices joined), in layer order: what a
+    /// checkpoint holds whatever the grid.
+    pub(super) catalog: Vec<WholeTensor>,
+    /// The catalog index of this stage's first tensor.
+    pub(super) first_slot: usize,
     /// Stage 1: the reduction [`GradSync::reduce`] left for the optimizer step.
     reduced: Option<Reduced>,
     /// The optimizer as built (stepped nothing), for measuring its state per element.
@@ -109,21 +114,64 @@ pub struct PipelineEngine<L, B> {
     kind: ScheduleKind,
     device: Device,
     total_params: usize,
-    global_step: u64,
+    pub(super) global_step: u64,
     /// Steps skipped because the gradient norm was not finite.
-    skipped_steps: u64,
+    pub(super) skipped_steps: u64,
     /// Mixed precision: the fp32 masters of this stage's layers, which the optimizer steps
     /// (`layers` is their 16-bit working copy).
     masters: Option<Vec<L>>,
     /// fp16: the loss scaler.
-    scaler: Option<DynamicLossScaler>,
+    pub(super) scaler: Option<DynamicLossScaler>,
     _batch: PhantomData<fn(&B)>,
+}
+
+/// One tensor of the whole model: `layer.path` (the layer's index in the whole list) and
+/// its whole shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct WholeTensor {
+    pub(super) name: String,
+    pub(super) shape: Vec<usize>,
+}
+
+impl WholeTensor {
+    pub(super) fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The whole model's tensors (sliced ones at their whole shape) in layer order, and the index
+/// of the first tensor of layer `first_layer`.
+fn whole_tensors<L: burn::module::Module>(
+    layers: &[L],
+    tp: &TensorParallel,
+    first_layer: usize,
+) -> (Vec<WholeTensor>, usize) {
+    let mut catalog = Vec::new();
+    let mut first = 0;
+    for (i, layer) in layers.iter().enumerate() {
+        if i == first_layer {
+            first = catalog.len();
+        }
+        let layout = ParamLayout::of(layer);
+        let paths = param_paths(layer, &layout);
+        for (slot, path) in layout.slots.iter().zip(paths) {
+            let shape = match tp.layout(slot.id) {
+                Some(cut) => cut.whole_shape(&slot.shape, tp.size()),
+                None => slot.shape.clone(),
+            };
+            catalog.push(WholeTensor {
+                name: format!("{i}.{path}"),
+                shape,
+            });
+        }
+    }
+    (catalog, first)
 }
 
 /// How a stage keeps its gradients and steps: DeepSpeed allows ZeRO stage 1 on a pipeline's
 /// data-parallel axis (stages 2 and 3 would cut the gradients that accumulate across
 /// micro-batches).
-enum StageGrads<L> {
+pub(super) enum StageGrads<L> {
     /// Stage 0: the whole flat gradient, averaged over the replicas, and Burn's optimizer.
     Replicated(Box<GradBuffer>),
     /// Stage 1: the ZeRO regime over the data-parallel group ([`PartitionedSync`]): each
@@ -264,25 +312,8 @@ where
         let (counts, parts) = partition_layers(&layers, &pipeline.partition, stages)?;
         let keys: Vec<Option<String>> = layers.iter().map(|l| l.tie_key()).collect();
         let tp = grid.tensor_parallel().clone();
-        // Every stage's count of the whole model (its slices counted whole).
-        let total_params = layers
-            .iter()
-            .map(|l| {
-                let layout = ParamLayout::of(l);
-                layout
-                    .slots
-                    .iter()
-                    .map(|s| {
-                        s.numel
-                            * if tp.layout(s.id).is_some() {
-                                tp.size()
-                            } else {
-                                1
-                            }
-                    })
-                    .sum::<usize>()
-            })
-            .sum();
+        let (catalog, first_slot) = whole_tensors(&layers, &tp, parts[stage]);
+        let total_params = catalog.iter().map(WholeTensor::numel).sum();
 
         let comm = grid.world().clone();
         let (pipe, data) = (grid.pipe().clone(), grid.data().clone());
@@ -377,6 +408,8 @@ where
             batch,
             grads,
             layout,
+            catalog,
+            first_slot,
             reduced: None,
             optim_bytes: 0,
             kind: ScheduleKind::default(),

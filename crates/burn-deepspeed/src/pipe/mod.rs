@@ -2,6 +2,7 @@
 //! different ranks and exchange activations and gradients by DeepSpeed's 1F1B schedule, with
 //! data parallelism across pipeline replicas (a pp x dp grid).
 
+mod checkpoint;
 mod engine;
 mod layer;
 mod run;

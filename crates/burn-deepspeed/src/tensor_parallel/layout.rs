@@ -1,6 +1,12 @@
 //! [`SliceLayout`]: how a sliced parameter is cut from its whole tensor, and the host-side
 //! joining of every rank's slice back into the whole (plain data, tested without tensors).
 
+use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt};
+
+use super::TensorParallel;
+use crate::Result;
+use crate::engine::flat::ParamLayout;
+
 /// How a sliced parameter's whole tensor is cut: along `dim`, which is `sections` equal
 /// sections stacked (1 for a plain layer; 3 for a fused `[q | k | v]` projection), each cut
 /// into one equal block per rank of the group. A rank holds block `rank` of every section,
@@ -77,6 +83,56 @@ impl SliceLayout {
         let inner = shape[self.dim + 1..].iter().product();
         (outer, shape[self.dim], inner)
     }
+}
+
+/// The whole model's flat values from this rank's `local` ones (flat in `layout`, this rank's
+/// slices): each sliced tensor's slices gathered over `comm` (the tensor-parallel group of
+/// `tp`) and joined by its layout, the replicated ones as they are. A collective over the
+/// group when it has more than one rank; `local` as it is otherwise.
+pub(crate) fn join_flat(
+    comm: &dyn Communicator,
+    tp: &TensorParallel,
+    layout: &ParamLayout,
+    local: &[f32],
+) -> Result<Vec<f32>> {
+    let parts = tp.size();
+    if parts == 1 {
+        return Ok(local.to_vec());
+    }
+    let mut whole = Vec::with_capacity(local.len() * parts);
+    for slot in &layout.slots {
+        let mine = &local[slot.offset..slot.offset + slot.numel];
+        match tp.layout(slot.id) {
+            None => whole.extend_from_slice(mine),
+            Some(cut) => {
+                let mut all = vec![0.0f32; slot.numel * parts];
+                comm.all_gather_equal(mine, &mut all)?;
+                let slices: Vec<&[f32]> = all.chunks(slot.numel).collect();
+                whole.extend(cut.join(&slices, &slot.shape));
+            }
+        }
+    }
+    Ok(whole)
+}
+
+/// This rank's flat values (in `layout`, its slices) from the whole tensors `whole(i)` of
+/// each slot `i`: the sliced ones cut by their layouts, the replicated ones as they are.
+pub(crate) fn cut_flat<'a>(
+    tp: &TensorParallel,
+    layout: &ParamLayout,
+    whole: impl Fn(usize) -> &'a [f32],
+) -> Vec<f32> {
+    let mut local = Vec::with_capacity(layout.numel);
+    for (i, slot) in layout.slots.iter().enumerate() {
+        match tp.layout(slot.id) {
+            None => local.extend_from_slice(whole(i)),
+            Some(cut) => {
+                let shape = cut.whole_shape(&slot.shape, tp.size());
+                local.extend(cut.cut(whole(i), &shape, tp.size(), tp.rank()));
+            }
+        }
+    }
+    local
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ pub use cross_entropy::vocab_parallel_cross_entropy;
 pub use embedding::VocabParallelEmbedding;
 pub use group::*;
 pub use layout::SliceLayout;
+pub(crate) use layout::{cut_flat, join_flat};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use op::TensorParallelOps;
 

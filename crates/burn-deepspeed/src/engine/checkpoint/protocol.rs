@@ -291,27 +291,34 @@ pub fn gather_state(
     sizes: &[usize],
     stage: u8,
 ) -> Result<PartitionState> {
-    let mine = partition_state_bytes(state);
     let world = comm.world_size();
-    // The lengths travel as u64 little-endian bytes, then the slices themselves.
-    let mut lengths = vec![0u8; 8 * world];
+    let slices = all_gather_bytes(comm, &partition_state_bytes(state))?
+        .iter()
+        .enumerate()
+        .map(|(r, bytes)| partition_state_from_bytes(bytes, &partition_file(r)))
+        .collect::<Result<Vec<_>>>()?;
+    join_slices(slices, sizes, stage, world)
+}
+
+/// Every rank's `mine` (any length, empty included), in rank order: a collective (two
+/// all-gathers: the lengths as u64 little-endian bytes, then the bytes themselves).
+pub fn all_gather_bytes(comm: &dyn Communicator, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let mut lengths = vec![0u8; 8 * comm.world_size()];
     comm.all_gather_equal(&(mine.len() as u64).to_le_bytes(), &mut lengths)?;
     let counts: Vec<usize> = lengths
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
         .collect();
     let mut all = vec![0u8; counts.iter().sum()];
-    comm.all_gather(&mine, &mut all, &counts)?;
+    comm.all_gather(mine, &mut all, &counts)?;
     let mut at = 0;
-    let mut slices = Vec::with_capacity(world);
-    for (r, &n) in counts.iter().enumerate() {
-        slices.push(partition_state_from_bytes(
-            &all[at..at + n],
-            &partition_file(r),
-        )?);
-        at += n;
-    }
-    join_slices(slices, sizes, stage, world)
+    Ok(counts
+        .iter()
+        .map(|&n| {
+            at += n;
+            all[at - n..at].to_vec()
+        })
+        .collect())
 }
 
 /// The whole optimizer state (steps, and m and v in layout order) from the slices that

@@ -1,0 +1,253 @@
+//! Checkpoints of the pipeline engine that load on another grid (DeepSpeed's universal
+//! checkpoint idea, built in): a checkpoint holds the whole model's tensors, each whole
+//! (its tensor-parallel slices joined, every stage's layers in order), with the optimizer
+//! state of each, whatever (tp, pp, dp) wrote it; loading cuts them again for the reading
+//! grid's stage, slice and data-parallel partition.
+//!
+//! The files are the engine's own format for one rank at ZeRO stage 1 (`model.bin` and one
+//! `zero_pp_rank_0_optim_states.bin`), so `burn-deepspeed checkpoint consolidate` reads them
+//! and the same integrity checks (checksums, shapes, optimizer) refuse a corrupt or
+//! mismatched one. The tensors' names are `layer.path` in the whole layer list.
+//!
+//! Saving gathers the whole model on rank 0 (each stage's first rank sends its stage, its
+//! slices joined over the tensor group and its state over the replicas): rank 0 must hold
+//! the model's fp32 values and moments once.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use burn_deepspeed_strategies::comm::CommunicatorExt;
+use burn_deepspeed_strategies::zero::PartitionState;
+
+use super::engine::{PipelineEngine, StageGrads};
+use super::layer::{PipeBatch, PipeLayer};
+use crate::engine::checkpoint::{
+    self as format, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta, Loaded,
+    all_gather_bytes, f32_bytes, f32_values, partition_file, partition_state_bytes,
+    partition_state_from_bytes,
+};
+use crate::sync::GradSync;
+use crate::tensor_parallel::{cut_flat, join_flat};
+use crate::{DeepSpeedError, Result, agreed};
+
+impl<L, B> PipelineEngine<L, B>
+where
+    L: PipeLayer<B> + 'static,
+    B: PipeBatch + 'static,
+{
+    /// Saves the whole model and its optimizer state as checkpoint `tag` (default
+    /// `global_step{N}`) under `dir`, atomically, and points `dir/latest` at it; it loads on
+    /// any grid ([`load_checkpoint`](Self::load_checkpoint)). Collective: every rank of the
+    /// grid calls it; rank 0 writes. Needs ZeRO stage 1, whose flat optimizer state is what
+    /// the checkpoint stores (stage 1 trains the same losses as stage 0 here).
+    pub fn save_checkpoint(&self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
+        let dir = dir.as_ref();
+        let tag = tag.map_or_else(|| format!("global_step{}", self.global_step), String::from);
+        let world = self.world.as_ref();
+        let sync = self.flat_state()?;
+        agreed(world, "checkpoint tag", format::check_tag(&tag))?;
+        // This stage's slices, whole over the replicas (collectives over the data group)...
+        let state = sync
+            .whole_moments()?
+            .ok_or_else(crate::engine::checkpoint::no_state_to_restore)?;
+        let params = sync.whole_params(&self.layers, true)?.unwrap_or_default();
+        // ...then whole over the slices (collectives over the tensor group).
+        let (tensor, tp, layout) = (self.tensor.as_ref(), &self.tp, &self.layout);
+        let params = join_flat(tensor, tp, layout, &params)?;
+        let m = join_flat(tensor, tp, layout, &state.m)?;
+        let v = join_flat(tensor, tp, layout, &state.v)?;
+        // Each stage's first rank (replica 0, slice 0) sends its stage to rank 0.
+        let sends = self.replica == 0 && self.tp.rank() == 0;
+        let mine = match sends {
+            true => encode_stage(
+                &params,
+                &PartitionState {
+                    steps: state.steps,
+                    m,
+                    v,
+                },
+            ),
+            false => Vec::new(),
+        };
+        let stages = all_gather_bytes(world, &mine)?;
+        let written = match world.rank() {
+            0 => self.write_whole(dir, &tag, &stages),
+            _ => Ok(dir.join(&tag)),
+        };
+        // Every rank learns whether rank 0's commit succeeded.
+        let mut ok = [u8::from(written.is_ok())];
+        world.broadcast(&mut ok, 0)?;
+        if ok[0] == 0 && written.is_ok() {
+            return Err(DeepSpeedError::Checkpoint(format!(
+                "rank 0 could not write {}",
+                dir.join(&tag).display()
+            )));
+        }
+        written
+    }
+
+    /// Loads checkpoint `tag` (default: the one `dir/latest` names), written on any grid,
+    /// into this engine: this rank's slice of its stage's tensors, their optimizer state cut
+    /// again for its data-parallel partition, and the step. Refuses, with the reason, a
+    /// checkpoint whose files are corrupt or whose tensors or optimizer differ from this
+    /// model's. Collective, all or nothing: every rank reads the files, and when one cannot
+    /// restore, every rank returns the error and the engine is left as it was.
+    pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<u64> {
+        let world = self.world.clone();
+        self.flat_state()?;
+        let expected = self.whole_meta();
+        let loaded = format::load(dir.as_ref(), tag, &expected, world.as_ref())?;
+        let restored = self.restore(&loaded);
+        let (layers, scaler) = agreed(world.as_ref(), "checkpoint restore", restored)?;
+        self.layers = layers;
+        self.scaler = scaler;
+        self.global_step = loaded.meta.global_step;
+        self.skipped_steps = loaded.meta.skipped_steps;
+        Ok(self.global_step)
+    }
+
+    /// The regime whose flat state a checkpoint stores (ZeRO stage 1).
+    fn flat_state(&self) -> Result<&dyn GradSync<Vec<L>>> {
+        match &self.grads {
+            StageGrads::Partitioned(sync) => Ok(sync.as_ref()),
+            StageGrads::Replicated(_) => Err(DeepSpeedError::Unsupported {
+                key: "zero_optimization.stage".into(),
+                reason: "pipelined checkpoints store the flat optimizer state of ZeRO stage 1 \
+                         (which trains the same losses as stage 0 in the pipeline); set the \
+                         stage to 1"
+                    .into(),
+            }),
+        }
+    }
+
+    /// The metadata of a checkpoint of the whole model, as one rank at ZeRO stage 1 writes
+    /// it.
+    fn whole_meta(&self) -> CheckpointMeta {
+        CheckpointMeta {
+            format: CHECKPOINT_FORMAT.into(),
+            version: CHECKPOINT_VERSION,
+            global_step: self.global_step,
+            skipped_steps: self.skipped_steps,
+            world_size: 1,
+            zero_stage: 1,
+            optimizer: format!("{:?}", self.config.optimizer_kind()),
+            compressing: None,
+            // The tensors' catalog indices: ids are not restored from a grid checkpoint
+            // (each rank keeps its own, under which its slices' layouts are recorded).
+            param_ids: (0..self.catalog.len() as u64).collect(),
+            shapes: self.catalog.iter().map(|t| t.shape.clone()).collect(),
+            paths: self.catalog.iter().map(|t| t.name.clone()).collect(),
+            loss_scaler: self.scaler.as_ref().map(crate::DynamicLossScaler::state),
+            dtype: self
+                .config
+                .working_dtype()
+                .map(|_| self.config.precision_name().into()),
+            files: Vec::new(),
+        }
+    }
+
+    /// Rank 0: the stages' parts (in stage order, empty from the other ranks) joined and
+    /// written as one checkpoint.
+    fn write_whole(&self, dir: &Path, tag: &str, stages: &[Vec<u8>]) -> Result<PathBuf> {
+        let mut params = Vec::new();
+        let mut whole = PartitionState {
+            steps: Vec::new(),
+            m: Vec::new(),
+            v: Vec::new(),
+        };
+        for part in stages.iter().filter(|p| !p.is_empty()) {
+            let (p, s) = decode_stage(part)?;
+            params.extend(p);
+            whole.steps.extend(s.steps);
+            whole.m.extend(s.m);
+            whole.v.extend(s.v);
+        }
+        let numel: usize = self.catalog.iter().map(|t| t.numel()).sum();
+        if params.len() != numel || whole.steps.len() != self.catalog.len() {
+            return Err(DeepSpeedError::Checkpoint(format!(
+                "the stages sent {} values of {} tensors; the model has {numel} in {}",
+                params.len(),
+                whole.steps.len(),
+                self.catalog.len()
+            )));
+        }
+        let state_file = partition_file(0);
+        let files = [
+            ("model.bin", f32_bytes(&params)),
+            (state_file.as_str(), partition_state_bytes(&whole)),
+        ];
+        format::write_checkpoint(dir, tag, self.whole_meta(), &files)
+    }
+
+    /// This rank's layers and loss scaler restored from a whole checkpoint: its stage's
+    /// tensors cut for its slice, as one rank's checkpoint of its layout, which the regime
+    /// cuts again for its data-parallel partition.
+    fn restore(&mut self, loaded: &Loaded) -> Result<(Vec<L>, Option<crate::DynamicLossScaler>)> {
+        let sizes: Vec<usize> = self.catalog.iter().map(|t| t.numel()).collect();
+        let numel: usize = sizes.iter().sum();
+        let whole = loaded.slice_state(&sizes, std::slice::from_ref(&(0..numel)))?;
+        let mut ranges: Vec<Range<usize>> = Vec::with_capacity(sizes.len());
+        let mut at = 0;
+        for n in &sizes {
+            ranges.push(at..at + n);
+            at += n;
+        }
+        let mine = &ranges[self.first_slot..];
+        let (tp, layout) = (&self.tp, &self.layout);
+        let params = cut_flat(tp, layout, |i| &loaded.params[mine[i].clone()]);
+        let m = cut_flat(tp, layout, |i| &whole.m[mine[i].clone()]);
+        let v = cut_flat(tp, layout, |i| &whole.v[mine[i].clone()]);
+        let n = layout.slots.len();
+        let steps = whole.steps[self.first_slot..self.first_slot + n].to_vec();
+        let local = Loaded {
+            meta: CheckpointMeta {
+                // The model keeps its ids (the slices' layouts are recorded under them).
+                param_ids: layout.slots.iter().map(|s| s.id.val()).collect(),
+                shapes: layout.slots.iter().map(|s| s.shape.clone()).collect(),
+                paths: Vec::new(),
+                files: Vec::new(),
+                ..loaded.meta.clone()
+            },
+            params,
+            files: vec![partition_state_bytes(&PartitionState { steps, m, v })],
+        };
+        let mut scaler = self.scaler.clone();
+        if let (Some(scaler), Some(state)) = (&mut scaler, loaded.meta.loss_scaler)
+            && scaler.is_dynamic()
+        {
+            scaler.restore(state)?;
+        }
+        let layers = self.layers.clone();
+        let layers = match &mut self.grads {
+            StageGrads::Partitioned(sync) => sync.load(layers, &local)?,
+            StageGrads::Replicated(_) => return Err(no_flat_state()),
+        };
+        Ok((layers, scaler))
+    }
+}
+
+fn no_flat_state() -> DeepSpeedError {
+    DeepSpeedError::Checkpoint("no flat optimizer state to restore".into())
+}
+
+/// One stage's whole tensors and state as bytes: the values' length (u64), the values, then
+/// the state.
+fn encode_stage(params: &[f32], state: &PartitionState) -> Vec<u8> {
+    let values = f32_bytes(params);
+    let mut out = (values.len() as u64).to_le_bytes().to_vec();
+    out.extend(values);
+    out.extend(partition_state_bytes(state));
+    out
+}
+
+fn decode_stage(bytes: &[u8]) -> Result<(Vec<f32>, PartitionState)> {
+    let short = || DeepSpeedError::Checkpoint("a stage sent a truncated part".into());
+    let len = bytes.get(..8).ok_or_else(short)?;
+    let len = u64::from_le_bytes(len.try_into().expect("8 bytes")) as usize;
+    let values = bytes.get(8..8 + len).ok_or_else(short)?;
+    let state = bytes.get(8 + len..).ok_or_else(short)?;
+    Ok((
+        f32_values(values, "a stage's values")?,
+        partition_state_from_bytes(state, "a stage's state")?,
+    ))
+}

@@ -157,11 +157,43 @@ impl Grid {
         &self.tensor
     }
 
+    /// Bytes this rank sent so far along each axis, measured by the communicators (a group
+    /// that is the whole world is counted under its axis; `other` is what the world's own
+    /// communicator sent beside the groups: agreements, shared losses and figures).
+    pub fn bytes_sent_per_axis(&self) -> AxisBytes {
+        let sent = |c: &Arc<dyn Communicator>| c.stats().total_sent();
+        let is_world = |c: &Arc<dyn Communicator>| Arc::ptr_eq(c, &self.world);
+        let axes = [&self.tensor, &self.pipe, &self.data];
+        let [tensor, pipe, data] = axes.map(sent);
+        AxisBytes {
+            tensor,
+            pipe,
+            data,
+            other: match axes.into_iter().any(is_world) {
+                true => 0,
+                false => sent(&self.world),
+            },
+        }
+    }
+
     /// The tensor-parallel group the sliced layers run their ops on
     /// ([`TensorParallel::none`] when `tp` is 1).
     pub fn tensor_parallel(&self) -> &TensorParallel {
         &self.tp
     }
+}
+
+/// Bytes sent along each axis of a [`Grid`] (see [`Grid::bytes_sent_per_axis`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AxisBytes {
+    /// Within the tensor-parallel group (the sliced layers' all-reduces).
+    pub tensor: u64,
+    /// Along the pipeline (activations and their gradients).
+    pub pipe: u64,
+    /// Within the data-parallel group (gradient reductions, ZeRO's gathers).
+    pub data: u64,
+    /// On the world's communicator beside the groups.
+    pub other: u64,
 }
 
 #[cfg(test)]

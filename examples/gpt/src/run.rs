@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::Device;
 use burn_deepspeed::comm::{Communicator, CommunicatorExt};
 use burn_deepspeed::engine::transfer::{host_device_bytes, staged_collective_bytes};
-use burn_deepspeed::grid::Grid;
+use burn_deepspeed::grid::{AxisBytes, Grid};
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::pipe::PipelineEngine;
 use burn_deepspeed::progress::TrainProgress;
@@ -183,6 +183,9 @@ pub struct RunReport {
     pub comm_bytes_per_rank: Vec<u64>,
     /// Bytes the ring model says each rank sent, in rank order (modelled, for comparison).
     pub comm_bytes_model_per_rank: Vec<u64>,
+    /// Bytes each rank sent along each axis of the grid (tensor, pipe, data, other), in rank
+    /// order (measured by the communicators).
+    pub comm_bytes_per_axis: Vec<AxisBytes>,
     /// Bytes rank 0's transport sent in each optimizer step (data-parallel runs; measured).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub comm_bytes_per_step: Vec<u64>,
@@ -476,6 +479,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let figures = gather_figures(
         comm.as_ref(),
         RankFigures {
+            axis: grid.bytes_sent_per_axis(),
             sent: comm.stats().total_sent(),
             model_sent: comm.stats().total_model_sent(),
             state: engine.model_state_bytes().total(),
@@ -511,6 +515,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         model_state_bytes_formula: engine.model_state_bytes_formula(),
         comm_bytes_per_rank: figures.iter().map(|f| f.sent).collect(),
         comm_bytes_model_per_rank: figures.iter().map(|f| f.model_sent).collect(),
+        comm_bytes_per_axis: figures.iter().map(|f| f.axis).collect(),
         comm_bytes_per_step: per_step_bytes,
         comm_bytes_model_per_step: per_step_model_bytes,
         compressed_steps: compressed,
@@ -679,6 +684,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
     let figures = gather_figures(
         comm.as_ref(),
         RankFigures {
+            axis: engine.grid().bytes_sent_per_axis(),
             sent,
             model_sent,
             state,
@@ -712,6 +718,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         model_state_bytes_formula: figures.iter().map(|f| f.formula).max().unwrap_or(0),
         comm_bytes_per_rank: figures.iter().map(|f| f.sent).collect(),
         comm_bytes_model_per_rank: figures.iter().map(|f| f.model_sent).collect(),
+        comm_bytes_per_axis: figures.iter().map(|f| f.axis).collect(),
         comm_bytes_per_step: Vec::new(),
         comm_bytes_model_per_step: Vec::new(),
         compressed_steps: 0,
@@ -757,6 +764,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
 
 /// One rank's end-of-run figures.
 struct RankFigures {
+    axis: AxisBytes,
     sent: u64,
     model_sent: u64,
     state: u64,
@@ -780,6 +788,10 @@ fn gather_figures(comm: &dyn Communicator, mine: RankFigures) -> Result<Vec<Rank
         mine.rss,
         mine.bubble.to_bits(),
         mine.live_activations,
+        mine.axis.tensor,
+        mine.axis.pipe,
+        mine.axis.data,
+        mine.axis.other,
     ];
     let bytes: Vec<u8> = words.iter().flat_map(|v| v.to_le_bytes()).collect();
     let mut all = vec![0u8; bytes.len() * comm.world_size()];
@@ -797,6 +809,12 @@ fn gather_figures(comm: &dyn Communicator, mine: RankFigures) -> Result<Vec<Rank
                 rss: v(5),
                 bubble: f64::from_bits(v(6)),
                 live_activations: v(7),
+                axis: AxisBytes {
+                    tensor: v(8),
+                    pipe: v(9),
+                    data: v(10),
+                    other: v(11),
+                },
             }
         })
         .collect())

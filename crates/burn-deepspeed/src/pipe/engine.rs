@@ -85,6 +85,7 @@ pub struct PipelineEngine<L, B> {
     pub(super) world: Arc<dyn Communicator>,
     /// The tensor-parallel group (this rank alone without slicing).
     pub(super) tensor: Arc<dyn Communicator>,
+    grid: Grid,
     pipe: Arc<dyn Communicator>,
     pub(super) data: Arc<dyn Communicator>,
     /// The group the layers are sliced over.
@@ -397,6 +398,7 @@ where
             replica,
             world: comm,
             tensor: grid.tensor().clone(),
+            grid: grid.clone(),
             pipe,
             data,
             tp,
@@ -909,6 +911,11 @@ where
         };
         let (params, replicas) = (self.stage_params() as u64, self.topo.replicas as u64);
         estimate_model_states(params, replicas, stage, precision, 0, 0).total
+    }
+
+    /// The grid this engine runs on.
+    pub fn grid(&self) -> &Grid {
+        &self.grid
     }
 
     /// This rank's counters over the world, pipeline and data-parallel communicators:

@@ -91,17 +91,30 @@ const SMALL: GptShape = GptShape {
     seq_len: 16,
 };
 
-/// tp 2 x dp 2 on 4 ranks at ZeRO stages 0, 1 and 2 follows one rank: the data-parallel
-/// group averages and partitions each slice's state, the norm sums over both groups.
+/// tp 2 x dp 2 on 4 ranks at ZeRO stages 0 to 3 follows one rank: the data-parallel group
+/// averages and partitions each slice's state (at stage 3 each slice's parameters too), the
+/// norm sums over both groups.
 #[test]
-fn slices_and_replicas_at_zero_stages_0_to_2_follow_one_rank() {
+fn slices_and_replicas_at_zero_stages_0_to_3_follow_one_rank() {
     const STEPS: u64 = 10;
     let base = train(1, config(1, 0, ""), SMALL, STEPS);
-    for stage in [0, 1, 2] {
+    for stage in [0, 1, 2, 3] {
         let grid = train(4, config(2, stage, ""), SMALL, STEPS);
         assert_eq!((grid.tensor_parallel, grid.data_parallel), (2, 2));
         assert_follows(&base, &grid, &format!("tp 2 x dp 2, stage {stage}"));
     }
+    // Stage 3 with every tensor partitioned (no persistent small tensors): each slice is
+    // cut again over the replicas and gathered for each use.
+    let mut cut = config(2, 3, "");
+    cut.zero_optimization.param_persistence_threshold = 0;
+    let grid = train(4, cut, SMALL, STEPS);
+    let gathers = grid.gather_stats.as_ref().map_or(0, |g| g.forward_gathers);
+    assert!(gathers > 0, "stage 3 gathered its slices' chunks");
+    assert_follows(
+        &base,
+        &grid,
+        "tp 2 x dp 2, stage 3, every tensor partitioned",
+    );
     // Gradient accumulation over two micro-batches of 2.
     let extra = r#", "gradient_accumulation_steps": 2"#;
     let accumulated = train(
@@ -213,7 +226,6 @@ fn what_slicing_does_not_run_is_refused_by_key() {
             assert!(e.contains(key), "{key}: {e}");
         }
     };
-    refused(config(2, 3, ""), 2, "tensor_parallel.tp_size");
     let lamb = config(2, 0, "").to_json_pretty().replace("AdamW", "Lamb");
     refused(
         DeepSpeedConfig::from_json_str(&lamb).expect("valid").0,
@@ -228,8 +240,8 @@ fn what_slicing_does_not_run_is_refused_by_key() {
     assert!(e.contains("tp_sizee") && e.contains("tp_size"), "{e}");
 }
 
-/// On wgpu (the device regime: gradients, norms and the fused step on the device), tp 2 x
-/// dp 2 at stages 0 and 1 follows one Flex rank; the replicated parameters' share of the
+/// On wgpu (the device regimes: gradients, norms and the fused step on the device), tp 2 x
+/// dp 2 at stages 0, 1 and 3 follows one Flex rank; the replicated parameters' share of the
 /// norm is masked on the device.
 #[cfg(feature = "wgpu")]
 #[test]
@@ -237,7 +249,7 @@ fn slices_on_wgpu_follow_one_flex_rank() {
     use burn_deepspeed_example_gpt::run::ModelDevice;
     const STEPS: u64 = 6;
     let base = train(1, config(1, 0, ""), SMALL, STEPS);
-    for stage in [0, 1] {
+    for stage in [0, 1, 3] {
         let mut spec = common::spec(config(2, stage, ""), SMALL, STEPS, 3, 11);
         spec.device = ModelDevice::Wgpu;
         let grid = common::train(4, &spec);

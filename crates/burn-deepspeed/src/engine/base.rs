@@ -104,9 +104,10 @@ where
     /// parameter once ([`ModelParallelNorm`](crate::sync::ModelParallelNorm)). Every rank of the grid agrees
     /// on each step, so a failure on one slice fails the step everywhere.
     ///
-    /// With tensor slicing this version runs ZeRO stages 0-2 with Adam or AdamW (LAMB's
-    /// per-tensor trust ratios would see slices; stage 3 and 1-bit compression are refused
-    /// by key), and no checkpoints yet.
+    /// With tensor slicing this version runs ZeRO stages 0-3 with Adam or AdamW (LAMB's
+    /// per-tensor trust ratios would see slices, and 1-bit compression would cross the
+    /// tensor group: both are refused by key); its checkpoints are the pipeline engine's
+    /// (a pipeline of one stage loads them on any grid).
     pub fn with_grid(model: M, mut config: DeepSpeedConfig, grid: &Grid) -> Result<Self> {
         let comm = grid.data().clone();
         let batch = config.resolve(comm.world_size())?;

@@ -181,8 +181,8 @@ pub trait GradSync<M: Module> {
         let _ = norm;
         Err(crate::DeepSpeedError::Unsupported {
             key: "tensor_parallel.tp_size".into(),
-            reason: "this gradient regime does not run with tensor slicing yet; use ZeRO \
-                     stages 0-2 with Adam or AdamW"
+            reason: "this gradient regime (1-bit compression or the Learner's optimizer) \
+                     does not run with model parallelism; use Adam or AdamW at ZeRO stages 0-3"
                 .into(),
         })
     }

@@ -31,9 +31,10 @@ use burn_deepspeed_strategies::comm::ReduceOp;
 use burn_deepspeed_strategies::device::DeviceCollectives;
 use burn_deepspeed_strategies::zero::{PartitionState, Segment, ShardPlan};
 
+use super::ModelParallelNorm;
 use super::buffer::merge_presence;
 use super::device_step::{DeviceOptimizer, StepState, clip_to, device_step, squared_norm, staged};
-use super::scale::{Scaling, norm_across};
+use super::scale::{Scaling, norm_across, sum_across};
 use super::sharded::{gather_group, gathered_copy};
 use super::{GradSync, Reduced, SavedState, SyncOptions};
 use crate::engine::checkpoint::{Loaded, gather_state, partition_state_bytes};
@@ -53,6 +54,9 @@ pub struct DeviceShardedSync {
     group: Arc<GatherGroup>,
     /// This rank's pieces, tensor after tensor (its buffers' order).
     segments: Vec<Segment>,
+    /// Model parallelism: the norm's groups, and the 0/1 mask of what this rank counts in
+    /// its pieces (`None`: everything).
+    slices: Option<(ModelParallelNorm, Option<Tensor<1>>)>,
     /// Per tensor: its piece's range in this rank's buffers.
     local: Vec<Option<Range<usize>>>,
     own_len: usize,
@@ -136,6 +140,7 @@ impl DeviceShardedSync {
             coll,
             group,
             segments,
+            slices: None,
             local,
             own_len,
             chunk_at,
@@ -553,10 +558,29 @@ impl<M: Module> GradSync<M> for DeviceShardedSync {
         };
         // The norm's square is the one value the host reads (summed over the ranks' pieces,
         // in f64, over the host communicator).
-        let norm = norm_across(comm.as_ref(), squared_norm(&grads))?;
+        let norm = match &self.slices {
+            Some((mp, mask)) => {
+                let local = match mask {
+                    Some(mask) => squared_norm(&(grads.clone() * mask.clone())),
+                    None => squared_norm(&grads),
+                };
+                mp.across(sum_across(comm.as_ref(), local)?)?.sqrt()
+            }
+            None => norm_across(comm.as_ref(), squared_norm(&grads))?,
+        };
         let grads = clip_to(grads, norm, self.options.clip);
         self.reduced = Some(grads);
         Ok(Reduced::global(norm))
+    }
+
+    fn model_parallel_norm(&mut self, norm: ModelParallelNorm) -> Result<()> {
+        let windows = self
+            .segments
+            .iter()
+            .map(|s| (s.local.start, s.global.clone()));
+        let mask = norm.mask_windows(self.own_len, windows, &self.device);
+        self.slices = Some((norm, mask));
+        Ok(())
     }
 
     /// Steps this rank's pieces, all-gathers the persistent tensors, and writes the new

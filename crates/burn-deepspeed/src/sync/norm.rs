@@ -74,20 +74,42 @@ impl ModelParallelNorm {
         self
     }
 
-    /// The parts of `window` (flat offsets) this rank leaves out, relative to its start.
-    fn skipped_in(&self, window: Range<usize>) -> impl Iterator<Item = Range<usize>> + '_ {
-        self.skipped.iter().filter_map(move |r| {
-            let (a, b) = (r.start.max(window.start), r.end.min(window.end));
-            (a < b).then(|| a - window.start..b - window.start)
-        })
+    /// The ranges of a buffer this rank leaves out, where the buffer is made of segments
+    /// given as (where the segment starts in the buffer, the flat range of the layout it
+    /// holds).
+    pub fn skipped_local(
+        &self,
+        windows: impl IntoIterator<Item = (usize, Range<usize>)>,
+    ) -> Vec<Range<usize>> {
+        let mut out = Vec::new();
+        for (at, window) in windows {
+            for r in &self.skipped {
+                let (a, b) = (r.start.max(window.start), r.end.min(window.end));
+                if a < b {
+                    out.push(at + a - window.start..at + b - window.start);
+                }
+            }
+        }
+        out
     }
 
     /// Σ g² of `values`, the flat range starting at `offset`, without the parts this rank
     /// leaves out.
     pub fn host_sq<G: GradElem>(&self, values: &[G], offset: usize) -> f64 {
         let window = offset..offset + values.len();
+        self.host_sq_windows(values, [(0, window)])
+    }
+
+    /// Σ g² of `values`, a buffer of segments (see [`skipped_local`](Self::skipped_local)),
+    /// without the parts this rank leaves out.
+    pub fn host_sq_windows<G: GradElem>(
+        &self,
+        values: &[G],
+        windows: impl IntoIterator<Item = (usize, Range<usize>)>,
+    ) -> f64 {
         let skipped: f64 = self
-            .skipped_in(window)
+            .skipped_local(windows)
+            .into_iter()
             .map(|r| squared_sum(&values[r]))
             .sum();
         (squared_sum(values) - skipped).max(0.0)
@@ -96,13 +118,26 @@ impl ModelParallelNorm {
     /// A 0/1 f32 mask over the flat range `window` (1 where this rank counts), on `device`;
     /// `None` when it counts everything.
     pub fn mask(&self, window: Range<usize>, device: &Device) -> Option<Tensor<1>> {
-        let mut skipped = self.skipped_in(window.clone()).peekable();
-        skipped.peek()?;
-        let mut mask = vec![1.0f32; window.len()];
+        self.mask_windows(window.len(), [(0, window)], device)
+    }
+
+    /// A 0/1 f32 mask over a buffer of `len` elements made of segments (see
+    /// [`skipped_local`](Self::skipped_local)), on `device`; `None` when this rank counts
+    /// everything.
+    pub fn mask_windows(
+        &self,
+        len: usize,
+        windows: impl IntoIterator<Item = (usize, Range<usize>)>,
+        device: &Device,
+    ) -> Option<Tensor<1>> {
+        let skipped = self.skipped_local(windows);
+        if skipped.is_empty() {
+            return None;
+        }
+        let mut mask = vec![1.0f32; len];
         for r in skipped {
             mask[r].fill(0.0);
         }
-        let len = mask.len();
         Some(Tensor::from_data(TensorData::new(mask, [len]), device))
     }
 

@@ -20,9 +20,10 @@ use burn_deepspeed_strategies::zero::{
     PartitionState, PartitionedKind, PartitionedOptimizer, Segment, ShardPlan,
 };
 
+use super::ModelParallelNorm;
 use super::buffer::merge_presence;
 use super::elem::{GradElem, add_into};
-use super::scale::{Scaling, clip_across};
+use super::scale::{Scaling, clip_across, clip_to, squared_sum, sum_across};
 use super::{
     GradSync, NvmeOffload, PieceReader, PieceWriter, Reduced, SavedState, SyncOptions,
     caller_optimizer_keeps_no_masters,
@@ -46,6 +47,9 @@ pub struct ShardedSync<G: GradElem = f32> {
     pub(super) segments: Vec<Segment>,
     /// Where tensor `t`'s piece starts in the rank's buffers, if it has one.
     pub(super) local_start: Vec<Option<usize>>,
+    /// Model parallelism: the norm's groups, and the ranges of this rank's pieces it leaves
+    /// out.
+    pub(super) slices: Option<(ModelParallelNorm, Vec<std::ops::Range<usize>>)>,
     /// Accumulated gradient of this rank's pieces. Under `offload_param` the group sums the
     /// chunk gradients, and this holds them only from the reduction to the end of the step.
     pub(super) grads: Vec<G>,
@@ -152,6 +156,7 @@ impl<G: GradElem> ShardedSync<G> {
             group,
             segments,
             local_start,
+            slices: None,
             grads: vec![G::default(); own_len],
             own_len,
             store: None,
@@ -448,8 +453,30 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
             }
         }
         scaling.apply_post(&mut self.grads);
-        let norm = clip_across(comm.as_ref(), &mut self.grads, self.options.clip)?;
+        let norm = match &self.slices {
+            Some((mp, skipped)) => {
+                let skipped: f64 = skipped
+                    .iter()
+                    .map(|r| squared_sum(&self.grads[r.clone()]))
+                    .sum();
+                let local = (squared_sum(&self.grads) - skipped).max(0.0);
+                let norm = mp.across(sum_across(comm.as_ref(), local)?)?.sqrt();
+                clip_to(&mut self.grads, norm, self.options.clip);
+                norm
+            }
+            None => clip_across(comm.as_ref(), &mut self.grads, self.options.clip)?,
+        };
         Ok(Reduced::global(norm))
+    }
+
+    fn model_parallel_norm(&mut self, norm: ModelParallelNorm) -> Result<()> {
+        let windows = self
+            .segments
+            .iter()
+            .map(|s| (s.local.start, s.global.clone()));
+        let skipped = norm.skipped_local(windows);
+        self.slices = Some((norm, skipped));
+        Ok(())
     }
 
     /// Steps this rank's pieces, writes the new chunks into `model`, and all-gathers the

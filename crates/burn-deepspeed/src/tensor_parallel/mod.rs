@@ -2,7 +2,9 @@
 //! parallelism: a layer's weight is cut across the ranks of a tensor-parallel group, and two
 //! conjugate ops keep the activations consistent ([`TensorParallel::copy`], Megatron's `f`,
 //! and [`TensorParallel::reduce`], its `g`). The layers: [`ColumnParallelLinear`],
-//! [`RowParallelLinear`], [`VocabParallelEmbedding`] and [`vocab_parallel_cross_entropy`].
+//! [`RowParallelLinear`], [`VocabParallelEmbedding`] and [`vocab_parallel_cross_entropy`];
+//! Burn's stock transformer sliced: [`ParallelTransformerEncoderLayer`] (from a
+//! `TransformerEncoderLayer`), [`ParallelMultiHeadAttention`], [`ParallelFeedForward`].
 
 mod cross_entropy;
 mod embedding;
@@ -10,6 +12,7 @@ mod group;
 mod layout;
 mod linear;
 mod op;
+mod transformer;
 
 pub use cross_entropy::vocab_parallel_cross_entropy;
 pub use embedding::VocabParallelEmbedding;
@@ -18,6 +21,9 @@ pub use layout::SliceLayout;
 pub(crate) use layout::{cut_flat, join_flat};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use op::TensorParallelOps;
+pub use transformer::{
+    ParallelFeedForward, ParallelMultiHeadAttention, ParallelTransformerEncoderLayer,
+};
 
 #[cfg(test)]
 mod test_util {

@@ -16,6 +16,7 @@ pub mod config;
 pub mod engine;
 mod error;
 pub mod grid;
+pub mod inference;
 pub mod launch;
 pub mod pipe;
 pub mod precision;

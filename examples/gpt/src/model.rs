@@ -9,6 +9,7 @@ use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_deepspeed::activation::checkpoint;
+use burn_deepspeed::inference::{CausalLm, KvCache};
 use burn_deepspeed::pipe::{LayerInput, PipeBatch, PipeLayer};
 use burn_deepspeed::pld::ProgressiveLayerDrop;
 use burn_deepspeed::tensor_parallel::{
@@ -143,6 +144,40 @@ impl Block {
         }
     }
 
+    /// The block on new positions `x` `[batch, t, d]` that attend to `cache`'s positions and
+    /// to themselves under the additive `mask` `[batch, 1, t, cached + t]`; their keys and
+    /// values are appended to `cache` (inference: no residual scaling).
+    fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        mask: &Tensor<4>,
+        cache: &mut KvCache,
+    ) -> burn_deepspeed::Result<Tensor<3>> {
+        let [b, t, d] = x.dims();
+        let dh = d / self.heads;
+        let h = self.heads / self.qkv.tp.size();
+        let dl = h * dh;
+        let qkv = self.qkv.forward(self.ln_attn.forward(x.clone()));
+        let split = |i: usize| {
+            qkv.clone()
+                .narrow(2, i * dl, dl)
+                .reshape([b, t, h, dh])
+                .swap_dims(1, 2)
+        };
+        let (keys, values) = cache.append(split(1), split(2))?;
+        let scores = split(0)
+            .matmul(keys.transpose())
+            .div_scalar((dh as f64).sqrt())
+            + mask.clone().cast(x.dtype());
+        let att = softmax(scores, 3).matmul(values);
+        let att = att.swap_dims(1, 2).reshape([b, t, dl]);
+        let x = x + self.attn_out.forward(att);
+        let m = self
+            .mlp_out
+            .forward(gelu(self.mlp_in.forward(self.ln_mlp.forward(x.clone()))));
+        Ok(x + m)
+    }
+
     /// The block, with its two residual branches multiplied by `scale` (1/p_l for a block
     /// kept by progressive layer dropping, else 1).
     fn forward(&self, x: Tensor<3>, causal: Tensor<4>, scale: f64) -> Tensor<3> {
@@ -180,6 +215,11 @@ pub struct GptEmbed {
 }
 
 impl GptEmbed {
+    /// Hidden states `[batch, t, d]` of token ids `[batch, t]` at `positions` `[batch, t]`.
+    pub fn forward_at(&self, inputs: Tensor<2, Int>, positions: Tensor<2, Int>) -> Tensor<3> {
+        self.tok_emb.forward(inputs) + self.pos_emb.forward(positions)
+    }
+
     /// Hidden states `[batch, seq, d]` of token ids `[batch, seq]`.
     pub fn forward(&self, inputs: Tensor<2, Int>) -> Tensor<3> {
         let [b, t] = inputs.dims();
@@ -475,6 +515,40 @@ fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
         .map(|i| if i % t > i / t { -1e9 } else { 0.0 })
         .collect();
     Tensor::<2>::from_data(TensorData::new(values, [t, t]), device).reshape([1, 1, t, t])
+}
+
+/// Generation from key/value caches ([`burn_deepspeed::inference::generate`]), whole or
+/// sliced (each rank caches its own heads).
+impl CausalLm for Gpt {
+    fn caches(&self, batch: usize, capacity: usize, device: &Device) -> Vec<KvCache> {
+        self.blocks
+            .iter()
+            .map(|b| {
+                let tp = b.qkv.tp.size();
+                let [d, _] = b.qkv.weight.val().dims();
+                let dtype = b.qkv.weight.val().dtype();
+                KvCache::new(batch, b.heads / tp, capacity, d / b.heads, dtype, device)
+            })
+            .collect()
+    }
+
+    fn forward_cached(
+        &self,
+        tokens: Tensor<2, Int>,
+        positions: Tensor<2, Int>,
+        mask: Tensor<4>,
+        caches: &mut [KvCache],
+    ) -> burn_deepspeed::Result<Tensor<3>> {
+        let mut x = self.embed.forward_at(tokens, positions);
+        for (block, cache) in self.blocks.iter().zip(caches.iter_mut()) {
+            x = block.forward_cached(x, &mask, cache)?;
+        }
+        Ok(self.head.forward(x))
+    }
+
+    fn vocab_group(&self) -> &TensorParallel {
+        &self.head.head.tp
+    }
 }
 
 impl TrainStep for Gpt {

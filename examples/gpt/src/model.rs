@@ -153,56 +153,50 @@ impl Block {
         mask: &Tensor<4>,
         cache: &mut KvCache,
     ) -> burn_deepspeed::Result<Tensor<3>> {
+        let [q, k, v] = self.heads(&x);
+        let (k, v) = cache.append(k, v)?;
+        let x = x.clone() + self.attend(q, k, v, mask.clone().cast(x.dtype()));
+        Ok(x.clone() + self.mlp(x))
+    }
+
+    /// This rank's heads (all of them when whole) of q, k and v `[b, heads, t, d_head]`
+    /// of the normalized `x`.
+    fn heads(&self, x: &Tensor<3>) -> [Tensor<4>; 3] {
         let [b, t, d] = x.dims();
         let dh = d / self.heads;
         let h = self.heads / self.qkv.tp.size();
-        let dl = h * dh;
         let qkv = self.qkv.forward(self.ln_attn.forward(x.clone()));
-        let split = |i: usize| {
+        [0, 1, 2].map(|i| {
             qkv.clone()
-                .narrow(2, i * dl, dl)
+                .narrow(2, i * h * dh, h * dh)
                 .reshape([b, t, h, dh])
                 .swap_dims(1, 2)
-        };
-        let (keys, values) = cache.append(split(1), split(2))?;
-        let scores = split(0)
-            .matmul(keys.transpose())
-            .div_scalar((dh as f64).sqrt())
-            + mask.clone().cast(x.dtype());
-        let att = softmax(scores, 3).matmul(values);
-        let att = att.swap_dims(1, 2).reshape([b, t, dl]);
-        let x = x + self.attn_out.forward(att);
-        let m = self
-            .mlp_out
-            .forward(gelu(self.mlp_in.forward(self.ln_mlp.forward(x.clone()))));
-        Ok(x + m)
+        })
+    }
+
+    /// The attention branch: `q` over `k` and `v` under the additive `mask`, through the
+    /// output projection (summed over the group when sliced).
+    fn attend(&self, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: Tensor<4>) -> Tensor<3> {
+        let [b, h, t, dh] = q.dims();
+        let scores = q.matmul(k.transpose()).div_scalar((dh as f64).sqrt()) + mask;
+        let att = softmax(scores, 3).matmul(v);
+        self.attn_out
+            .forward(att.swap_dims(1, 2).reshape([b, t, h * dh]))
+    }
+
+    /// The MLP branch of `x`.
+    fn mlp(&self, x: Tensor<3>) -> Tensor<3> {
+        self.mlp_out
+            .forward(gelu(self.mlp_in.forward(self.ln_mlp.forward(x))))
     }
 
     /// The block, with its two residual branches multiplied by `scale` (1/p_l for a block
     /// kept by progressive layer dropping, else 1).
     fn forward(&self, x: Tensor<3>, causal: Tensor<4>, scale: f64) -> Tensor<3> {
-        let [b, t, d] = x.dims();
-        let dh = d / self.heads;
-        // This rank's heads (all of them when whole) and their width.
-        let h = self.heads / self.qkv.tp.size();
-        let dl = h * dh;
-        let qkv = self.qkv.forward(self.ln_attn.forward(x.clone()));
-        let split = |i: usize| {
-            qkv.clone()
-                .narrow(2, i * dl, dl)
-                .reshape([b, t, h, dh])
-                .swap_dims(1, 2)
-        };
-        let (q, k, v) = (split(0), split(1), split(2));
-        let scores = q.matmul(k.transpose()).div_scalar((dh as f64).sqrt()) + causal;
-        let att = softmax(scores, 3).matmul(v);
-        let att = att.swap_dims(1, 2).reshape([b, t, dl]);
         let branch = |y: Tensor<3>| if scale == 1.0 { y } else { y.mul_scalar(scale) };
-        let x = x + branch(self.attn_out.forward(att));
-        let m = self
-            .mlp_out
-            .forward(gelu(self.mlp_in.forward(self.ln_mlp.forward(x.clone()))));
-        x + branch(m)
+        let [q, k, v] = self.heads(&x);
+        let x = x + branch(self.attend(q, k, v, causal));
+        x.clone() + branch(self.mlp(x))
     }
 }
 

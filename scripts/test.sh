@@ -211,6 +211,29 @@ print("mpi 3d grid parity: 1 passed, 0 failed" if ok else "mpi 3d grid parity: 0
 sys.exit(0 if ok else 1)
 PY
 
+# Generation from a trained checkpoint: the GPT sliced over 2 and 4 ranks, in threads and
+# under mpirun, generates the greedy tokens of one rank (issue 21).
+generate=$(binary generate)
+"$gpt" --steps 60 --seed 7 --save-dir "$out/gen-ckpt" > /dev/null
+gen_args=(--checkpoint "$out/gen-ckpt" --prompt "The " --prompt "It was the best" --max-new-tokens 32 --json)
+"$generate" --tp 1 "${gen_args[@]}" | tail -n 1 > "$out/gen-1.json"
+for tp in 2 4; do
+    "$generate" --tp "$tp" "${gen_args[@]}" | tail -n 1 > "$out/gen-threads-$tp.json"
+    mpirun -n "$tp" "$generate" "${gen_args[@]}" | tail -n 1 > "$out/gen-mpi-$tp.json"
+done
+python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+one = json.load(open(f"{out}/gen-1.json"))
+runs = {f"{kind} tp {tp}": json.load(open(f"{out}/gen-{kind}-{tp}.json")) for kind in ("threads", "mpi") for tp in (2, 4)}
+ok = all(r["tokens"] == one["tokens"] for r in runs.values())
+ok = ok and all(r["backend"] == ("mpi" if k.startswith("mpi") else "threads") for k, r in runs.items())
+for k, r in runs.items():
+    print(f"generate {k}: {r['tokens'] == one['tokens']} ({r['weight_bytes_per_rank']} weight bytes per rank, tp 1: {one['weight_bytes_per_rank']})")
+print("mpi generation parity: 1 passed, 0 failed" if ok else "mpi generation parity: 0 passed, 1 failed")
+sys.exit(0 if ok else 1)
+PY
+
 # 1-bit Adam (freeze_step 2) under mpirun -n 2 prints the same losses as in threads: the
 # compressed all-reduce (all-to-all of packed signs, all-gathers) over MPI.
 python3 - examples/gpt/configs/onebit_adam.json > "$out/onebit.json" <<'PY'

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use burn::tensor::Device;
-use burn_deepspeed_strategies::comm::Communicator;
+use burn_deepspeed_strategies::comm::{Communicator, ThreadWorld, ThreadWorldOptions};
 use burn_deepspeed_strategies::device::device_collectives;
 use burn_deepspeed_strategies::pipe::{GridAxis, GridCoord, GridTopology};
 
@@ -75,10 +75,14 @@ impl Grid {
         let rank = world.rank();
         let coord = topology.coords(rank);
         // The same splits, in the same order, on every rank; a group that is the whole
-        // world is the world itself (its traffic counted in the world's stats).
-        let group = |axis: GridAxis| match topology.len(axis) == topology.world() {
-            true => Ok(world.clone()),
-            false => world.split(topology.color(axis, rank)),
+        // world is the world itself (its traffic counted in the world's stats), and a group
+        // of one rank a world of its own (no split: nothing to agree on, nothing sent).
+        let group = |axis: GridAxis| -> Result<Arc<dyn Communicator>> {
+            match topology.len(axis) {
+                n if n == topology.world() => Ok(world.clone()),
+                1 => alone(),
+                _ => Ok(world.split(topology.color(axis, rank))?),
+            }
         };
         let pipe = group(GridAxis::Pipe)?;
         let data = group(GridAxis::Data)?;
@@ -194,6 +198,15 @@ pub struct AxisBytes {
     pub data: u64,
     /// On the world's communicator beside the groups.
     pub other: u64,
+}
+
+/// A world of this rank alone.
+pub(crate) fn alone() -> Result<Arc<dyn Communicator>> {
+    let mut world = ThreadWorld::new(1, ThreadWorldOptions::default())?.communicators();
+    let comm = world
+        .pop()
+        .ok_or_else(|| DeepSpeedError::Strategy("a world of one has one rank".into()))?;
+    Ok(Arc::new(comm))
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 pub mod data;
+pub mod generate;
 pub mod model;
 pub mod run;
 

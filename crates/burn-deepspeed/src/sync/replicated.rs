@@ -15,7 +15,7 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Bytes, FloatDType};
-use burn_deepspeed_strategies::comm::{Communicator, ThreadWorld, ThreadWorldOptions};
+use burn_deepspeed_strategies::comm::Communicator;
 use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, PartitionedOptimizer};
 
 use super::ModelParallelNorm;
@@ -245,14 +245,11 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
         let layout = self.buffer.layout();
         let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
         let whole = FlatPartition::new(layout.numel, 1);
-        let alone = ThreadWorld::new(1, ThreadWorldOptions::default())?
-            .communicators()
-            .pop()
-            .ok_or_else(|| DeepSpeedError::Strategy("a world of one has one rank".into()))?;
+        let alone = crate::grid::alone()?;
         self.masters = Some(Masters {
             values: params_to_flat(&model, layout),
             optim: PartitionedOptimizer::new(kind, &whole, 0, &sizes),
-            alone: Arc::new(alone),
+            alone,
         });
         // Burn's optimizer is not used from here on; its (empty) state goes.
         self.optim = None;

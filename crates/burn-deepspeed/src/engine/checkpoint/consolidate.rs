@@ -39,9 +39,10 @@ pub struct Consolidated {
     pub bytes: u64,
 }
 
-/// Writes checkpoint `tag` of `dir` (default: the one `dir/latest` names) as one safetensors
-/// file at `out` (see the module docs).
-pub fn consolidate(dir: &Path, tag: Option<&str>, out: &Path) -> Result<Consolidated> {
+/// Checkpoint `tag` of `dir` (default: the one `dir/latest` names), read with every check
+/// a load makes: its tag, its metadata and its `model.bin` bytes (the whole fp32 parameters,
+/// flat in layout order).
+fn read_model_bytes(dir: &Path, tag: Option<&str>) -> Result<(String, CheckpointMeta, Vec<u8>)> {
     let tag = match tag {
         Some(t) => {
             check_tag(t)?;
@@ -49,14 +50,30 @@ pub fn consolidate(dir: &Path, tag: Option<&str>, out: &Path) -> Result<Consolid
         }
         None => read_latest(dir)?,
     };
-    let (meta, contents) = read_checkpoint(dir, &tag)?;
-    let root = dir.join(&tag);
+    let (meta, mut contents) = read_checkpoint(dir, &tag)?;
     let at = meta
         .files
         .iter()
         .position(|f| f.name == "model.bin")
-        .ok_or_else(|| refuse(&root, "has no model.bin to consolidate"))?;
-    let model = &contents[at];
+        .ok_or_else(|| refuse(&dir.join(&tag), "has no model.bin"))?;
+    let model = contents.swap_remove(at);
+    Ok((tag, meta, model))
+}
+
+/// The whole fp32 parameters (flat in layout order) and the metadata of checkpoint `tag` of
+/// `dir` (default: the one `dir/latest` names), whatever the ZeRO stage, the world size or
+/// the grid that wrote it: what inference loads (one process, no communicator).
+pub fn read_model(dir: &Path, tag: Option<&str>) -> Result<(CheckpointMeta, Vec<f32>)> {
+    let (_, meta, model) = read_model_bytes(dir, tag)?;
+    Ok((meta, super::format::f32_values(&model, "model.bin")?))
+}
+
+/// Writes checkpoint `tag` of `dir` (default: the one `dir/latest` names) as one safetensors
+/// file at `out` (see the module docs).
+pub fn consolidate(dir: &Path, tag: Option<&str>, out: &Path) -> Result<Consolidated> {
+    let (tag, meta, model) = read_model_bytes(dir, tag)?;
+    let root = dir.join(&tag);
+    let model = &model;
     let tensors = named_tensors(&meta, model).map_err(|why| refuse(&root, why))?;
     let values = model.len() / 4;
     let mut info = HashMap::new();

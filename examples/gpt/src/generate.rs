@@ -1,0 +1,202 @@
+//! The generation driver of the example: one call per rank, the GPT sliced over the world's
+//! ranks (tensor parallelism for inference), with the figures DeepSpeed-Inference reports.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_deepspeed::comm::Communicator;
+use burn_deepspeed::engine::checkpoint::read_model;
+use burn_deepspeed::engine::flat::{ParamLayout, params_from_flat};
+use burn_deepspeed::engine::memory::param_bytes;
+use burn_deepspeed::grid::Grid;
+use burn_deepspeed::inference::{CausalLm, GenerateOptions, Sampler, Sampling, generate};
+use burn_deepspeed::tensor_parallel::SliceLayout;
+use burn_deepspeed::{DeepSpeedError, Result};
+use serde::Serialize;
+
+use crate::model::{Gpt, GptShape};
+
+/// What one generation run does.
+#[derive(Debug, Clone)]
+pub struct GenerateSpec {
+    /// Model size.
+    pub shape: GptShape,
+    /// The whole model's parameters, flat in layout order (from a checkpoint or a run).
+    pub params: Arc<Vec<f32>>,
+    /// The prompts, as token ids (bytes).
+    pub prompts: Vec<Vec<u32>>,
+    /// Tokens to generate and how.
+    pub options: GenerateOptions,
+    /// Also time greedy generation by full recomputation (the whole sequence again for each
+    /// token, no cache), for the speed-up and the token-for-token check (prompts of one
+    /// length).
+    pub compare_recompute: bool,
+}
+
+impl GenerateSpec {
+    /// The parameters of checkpoint `dir` (its latest) for a GPT of `shape`, refused with the
+    /// reason when the checkpoint holds another model.
+    pub fn params_from_checkpoint(dir: &Path, shape: GptShape) -> Result<Vec<f32>> {
+        let (meta, params) = read_model(dir, None)?;
+        let layout = ParamLayout::of(&Gpt::new(shape, 0, &Device::flex()));
+        let shapes: Vec<Vec<usize>> = layout.slots.iter().map(|s| s.shape.clone()).collect();
+        if meta.shapes != shapes {
+            return Err(DeepSpeedError::Checkpoint(format!(
+                "{} holds {} tensors of {} values; a GPT of this shape has {} of {} (pass \
+                 the --model it was trained with)",
+                dir.display(),
+                meta.shapes.len(),
+                params.len(),
+                shapes.len(),
+                layout.numel
+            )));
+        }
+        Ok(params)
+    }
+}
+
+/// The JSON summary of a generation.
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerateReport {
+    /// Tensor-parallel ranks (the world).
+    pub tp: usize,
+    /// `"threads"` or `"mpi"`.
+    pub backend: String,
+    /// The generated text of each prompt (bytes, lossily as UTF-8).
+    pub text: Vec<String>,
+    /// The generated tokens of each prompt.
+    pub tokens: Vec<Vec<u32>>,
+    /// Prompt tokens processed per second in the prefill.
+    pub prefill_tokens_per_s: f64,
+    /// Generated tokens per second after the first (all prompts together).
+    pub decode_tokens_per_s: f64,
+    /// Seconds to the first generated token (the prefill).
+    pub time_to_first_token_s: f64,
+    /// Median seconds per decode step.
+    pub token_latency_p50_s: f64,
+    /// 99th percentile of the seconds per decode step.
+    pub token_latency_p99_s: f64,
+    /// Bytes of this rank's parameters (its slices), measured on the tensors.
+    pub weight_bytes_per_rank: u64,
+    /// Bytes of this rank's key/value caches.
+    pub cache_bytes_per_rank: u64,
+    /// Generated tokens per second by full recomputation, when compared.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recompute_tokens_per_s: Option<f64>,
+    /// Whether full recomputation produced the same tokens, when compared.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub matches_recompute: Option<bool>,
+}
+
+fn percentile(mut v: Vec<Duration>, p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort();
+    let at = ((v.len() - 1) as f64 * p).round() as usize;
+    v[at].as_secs_f64()
+}
+
+/// Generates `spec` on this rank: the GPT cut over `comm`'s ranks, each rank its slice.
+/// Every rank returns the same tokens.
+pub fn generate_rank(spec: &GenerateSpec, comm: Arc<dyn Communicator>) -> Result<GenerateReport> {
+    let device = Device::flex();
+    let (tp, backend) = (comm.world_size(), comm.backend().to_string());
+    let grid = Grid::new(comm, 1, tp, &device)?;
+    let whole = Gpt::new(spec.shape, 0, &device);
+    let layout = ParamLayout::of(&whole);
+    if layout.numel != spec.params.len() {
+        return Err(DeepSpeedError::Data(format!(
+            "{} parameters for a model of {}",
+            spec.params.len(),
+            layout.numel
+        )));
+    }
+    let model = params_from_flat(whole, &layout, &spec.params).sliced(grid.tensor_parallel());
+    let generation = generate(&model, &spec.prompts, &spec.options, &device)?;
+    let batch = spec.prompts.len();
+    let prompt_tokens: usize = spec.prompts.iter().map(Vec::len).sum();
+    let decode: Duration = generation.steps.iter().sum();
+    let decoded = batch * generation.steps.len();
+    let (recompute_tokens_per_s, matches_recompute) = match spec.compare_recompute {
+        true => {
+            let (tokens, secs) = recompute(&model, &spec.prompts, spec.options.max_new_tokens)?;
+            let per_s = (batch * spec.options.max_new_tokens) as f64 / secs;
+            (Some(per_s), Some(tokens == generation.tokens))
+        }
+        false => (None, None),
+    };
+    Ok(GenerateReport {
+        tp,
+        backend,
+        text: generation
+            .tokens
+            .iter()
+            .map(|t| {
+                String::from_utf8_lossy(&t.iter().map(|&b| b as u8).collect::<Vec<_>>()).into()
+            })
+            .collect(),
+        tokens: generation.tokens.clone(),
+        prefill_tokens_per_s: prompt_tokens as f64 / generation.prefill.as_secs_f64(),
+        decode_tokens_per_s: decoded as f64 / decode.as_secs_f64().max(f64::MIN_POSITIVE),
+        time_to_first_token_s: generation.prefill.as_secs_f64(),
+        token_latency_p50_s: percentile(generation.steps.clone(), 0.5),
+        token_latency_p99_s: percentile(generation.steps, 0.99),
+        weight_bytes_per_rank: param_bytes(&model),
+        cache_bytes_per_rank: generation.cache_bytes,
+        recompute_tokens_per_s,
+        matches_recompute,
+    })
+}
+
+/// Greedy tokens of `prompts` (one length) by running every sequence whole again for each
+/// new token, and the seconds it took.
+fn recompute(model: &Gpt, prompts: &[Vec<u32>], new: usize) -> Result<(Vec<Vec<u32>>, f64)> {
+    let len = prompts[0].len();
+    if prompts.iter().any(|p| p.len() != len) {
+        return Err(DeepSpeedError::Data(
+            "the recomputation baseline takes prompts of one length".into(),
+        ));
+    }
+    let batch = prompts.len();
+    let mut seqs: Vec<Vec<i64>> = prompts
+        .iter()
+        .map(|p| p.iter().map(|&t| i64::from(t)).collect())
+        .collect();
+    let mut sampler = Sampler::new(Sampling::Greedy);
+    let group = model.vocab_group().clone();
+    let start = Instant::now();
+    for _ in 0..new {
+        let n = seqs[0].len();
+        let flat: Vec<i64> = seqs.iter().flatten().copied().collect();
+        let input = Tensor::<2, Int>::from_data(TensorData::new(flat, [batch, n]), &Device::flex());
+        let logits = model.forward(input);
+        let block = logits.dims()[2];
+        let last = logits
+            .slice([0..batch, n - 1..n, 0..block])
+            .reshape([batch, block]);
+        let whole = group.gather(
+            last,
+            SliceLayout {
+                dim: 1,
+                sections: 1,
+            },
+        )?;
+        let vocab = whole.dims()[1];
+        let rows = whole
+            .into_data()
+            .try_to_vec::<f32>()
+            .map_err(|e| DeepSpeedError::Data(format!("logits: {e:?}")))?;
+        for (seq, row) in seqs.iter_mut().zip(rows.chunks(vocab)) {
+            seq.push(sampler.next(row) as i64);
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let tokens = seqs
+        .into_iter()
+        .map(|s| s[len..].iter().map(|&t| t as u32).collect())
+        .collect();
+    Ok((tokens, secs))
+}

@@ -511,6 +511,7 @@ fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
     Tensor::<2>::from_data(TensorData::new(values, [t, t]), device).reshape([1, 1, t, t])
 }
 
+// ANCHOR: causal_lm
 /// Generation from key/value caches ([`burn_deepspeed::inference::generate`]), whole or
 /// sliced (each rank caches its own heads).
 impl CausalLm for Gpt {
@@ -544,6 +545,7 @@ impl CausalLm for Gpt {
         &self.head.head.tp
     }
 }
+// ANCHOR_END: causal_lm
 
 impl TrainStep for Gpt {
     type Input = GptBatch;

@@ -11,6 +11,8 @@
 //! the bytes each pass must move: AdamW 28 per fp32 parameter (read p, g, m, v; write p, m,
 //! v), a copy 8 per value (read and write), quantization 4 in and 1 (int8) or ½ (int4) out per
 //! value, the 1-bit compression 4 (x) + 8 (error in and out) + ⅛ (signs) per value.
+//! The fused dequantize-matmul (int8 and int4 weights, groups of 64) is timed against Burn's
+//! f32 matmul on Flex for a 1024 x 4096 layer at 4 rows (a decode step) and 256 (a prefill).
 //! `scripts/bench-kernels.sh` writes the kernel section of BENCHMARKS.md from `--json`.
 
 use std::time::Instant;
@@ -20,6 +22,7 @@ use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_deepspeed_cubecl_kernels::adam::{AdamParams, adam_step};
 use burn_deepspeed_cubecl_kernels::fill::uniform as values;
+use burn_deepspeed_cubecl_kernels::qmatmul::dequant_matmul;
 use burn_deepspeed_cubecl_kernels::quantize::{Bits, Quantizer, Scheme};
 use burn_deepspeed_cubecl_kernels::sign::{onebit_compress, packed_len};
 use rayon::prelude::*;
@@ -206,6 +209,8 @@ fn main() {
         None => None,
     };
 
+    let qmatmul = qmatmul_figures(reps);
+
     let threads = rayon::current_num_threads();
     let mut report = format!(
         concat!(
@@ -249,6 +254,43 @@ fn main() {
         );
         println!("  1-bit compress    {onebit_compress_gbps:8.2} GB/s");
     }
+    if !args.json {
+        for q in &qmatmul {
+            println!(
+                "  [{}, {}] x [{}, {}]: Burn f32 matmul {:.3} ms, fused int8 {:.3} ms ({:.2}x), int4 {:.3} ms ({:.2}x)",
+                q.m,
+                q.k,
+                q.k,
+                q.n,
+                q.burn_ms,
+                q.int8_ms,
+                q.burn_ms / q.int8_ms,
+                q.int4_ms,
+                q.burn_ms / q.int4_ms
+            );
+        }
+    }
+    report.pop();
+    let rows: Vec<String> = qmatmul
+        .iter()
+        .map(|q| {
+            format!(
+                concat!(
+                    "{{\"m\":{},\"k\":{},\"n\":{},\"burn_f32_ms\":{:.4},\"int8_ms\":{:.4},",
+                    "\"int4_ms\":{:.4},\"int8_over_burn\":{:.3},\"int4_over_burn\":{:.3}}}"
+                ),
+                q.m,
+                q.k,
+                q.n,
+                q.burn_ms,
+                q.int8_ms,
+                q.int4_ms,
+                q.burn_ms / q.int8_ms,
+                q.burn_ms / q.int4_ms
+            )
+        })
+        .collect();
+    report.push_str(&format!(",\"qmatmul\":[{}]}}", rows.join(",")));
     if let Some(d) = device {
         if !args.json {
             println!(
@@ -274,6 +316,54 @@ fn main() {
         ));
     }
     println!("{report}");
+}
+
+/// The fused dequantize-matmul against Burn's f32 matmul (Flex) on one shape.
+struct QMatmul {
+    m: usize,
+    k: usize,
+    n: usize,
+    burn_ms: f64,
+    int8_ms: f64,
+    int4_ms: f64,
+}
+
+/// `[m, k] x [k, n]` for a decode step (4 rows) and a prefill (256 rows) of a 1024 x 4096
+/// layer: Burn's f32 matmul on Flex, and the fused dequantize-matmul of the same weight
+/// quantized to int8 and int4 (asymmetric, groups of 64).
+fn qmatmul_figures(reps: usize) -> Vec<QMatmul> {
+    let (k, n) = (1024, 4096);
+    let weight = values(k * n, 7);
+    let device = Device::flex();
+    let w = Tensor::<2>::from_data(TensorData::new(weight.clone(), [k, n]), &device);
+    [4usize, 256]
+        .into_iter()
+        .map(|m| {
+            let xv = values(m * k, 8);
+            let x = Tensor::<2>::from_data(TensorData::new(xv.clone(), [m, k]), &device);
+            let burn = time(reps, || (x.clone(), w.clone()), |(x, w)| drop(x.matmul(w)));
+            let mut out = vec![0.0f32; m * n];
+            let mut fused = |bits| {
+                let q = Quantizer::new(bits, Scheme::Asymmetric, 64)
+                    .expect("valid")
+                    .quantize(&weight);
+                time(
+                    reps,
+                    || (),
+                    |_| dequant_matmul(&xv, m, &q, k, n, &mut out).expect("shapes"),
+                )
+            };
+            let (int8, int4) = (fused(Bits::Int8), fused(Bits::Int4));
+            QMatmul {
+                m,
+                k,
+                n,
+                burn_ms: burn * 1e3,
+                int8_ms: int8 * 1e3,
+                int4_ms: int4 * 1e3,
+            }
+        })
+        .collect()
 }
 
 /// Figures of the CubeCL kernels on one device.

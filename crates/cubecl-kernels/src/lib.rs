@@ -14,6 +14,7 @@ pub mod cube;
 pub mod ext;
 pub mod fill;
 pub mod lamb;
+pub mod qmatmul;
 pub mod quantize;
 pub mod sign;
 pub mod words;

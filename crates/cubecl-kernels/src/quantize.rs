@@ -261,6 +261,55 @@ impl Quantized {
             });
     }
 
+    /// Writes the dequantized values `start..start + out.len()` into `out` (`start` at a
+    /// group boundary; the last group may be cut short).
+    ///
+    /// # Panics
+    /// When `start` is not at a group boundary or the range passes the end.
+    pub fn dequantize_range_into(&self, start: usize, out: &mut [f32]) {
+        let q = self.quantizer;
+        assert!(
+            start.is_multiple_of(q.group) && start + out.len() <= self.len,
+            "dequantize_range_into: {start}..{} of {} in groups of {}",
+            start + out.len(),
+            self.len,
+            q.group
+        );
+        let first = start / q.group;
+        let group_bytes = q.bits.bytes_for(q.group);
+        let offset = |g: usize| self.offsets.get(g).copied().unwrap_or(0.0);
+        for (i, out) in out.chunks_mut(q.group).enumerate() {
+            let g = first + i;
+            let (step, o) = (self.steps[g], offset(g));
+            let codes = &self.codes[g * group_bytes..];
+            match q.bits {
+                Bits::Int8 => {
+                    for (y, &c) in out.iter_mut().zip(codes) {
+                        *y = (c as i8) as f32 * step + o;
+                    }
+                }
+                Bits::Int4 => {
+                    // Whole pairs without a branch (the high nibble by an arithmetic shift
+                    // of the byte, the low one shifted up first), then an odd last value.
+                    let last = out.len() / 2;
+                    let mut pairs = out.chunks_exact_mut(2);
+                    for (pair, &c) in (&mut pairs).zip(codes) {
+                        pair[0] = ((c as i8) >> 4) as f32 * step + o;
+                        pair[1] = (((c << 4) as i8) >> 4) as f32 * step + o;
+                    }
+                    if let [y] = pairs.into_remainder() {
+                        *y = nibble(codes[last] >> 4) * step + o;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Bytes of the codes, steps and offsets.
+    pub fn bytes(&self) -> usize {
+        self.codes.len() + 4 * (self.steps.len() + self.offsets.len())
+    }
+
     /// The dequantized values.
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.len];

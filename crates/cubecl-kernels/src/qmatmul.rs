@@ -1,0 +1,236 @@
+//! The fused dequantize-matmul on the CPU: `y = x · W` for a weight `W` `[k, n]` (row-major,
+//! Burn's linear layout) quantized group-wise by [`Quantizer`](crate::quantize::Quantizer)
+//! along its flattened values, without ever holding `W` whole in f32.
+//!
+//! The weight is taken a block of columns at a time, the blocks in parallel: each block's
+//! groups are dequantized into a buffer of about [`TILE_BYTES`] that stays in cache, and
+//! `y[:, cols] = x · block` runs on `gemm` (the matrix multiply Burn's Flex backend uses) over
+//! the whole inner dimension. Memory per thread: one block, not the weight.
+
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+use crate::KernelError;
+use crate::quantize::Quantized;
+
+/// About the bytes of one dequantized block of columns (fits a core's L2 cache).
+pub const TILE_BYTES: usize = 512 * 1024;
+
+/// Columns per block for a weight of `k` rows and `n` columns in groups of `group`: as
+/// many as [`TILE_BYTES`] holds, a multiple of the group when the groups tile a row (so that
+/// each row of a block is whole groups), else every column (a group may then straddle two
+/// rows, and the block is the whole weight: such layouts lose the bound on memory).
+fn block_cols(k: usize, n: usize, group: usize) -> usize {
+    if !n.is_multiple_of(group) {
+        return n;
+    }
+    let fit = TILE_BYTES / 4 / k.max(1);
+    ((fit / group).max(1) * group).min(n)
+}
+
+/// `out = x · W` with `x` `[m, k]` and `W` `[k, n]` quantized in `w` (row-major), `out`
+/// `[m, n]`, all row-major.
+///
+/// # Errors
+/// When the lengths do not match the shapes.
+pub fn dequant_matmul(
+    x: &[f32],
+    m: usize,
+    w: &Quantized,
+    k: usize,
+    n: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    if x.len() != m * k || w.len != k * n || out.len() != m * n {
+        return Err(KernelError::Arguments {
+            op: "dequant_matmul",
+            detail: format!(
+                "x has {} values for [{m}, {k}], the weight {} for [{k}, {n}], the output {} \
+                 for [{m}, {n}]",
+                x.len(),
+                w.len,
+                out.len()
+            ),
+        });
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    let group = w.quantizer.group();
+    if m <= SKINNY && n.is_multiple_of(group) {
+        // Two blocks per thread, whole groups each.
+        let per = n.div_ceil(2 * rayon::current_num_threads());
+        let cols = (per.div_ceil(group) * group).min(n);
+        skinny(x, m, w, k, n, cols, out);
+        return Ok(());
+    }
+    let cols = block_cols(k, n, group);
+    by_column_blocks(m, n, cols, out, |j0, nb| {
+        let mut tile = vec![0.0f32; k * nb];
+        if nb == n {
+            w.dequantize_range_into(0, &mut tile);
+        } else {
+            // Row p of the block: whole groups from p·n + j0.
+            for (p, row) in tile.chunks_mut(nb).enumerate() {
+                w.dequantize_range_into(p * n + j0, row);
+            }
+        }
+        let mut block = vec![0.0f32; m * nb];
+        // SAFETY: `block` is [m, nb], `x` [m, k] and `tile` [k, nb], all row-major and
+        // of exactly those lengths (checked above), so every index the strides reach is
+        // inside its slice; `block` aliases neither input.
+        unsafe {
+            gemm::gemm(
+                m,
+                nb,
+                k,
+                block.as_mut_ptr(),
+                1,
+                nb as isize,
+                false,
+                x.as_ptr(),
+                1,
+                k as isize,
+                tile.as_ptr(),
+                1,
+                nb as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                Parallelism::None,
+            );
+        }
+        block
+    });
+    Ok(())
+}
+
+/// `out` `[m, n]` from its column blocks of `cols` (the last may be narrower), each made by
+/// `block(j0, nb)` as `[m, nb]`, in parallel.
+fn by_column_blocks(
+    m: usize,
+    n: usize,
+    cols: usize,
+    out: &mut [f32],
+    block: impl Fn(usize, usize) -> Vec<f32> + Sync,
+) {
+    let starts: Vec<usize> = (0..n).step_by(cols).collect();
+    let blocks: Vec<(usize, Vec<f32>)> = starts
+        .into_par_iter()
+        .map(|j0| (j0, block(j0, cols.min(n - j0))))
+        .collect();
+    for (j0, block) in blocks {
+        let nb = block.len() / m;
+        for (i, row) in block.chunks(nb).enumerate() {
+            out[i * n + j0..i * n + j0 + nb].copy_from_slice(row);
+        }
+    }
+}
+
+/// Rows of `x` up to which [`dequant_matmul`] streams the weight instead of multiplying
+/// dequantized blocks (a decode step's few rows; when the groups tile a row): each weight
+/// row is dequantized once into a buffer in L1 and added into every output row, so the codes
+/// are read once and nothing larger than a row of a block is written.
+pub const SKINNY: usize = 8;
+
+/// `out = x · W` for few rows: column blocks in parallel, each streaming the rows of `W`.
+fn skinny(x: &[f32], m: usize, w: &Quantized, k: usize, n: usize, cols: usize, out: &mut [f32]) {
+    by_column_blocks(m, n, cols, out, |j0, nb| {
+        let mut acc = vec![0.0f32; m * nb];
+        let mut row = vec![0.0f32; nb];
+        for p in 0..k {
+            w.dequantize_range_into(p * n + j0, &mut row);
+            for (i, acc) in acc.chunks_mut(nb).enumerate() {
+                let xi = x[i * k + p];
+                for (a, r) in acc.iter_mut().zip(&row) {
+                    *a += xi * r;
+                }
+            }
+        }
+        acc
+    });
+}
+
+/// The plain reference: the weight dequantized whole, then a triple loop in f64.
+pub fn dequant_matmul_reference(
+    x: &[f32],
+    m: usize,
+    w: &Quantized,
+    k: usize,
+    n: usize,
+) -> Vec<f32> {
+    let weight = w.dequantize();
+    let mut out = vec![0.0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let sum: f64 = (0..k)
+                .map(|p| x[i * k + p] as f64 * weight[p * n + j] as f64)
+                .sum();
+            out[i * n + j] = sum as f32;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::adam::tests::values;
+    use crate::quantize::{Bits, Quantizer, Scheme};
+
+    /// int8 and int4, symmetric and asymmetric, groups that divide a row and groups that
+    /// straddle rows, shapes of one block and of many: within 1e-5 relative of the
+    /// reference.
+    #[test]
+    fn matches_dequantize_then_matmul() {
+        for (m, k, n) in [(1, 7, 6), (4, 300, 96), (3, 1500, 70), (33, 64, 2048)] {
+            for bits in [Bits::Int8, Bits::Int4] {
+                for scheme in [Scheme::Symmetric, Scheme::Asymmetric] {
+                    for group in [32, 64, 6] {
+                        let q = Quantizer::new(bits, scheme, group).expect("valid");
+                        let w = q.quantize(&values(k * n, 5));
+                        let x = values(m * k, 9);
+                        let mut out = vec![f32::NAN; m * n];
+                        dequant_matmul(&x, m, &w, k, n, &mut out).expect("shapes");
+                        let want = dequant_matmul_reference(&x, m, &w, k, n);
+                        let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs())).max(1e-3);
+                        for (a, b) in out.iter().zip(&want) {
+                            assert!(
+                                (a - b).abs() <= 1e-5 * scale,
+                                "[{m}, {k}] x [{k}, {n}] {bits:?} {scheme:?} group {group}: {a} vs {b}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn blocks_hold_whole_groups_and_fit_the_tile() {
+        for (k, n, group) in [(300, 96, 32), (10, 70, 32), (1024, 4096, 64), (7, 6, 6)] {
+            let cols = block_cols(k, n, group);
+            assert!(n.is_multiple_of(group) == cols.is_multiple_of(group) || cols == n);
+            assert!(
+                k * cols * 4 <= TILE_BYTES || cols <= group || cols == n,
+                "{k} x {cols}"
+            );
+        }
+    }
+
+    #[test]
+    fn mismatched_shapes_are_refused() {
+        let w = Quantizer::new(Bits::Int8, Scheme::Symmetric, 4)
+            .expect("valid")
+            .quantize(&[0.5; 12]);
+        let mut out = vec![0.0; 6];
+        let e = dequant_matmul(&[1.0; 5], 2, &w, 3, 4, &mut out).expect_err("x is [2, 3]");
+        assert!(e.to_string().contains("[2, 3]"), "{e}");
+    }
+}

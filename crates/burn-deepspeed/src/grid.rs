@@ -112,22 +112,10 @@ impl Grid {
         Self::new(world, config.pipeline_stages(), config.tp_size(), device)
     }
 
-    /// Data parallelism alone: every rank a replica (no group is split off).
-    pub fn data_parallel(world: Arc<dyn Communicator>) -> Self {
-        let topology = GridTopology {
-            pipe: 1,
-            data: world.world_size(),
-            tensor: 1,
-        };
-        Self {
-            coord: topology.coords(world.rank()),
-            topology,
-            pipe: world.clone(),
-            data: world.clone(),
-            tensor: world.clone(),
-            world,
-            tp: TensorParallel::none(),
-        }
+    /// Data parallelism alone: every rank a replica (the pipe and tensor groups are this
+    /// rank alone; nothing is split, nothing communicated).
+    pub fn data_parallel(world: Arc<dyn Communicator>) -> Result<Self> {
+        Self::new(world, 1, 1, &Device::flex())
     }
 
     /// The grid's shape.

@@ -11,8 +11,9 @@ use burn_deepspeed::engine::checkpoint::read_model;
 use burn_deepspeed::engine::flat::{ParamLayout, params_from_flat};
 use burn_deepspeed::engine::memory::param_bytes;
 use burn_deepspeed::grid::Grid;
-use burn_deepspeed::inference::{CausalLm, GenerateOptions, Sampler, Sampling, generate};
-use burn_deepspeed::tensor_parallel::SliceLayout;
+use burn_deepspeed::inference::{
+    CausalLm, GenerateOptions, Sampler, Sampling, generate, next_tokens,
+};
 use burn_deepspeed::{DeepSpeedError, Result};
 use serde::Serialize;
 
@@ -172,25 +173,9 @@ fn recompute(model: &Gpt, prompts: &[Vec<u32>], new: usize) -> Result<(Vec<Vec<u
         let n = seqs[0].len();
         let flat: Vec<i64> = seqs.iter().flatten().copied().collect();
         let input = Tensor::<2, Int>::from_data(TensorData::new(flat, [batch, n]), &Device::flex());
-        let logits = model.forward(input);
-        let block = logits.dims()[2];
-        let last = logits
-            .slice([0..batch, n - 1..n, 0..block])
-            .reshape([batch, block]);
-        let whole = group.gather(
-            last,
-            SliceLayout {
-                dim: 1,
-                sections: 1,
-            },
-        )?;
-        let vocab = whole.dims()[1];
-        let rows = whole
-            .into_data()
-            .try_to_vec::<f32>()
-            .map_err(|e| DeepSpeedError::Data(format!("logits: {e:?}")))?;
-        for (seq, row) in seqs.iter_mut().zip(rows.chunks(vocab)) {
-            seq.push(sampler.next(row) as i64);
+        let next = next_tokens(&group, model.forward(input), &mut sampler)?;
+        for (seq, t) in seqs.iter_mut().zip(next) {
+            seq.push(i64::from(t));
         }
     }
     let secs = start.elapsed().as_secs_f64();

@@ -520,8 +520,8 @@ impl CausalLm for Gpt {
             .iter()
             .map(|b| {
                 let tp = b.qkv.tp.size();
-                let [d, _] = b.qkv.weight.val().dims();
-                let dtype = b.qkv.weight.val().dtype();
+                let weight = b.qkv.weight.val();
+                let ([d, _], dtype) = (weight.dims(), weight.dtype());
                 KvCache::new(batch, b.heads / tp, capacity, d / b.heads, dtype, device)
             })
             .collect()

@@ -92,7 +92,7 @@ where
                 ),
             });
         }
-        Self::with_grid(model, config, &Grid::data_parallel(comm))
+        Self::with_grid(model, config, &Grid::data_parallel(comm)?)
     }
 
     /// [`new`](Self::new) on a [`Grid`] (DeepSpeed's `initialize(mpu=...)`): `model` is this

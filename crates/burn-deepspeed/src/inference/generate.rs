@@ -109,7 +109,7 @@ pub fn generate<M: CausalLm>(
         Tensor::from_data(TensorData::new(mask, [batch, 1, longest, longest]), device),
         &mut caches,
     )?;
-    let mut next = pick(model, logits, &mut sampler)?;
+    let mut next = next_tokens(model.vocab_group(), logits, &mut sampler)?;
     let prefill = start.elapsed();
 
     let mut steps = Vec::with_capacity(options.max_new_tokens - 1);
@@ -141,7 +141,7 @@ pub fn generate<M: CausalLm>(
             Tensor::from_data(TensorData::new(mask, [batch, 1, 1, cached + 1]), device),
             &mut caches,
         )?;
-        next = pick(model, logits, &mut sampler)?;
+        next = next_tokens(model.vocab_group(), logits, &mut sampler)?;
         steps.push(start.elapsed());
     }
     Ok(Generation {
@@ -171,9 +171,14 @@ fn prefill_mask(pads: &[usize], t: usize) -> Vec<f32> {
     mask
 }
 
-/// The next token of each sequence from the logits of its last position (the vocabulary's
-/// blocks gathered over the model's group first).
-fn pick<M: CausalLm>(model: &M, logits: Tensor<3>, sampler: &mut Sampler) -> Result<Vec<u32>> {
+/// The next token of each sequence from `logits` `[batch, t, vocab / tp]` at its last
+/// position, the vocabulary's blocks gathered over `group` first (only that position's); a
+/// collective over the group.
+pub fn next_tokens(
+    group: &TensorParallel,
+    logits: Tensor<3>,
+    sampler: &mut Sampler,
+) -> Result<Vec<u32>> {
     let [batch, t, block] = logits.dims();
     let last = logits
         .slice([0..batch, t - 1..t, 0..block])
@@ -182,7 +187,7 @@ fn pick<M: CausalLm>(model: &M, logits: Tensor<3>, sampler: &mut Sampler) -> Res
         dim: 1,
         sections: 1,
     };
-    let whole = model.vocab_group().gather(last, layout)?;
+    let whole = group.gather(last, layout)?;
     let vocab = whole.dims()[1];
     let values = whole
         .into_data()

@@ -43,7 +43,7 @@ where
     pub fn save_checkpoint(&self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
         let dir = dir.as_ref();
         let tag = tag.map_or_else(|| format!("global_step{}", self.global_step), String::from);
-        let world = self.world.as_ref();
+        let world = self.grid.world().as_ref();
         let sync = self.flat_state()?;
         agreed(world, "checkpoint tag", format::check_tag(&tag))?;
         // This stage's slices, whole over the replicas (collectives over the data group)...
@@ -52,12 +52,16 @@ where
             .ok_or_else(crate::engine::checkpoint::no_state_to_restore)?;
         let params = sync.whole_params(&self.layers, true)?.unwrap_or_default();
         // ...then whole over the slices (collectives over the tensor group).
-        let (tensor, tp, layout) = (self.tensor.as_ref(), &self.tp, &self.layout);
+        let (tensor, tp, layout) = (
+            self.grid.tensor().as_ref(),
+            self.grid.tensor_parallel(),
+            &self.layout,
+        );
         let params = join_flat(tensor, tp, layout, &params)?;
         let m = join_flat(tensor, tp, layout, &state.m)?;
         let v = join_flat(tensor, tp, layout, &state.v)?;
         // Each stage's first rank (replica 0, slice 0) sends its stage to rank 0.
-        let sends = self.replica == 0 && self.tp.rank() == 0;
+        let sends = self.replica == 0 && self.grid.tensor_parallel().rank() == 0;
         let mine = match sends {
             true => encode_stage(
                 &params,
@@ -93,7 +97,7 @@ where
     /// model's. Collective, all or nothing: every rank reads the files, and when one cannot
     /// restore, every rank returns the error and the engine is left as it was.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<u64> {
-        let world = self.world.clone();
+        let world = self.grid.world().clone();
         self.flat_state()?;
         let expected = self.whole_meta();
         let loaded = format::load(dir.as_ref(), tag, &expected, world.as_ref())?;
@@ -193,7 +197,7 @@ where
             at += n;
         }
         let mine = &ranges[self.first_slot..];
-        let (tp, layout) = (&self.tp, &self.layout);
+        let (tp, layout) = (self.grid.tensor_parallel(), &self.layout);
         let params = cut_flat(tp, layout, |i| &loaded.params[mine[i].clone()]);
         let m = cut_flat(tp, layout, |i| &whole.m[mine[i].clone()]);
         let v = cut_flat(tp, layout, |i| &whole.v[mine[i].clone()]);

@@ -82,14 +82,9 @@ pub struct PipelineEngine<L, B> {
     topo: PipeDataTopology,
     pub(super) stage: usize,
     pub(super) replica: usize,
-    pub(super) world: Arc<dyn Communicator>,
-    /// The tensor-parallel group (this rank alone without slicing).
-    pub(super) tensor: Arc<dyn Communicator>,
-    grid: Grid,
-    pipe: Arc<dyn Communicator>,
-    pub(super) data: Arc<dyn Communicator>,
-    /// The group the layers are sliced over.
-    pub(super) tp: TensorParallel,
+    /// The grid: its world, pipe, data and tensor groups, and the tensor-parallel group
+    /// the layers are sliced over.
+    pub(super) grid: Grid,
     /// How the gradient norm sums over the stages and the slices.
     norm: ModelParallelNorm,
     ties: Vec<TiedGroup>,
@@ -316,7 +311,6 @@ where
         let (catalog, first_slot) = whole_tensors(&layers, &tp, parts[stage]);
         let total_params = catalog.iter().map(WholeTensor::numel).sum();
 
-        let comm = grid.world().clone();
         let (pipe, data) = (grid.pipe().clone(), grid.data().clone());
         let mine: Vec<L> = layers
             .into_iter()
@@ -396,12 +390,7 @@ where
             topo,
             stage,
             replica,
-            world: comm,
-            tensor: grid.tensor().clone(),
             grid: grid.clone(),
-            pipe,
-            data,
-            tp,
             norm,
             ties,
             fresh_optim: optim.clone(),
@@ -451,7 +440,7 @@ where
                 match inst {
                     PipeInstruction::RecvGrad { buffer } => {
                         let dy = wire::recv(
-                            self.pipe.as_ref(),
+                            self.grid.pipe().as_ref(),
                             self.stage + 1,
                             TAG_GRADIENT,
                             &self.device,
@@ -470,7 +459,7 @@ where
                         let dx = run.slots[buffer].input_grad.take().ok_or_else(|| {
                             pipeline_error(format!("no input gradient in buffer {buffer} to send"))
                         })?;
-                        let (pipe, dtype) = (self.pipe.as_ref(), self.wire_dtype());
+                        let (pipe, dtype) = (self.grid.pipe().as_ref(), self.wire_dtype());
                         wire::send(pipe, &dx, self.stage - 1, TAG_GRADIENT, dtype)?;
                     }
                     PipeInstruction::ReduceTiedGrads => {
@@ -532,8 +521,8 @@ where
             1.0 - run.compute.as_secs_f64() / run.schedule_time.as_secs_f64()
         };
         let mut bubble = [stage_bubble as f32];
-        if self.world.world_size() > 1 {
-            self.world.all_reduce(&mut bubble, ReduceOp::Mean)?;
+        if self.grid.world().world_size() > 1 {
+            self.grid.world().all_reduce(&mut bubble, ReduceOp::Mean)?;
         }
         self.global_step += 1;
         Ok(PipeStepReport {
@@ -584,7 +573,7 @@ where
             }
             PipeInstruction::RecvActivation { buffer } => {
                 let x = wire::recv(
-                    self.pipe.as_ref(),
+                    self.grid.pipe().as_ref(),
                     self.stage - 1,
                     TAG_ACTIVATION,
                     &self.device,
@@ -632,7 +621,7 @@ where
                 let y = y.ok_or_else(|| {
                     pipeline_error(format!("no activation in buffer {buffer} to send"))
                 })?;
-                let (pipe, dtype) = (self.pipe.as_ref(), self.wire_dtype());
+                let (pipe, dtype) = (self.grid.pipe().as_ref(), self.wire_dtype());
                 wire::send(pipe, &y, self.stage + 1, TAG_ACTIVATION, dtype)?;
             }
             _ => return Ok(false),
@@ -658,11 +647,11 @@ where
     fn share_loss(&self, loss_sum: f64, micro: usize) -> Result<f64> {
         let stages = self.topo.stages;
         let mut loss = [(loss_sum / micro as f64) as f32];
-        if self.stage == stages - 1 && self.data.world_size() > 1 {
-            self.data.all_reduce(&mut loss, ReduceOp::Mean)?;
+        if self.stage == stages - 1 && self.grid.data().world_size() > 1 {
+            self.grid.data().all_reduce(&mut loss, ReduceOp::Mean)?;
         }
         if stages > 1 {
-            self.pipe.broadcast(&mut loss, stages - 1)?;
+            self.grid.pipe().broadcast(&mut loss, stages - 1)?;
         }
         Ok(loss[0] as f64)
     }
@@ -801,7 +790,7 @@ where
         let threshold = self.config.gradient_clipping;
         // A sliced layer's collective that failed left zeros: the step stops here (the op
         // aborted the world, so every rank fails).
-        if let Some(e) = self.tp.take_error() {
+        if let Some(e) = self.grid.tensor_parallel().take_error() {
             return Err(DeepSpeedError::Comm(e));
         }
         match &mut self.grads {
@@ -922,7 +911,12 @@ where
     /// `(measured bytes sent, ring-model bytes sent)`.
     pub fn bytes_sent(&self) -> (u64, u64) {
         let mut comms: Vec<&Arc<dyn Communicator>> = Vec::new();
-        for c in [&self.world, &self.pipe, &self.data, &self.tensor] {
+        for c in [
+            self.grid.world(),
+            self.grid.pipe(),
+            self.grid.data(),
+            self.grid.tensor(),
+        ] {
             // A group that is the whole world is the world's communicator: counted once.
             if !comms.iter().any(|k| Arc::ptr_eq(k, c)) {
                 comms.push(c);

@@ -78,6 +78,13 @@ fn recomputed(model: &Gpt, prompt: &[u32]) -> Vec<u32> {
     out
 }
 
+/// A config of `tp` tensor-parallel ranks.
+fn tp_config(tp: usize) -> DeepSpeedConfig {
+    DeepSpeedConfig::from_json_str(&format!(r#"{{"tensor_parallel": {{"tp_size": {tp}}}}}"#))
+        .expect("valid")
+        .0
+}
+
 const GREEDY: GenerateOptions = GenerateOptions {
     max_new_tokens: NEW_TOKENS,
     sampling: Sampling::Greedy,
@@ -107,11 +114,7 @@ fn cached_decoding_gives_the_tokens_of_full_recomputation() {
 
     // Sliced over 2 and 4 ranks: the same tokens.
     for tp in [2usize, 4] {
-        let config = DeepSpeedConfig::from_json_str(&format!(
-            r#"{{"tensor_parallel": {{"tp_size": {tp}}}}}"#
-        ))
-        .expect("valid")
-        .0;
+        let config = tp_config(tp);
         let (_, ranks) = launch(tp, Duration::from_secs(120), |comm| {
             let grid = Grid::from_config(&config, comm, &Device::flex())?;
             let sliced = model(&params).sliced(grid.tensor_parallel());
@@ -154,4 +157,63 @@ fn seeded_sampling_repeats() {
         a.tokens, greedy.tokens,
         "sampling at temperature 1.5 is not greedy"
     );
+}
+
+/// INT8 and INT4 weights (whole and sliced over 2 ranks): the loss within 1% and 5% of
+/// f32's, the predictions close (KL), the weight bytes a quarter (INT8, plus the f32
+/// LayerNorms, biases and steps) and about an eighth (INT4) of f32's.
+#[test]
+fn quantized_weights_keep_the_loss_and_shrink_the_bytes() {
+    use burn_deepspeed::inference::WeightQuantization;
+    use burn_deepspeed_example_gpt::generate::heldout;
+
+    let params = trained();
+    let text = &EMBEDDED_CORPUS[EMBEDDED_CORPUS.len() - 2000..];
+    for tp in [1usize, 2] {
+        let config = tp_config(tp);
+        let (_, ranks) = launch(tp, Duration::from_secs(120), |comm| {
+            let grid = Grid::from_config(&config, comm, &Device::flex())?;
+            let f32_model = model(&params).sliced(grid.tensor_parallel());
+            let base = heldout(&f32_model, None, text, SHAPE.seq_len)?;
+            let mut out = vec![(base.loss, 0.0, f32_model.weight_bytes())];
+            for how in [WeightQuantization::int8(), WeightQuantization::int4()] {
+                let q = f32_model.quantized(&how)?;
+                let h = heldout(&q, Some(&f32_model), text, SHAPE.seq_len)?;
+                let kl = h.kl_from_reference.expect("a reference");
+                out.push((h.loss, kl, q.weight_bytes()));
+            }
+            Ok(out)
+        })
+        .expect("the ranks evaluate");
+        for r in &ranks {
+            assert_eq!(r, &ranks[0], "every rank reports the same");
+        }
+        let [
+            (f32_loss, _, f32_bytes),
+            (int8, kl8, bytes8),
+            (int4, kl4, bytes4),
+        ] = ranks[0][..]
+        else {
+            panic!("three dtypes");
+        };
+        println!(
+            "tp {tp}: loss f32 {f32_loss:.5}, int8 {int8:.5} (KL {kl8:.2e}), int4 {int4:.5} \
+             (KL {kl4:.2e}); bytes {f32_bytes} / {bytes8} / {bytes4}"
+        );
+        assert!(
+            (int8 / f32_loss - 1.0).abs() < 0.01,
+            "tp {tp} int8: {int8} vs {f32_loss}"
+        );
+        assert!(
+            (int4 / f32_loss - 1.0).abs() < 0.05,
+            "tp {tp} int4: {int4} vs {f32_loss}"
+        );
+        assert!(kl8 > 0.0 && kl8 < kl4, "KL int8 {kl8:e}, int4 {kl4:e}");
+        let quarter = bytes8 as f64 / (f32_bytes as f64 / 4.0);
+        assert!(
+            (1.0..1.15).contains(&quarter),
+            "tp {tp} int8 bytes: {quarter}"
+        );
+        assert!(bytes4 < bytes8 && bytes4 as f64 > f32_bytes as f64 / 8.0);
+    }
 }

@@ -18,9 +18,14 @@ pub const TILE_BYTES: usize = 512 * 1024;
 
 /// Columns per block for a weight of `k` rows and `n` columns in groups of `group`: as
 /// many as [`TILE_BYTES`] holds, a multiple of the group when the groups tile a row (so that
-/// each row of a block is whole groups), else every column (a group may then straddle two
+/// each row of a block is whole groups), any number when each row lies in one group (groups
+/// of whole rows), else every column (a group may then straddle two
 /// rows, and the block is the whole weight: such layouts lose the bound on memory).
 fn block_cols(k: usize, n: usize, group: usize) -> usize {
+    if group.is_multiple_of(n) {
+        // Each row lies in one group: any block of columns holds whole pieces of groups.
+        return (TILE_BYTES / 4 / k.max(1)).clamp(1, n);
+    }
     if !n.is_multiple_of(group) {
         return n;
     }
@@ -61,10 +66,11 @@ pub fn dequant_matmul(
         return Ok(());
     }
     let group = w.quantizer.group();
-    if m <= SKINNY && n.is_multiple_of(group) {
+    if m <= SKINNY && (n.is_multiple_of(group) || group.is_multiple_of(n)) {
         // Two blocks per thread, whole groups each.
         let per = n.div_ceil(2 * rayon::current_num_threads());
-        let cols = (per.div_ceil(group) * group).min(n);
+        let unit = if group.is_multiple_of(n) { 1 } else { group };
+        let cols = (per.div_ceil(unit) * unit).min(n);
         skinny(x, m, w, k, n, cols, out);
         return Ok(());
     }
@@ -139,16 +145,38 @@ fn by_column_blocks(
 /// are read once and nothing larger than a row of a block is written.
 pub const SKINNY: usize = 8;
 
-/// `out = x · W` for few rows: column blocks in parallel, each streaming the rows of `W`.
+/// Rows of `W` dequantized and added together in [`skinny`]: each output value is loaded
+/// and stored once per this many multiply-adds.
+const ROWS_AT_ONCE: usize = 4;
+
+/// `out = x · W` for few rows: column blocks in parallel, each streaming the rows of `W`
+/// [`ROWS_AT_ONCE`] at a time into a buffer in L1 and adding them into the outputs.
 fn skinny(x: &[f32], m: usize, w: &Quantized, k: usize, n: usize, cols: usize, out: &mut [f32]) {
     by_column_blocks(m, n, cols, out, |j0, nb| {
         let mut acc = vec![0.0f32; m * nb];
-        let mut row = vec![0.0f32; nb];
-        for p in 0..k {
-            w.dequantize_range_into(p * n + j0, &mut row);
+        let mut rows = vec![0.0f32; ROWS_AT_ONCE * nb];
+        let mut p = 0;
+        while p + ROWS_AT_ONCE <= k {
+            for (r, row) in rows.chunks_mut(nb).enumerate() {
+                w.dequantize_range_into((p + r) * n + j0, row);
+            }
+            let [r0, r1, r2, r3] = [0, 1, 2, 3].map(|r| &rows[r * nb..(r + 1) * nb]);
+            for (i, acc) in acc.chunks_mut(nb).enumerate() {
+                let xi = &x[i * k + p..i * k + p + ROWS_AT_ONCE];
+                let (x0, x1, x2, x3) = (xi[0], xi[1], xi[2], xi[3]);
+                for ((((a, &w0), &w1), &w2), &w3) in acc.iter_mut().zip(r0).zip(r1).zip(r2).zip(r3)
+                {
+                    *a += x0 * w0 + x1 * w1 + x2 * w2 + x3 * w3;
+                }
+            }
+            p += ROWS_AT_ONCE;
+        }
+        for p in p..k {
+            let row = &mut rows[..nb];
+            w.dequantize_range_into(p * n + j0, row);
             for (i, acc) in acc.chunks_mut(nb).enumerate() {
                 let xi = x[i * k + p];
-                for (a, r) in acc.iter_mut().zip(&row) {
+                for (a, r) in acc.iter_mut().zip(row.iter()) {
                     *a += xi * r;
                 }
             }
@@ -192,7 +220,8 @@ mod tests {
         for (m, k, n) in [(1, 7, 6), (4, 300, 96), (3, 1500, 70), (33, 64, 2048)] {
             for bits in [Bits::Int8, Bits::Int4] {
                 for scheme in [Scheme::Symmetric, Scheme::Asymmetric] {
-                    for group in [32, 64, 6] {
+                    // Parts of rows, groups straddling rows, whole rows, the whole matrix.
+                    for group in [32, 64, 6, 2 * n, k * n] {
                         let q = Quantizer::new(bits, scheme, group).expect("valid");
                         let w = q.quantize(&values(k * n, 5));
                         let x = values(m * k, 9);
@@ -217,6 +246,8 @@ mod tests {
         for (k, n, group) in [(300, 96, 32), (10, 70, 32), (1024, 4096, 64), (7, 6, 6)] {
             let cols = block_cols(k, n, group);
             assert!(n.is_multiple_of(group) == cols.is_multiple_of(group) || cols == n);
+            let whole_rows = block_cols(k, n, 4 * n);
+            assert!(whole_rows >= 1 && (k * whole_rows * 4 <= TILE_BYTES || whole_rows == 1));
             assert!(
                 k * cols * 4 <= TILE_BYTES || cols <= group || cols == n,
                 "{k} x {cols}"

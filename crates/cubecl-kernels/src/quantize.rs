@@ -209,6 +209,28 @@ fn rne(t: f32) -> f32 {
 }
 
 /// The signed value of a 4-bit two's complement nibble.
+/// Int4 codes from `codes` into `out` (one group's step and offset), starting at the low
+/// nibble of the first byte when `odd`: whole pairs without a branch (the high nibble by an
+/// arithmetic shift of the byte, the low one shifted up first), then an odd last value.
+fn int4_into(codes: &[u8], odd: bool, step: f32, o: f32, out: &mut [f32]) {
+    let (codes, out) = match (odd, out.split_first_mut()) {
+        (true, Some((y, rest))) => {
+            *y = (((codes[0] << 4) as i8) >> 4) as f32 * step + o;
+            (&codes[1..], rest)
+        }
+        _ => (codes, out),
+    };
+    let last = out.len() / 2;
+    let mut pairs = out.chunks_exact_mut(2);
+    for (pair, &c) in (&mut pairs).zip(codes) {
+        pair[0] = ((c as i8) >> 4) as f32 * step + o;
+        pair[1] = (((c << 4) as i8) >> 4) as f32 * step + o;
+    }
+    if let [y] = pairs.into_remainder() {
+        *y = ((codes[last] as i8) >> 4) as f32 * step + o;
+    }
+}
+
 fn nibble(n: u8) -> f32 {
     (((n << 4) as i8) >> 4) as f32
 }
@@ -261,47 +283,41 @@ impl Quantized {
             });
     }
 
-    /// Writes the dequantized values `start..start + out.len()` into `out` (`start` at a
-    /// group boundary; the last group may be cut short).
+    /// Writes the dequantized values `start..start + out.len()` into `out` (from anywhere:
+    /// the range may start inside a group and span several).
     ///
     /// # Panics
-    /// When `start` is not at a group boundary or the range passes the end.
+    /// When the range passes the end.
     pub fn dequantize_range_into(&self, start: usize, out: &mut [f32]) {
         let q = self.quantizer;
         assert!(
-            start.is_multiple_of(q.group) && start + out.len() <= self.len,
-            "dequantize_range_into: {start}..{} of {} in groups of {}",
+            start + out.len() <= self.len,
+            "dequantize_range_into: {start}..{} of {}",
             start + out.len(),
-            self.len,
-            q.group
+            self.len
         );
-        let first = start / q.group;
         let group_bytes = q.bits.bytes_for(q.group);
         let offset = |g: usize| self.offsets.get(g).copied().unwrap_or(0.0);
-        for (i, out) in out.chunks_mut(q.group).enumerate() {
-            let g = first + i;
+        let (mut pos, mut out) = (start, out);
+        while !out.is_empty() {
+            let (g, within) = (pos / q.group, pos % q.group);
+            let take = (q.group - within).min(out.len());
+            let (piece, rest) = out.split_at_mut(take);
             let (step, o) = (self.steps[g], offset(g));
-            let codes = &self.codes[g * group_bytes..];
             match q.bits {
                 Bits::Int8 => {
-                    for (y, &c) in out.iter_mut().zip(codes) {
+                    let codes = &self.codes[g * q.group + within..];
+                    for (y, &c) in piece.iter_mut().zip(codes) {
                         *y = (c as i8) as f32 * step + o;
                     }
                 }
                 Bits::Int4 => {
-                    // Whole pairs without a branch (the high nibble by an arithmetic shift
-                    // of the byte, the low one shifted up first), then an odd last value.
-                    let last = out.len() / 2;
-                    let mut pairs = out.chunks_exact_mut(2);
-                    for (pair, &c) in (&mut pairs).zip(codes) {
-                        pair[0] = ((c as i8) >> 4) as f32 * step + o;
-                        pair[1] = (((c << 4) as i8) >> 4) as f32 * step + o;
-                    }
-                    if let [y] = pairs.into_remainder() {
-                        *y = nibble(codes[last] >> 4) * step + o;
-                    }
+                    let codes = &self.codes[g * group_bytes + within / 2..];
+                    int4_into(codes, within % 2 == 1, step, o, piece);
                 }
             }
+            pos += take;
+            out = rest;
         }
     }
 
@@ -432,6 +448,32 @@ mod tests {
                     5.0 / 256.0
                 };
                 assert!((v - 2.5).abs() <= tolerance, "{scheme:?}: {y:?}");
+            }
+        }
+    }
+
+    /// Any range, starting inside a group (at an odd int4 position too) and spanning
+    /// several, dequantizes to the whole dequantization's values.
+    #[test]
+    fn ranges_from_anywhere_match_the_whole() {
+        let x = values(100, 3);
+        for bits in [Bits::Int8, Bits::Int4] {
+            let q = Quantizer::new(bits, Scheme::Asymmetric, 10)
+                .expect("valid")
+                .quantize(&x);
+            let whole = q.dequantize();
+            for (start, len) in [
+                (0, 100),
+                (3, 1),
+                (7, 9),
+                (9, 22),
+                (10, 10),
+                (41, 59),
+                (99, 1),
+            ] {
+                let mut out = vec![f32::NAN; len];
+                q.dequantize_range_into(start, &mut out);
+                assert_eq!(out, whole[start..start + len], "{bits:?} {start}+{len}");
             }
         }
     }

@@ -5,6 +5,7 @@
 //! cargo run --release --example generate -- --checkpoint DIR [--model tiny|small|medium]
 //!     [--prompt TEXT]... [--max-new-tokens N] [--tp N]
 //!     [--temperature T [--top-k K] [--top-p P] [--seed S]] [--compare-recompute] [--json]
+//!     [--dtype fp32|fp16|bf16|int8|int4 [--quant-group G]] [--eval HELDOUT_FILE]
 //! mpirun -n N target/release/examples/generate ...   # built with --features mpi
 //! ```
 
@@ -13,7 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedError;
-use burn_deepspeed::inference::{GenerateOptions, Sampling};
+use burn_deepspeed::inference::Scheme;
+use burn_deepspeed::inference::{GenerateOptions, InferenceDtype, Sampling};
 use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::generate::{GenerateSpec, generate_rank};
 use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
@@ -50,6 +52,22 @@ struct Args {
     /// Sampling: the seed of the draws.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// The dtype the model serves in: fp32, fp16 or bf16 (every parameter), int8 or int4
+    /// (weight matrices, group-wise asymmetric, fused dequantize-matmul).
+    #[arg(long, default_value = "fp32", value_parser = InferenceDtype::NAMES)]
+    dtype: String,
+    /// int8/int4: the largest group of values sharing a step and an offset (default 512 for
+    /// int8, 64 for int4; a weight's rows take the largest divisor up to it).
+    #[arg(long)]
+    quant_group: Option<usize>,
+    /// int8/int4: symmetric or asymmetric groups (default: symmetric for int8, asymmetric
+    /// for int4).
+    #[arg(long, value_parser = ["symmetric", "asymmetric"])]
+    quant_scheme: Option<String>,
+    /// Also report the model's mean next-byte loss over this file's non-overlapping windows
+    /// (held-out data).
+    #[arg(long)]
+    eval: Option<std::path::PathBuf>,
     /// Also time full recomputation (no cache) and check it gives the same greedy tokens.
     #[arg(long)]
     compare_recompute: bool,
@@ -109,6 +127,18 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
             max_new_tokens: args.max_new_tokens,
             sampling,
         },
+        dtype: InferenceDtype::parse(&args.dtype)?,
+        quant_group: args.quant_group,
+        quant_scheme: args.quant_scheme.as_deref().map(|s| match s {
+            "symmetric" => Scheme::Symmetric,
+            _ => Scheme::Asymmetric,
+        }),
+        eval: match &args.eval {
+            Some(path) => Some(Arc::new(std::fs::read(path).map_err(|e| {
+                DeepSpeedError::Data(format!("cannot read {}: {e}", path.display()))
+            })?)),
+            None => None,
+        },
         compare_recompute: args.compare_recompute,
     };
     let (_, reports) = launch(args.tp, Duration::from_secs(600), |comm| {
@@ -131,6 +161,16 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
             report.token_latency_p99_s,
             report.weight_bytes_per_rank
         );
+        if let Some(loss) = report.heldout_loss {
+            eprintln!(
+                "{}: held-out loss {loss:.4} over {} tokens{}",
+                report.dtype,
+                report.heldout_tokens.unwrap_or(0),
+                report
+                    .heldout_kl_from_fp32
+                    .map_or(String::new(), |kl| format!(", KL from fp32 {kl:.2e}"))
+            );
+        }
         if args.json {
             println!(
                 "{}",

@@ -5,18 +5,23 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::data::dataloader::batcher::Batcher;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use burn_deepspeed::comm::Communicator;
 use burn_deepspeed::engine::checkpoint::read_model;
 use burn_deepspeed::engine::flat::{ParamLayout, params_from_flat};
-use burn_deepspeed::engine::memory::param_bytes;
 use burn_deepspeed::grid::Grid;
+use burn_deepspeed::inference::Scheme;
 use burn_deepspeed::inference::{
-    CausalLm, GenerateOptions, Sampler, Sampling, generate, next_tokens,
+    CausalLm, GenerateOptions, InferenceDtype, Sampler, Sampling, generate, next_tokens,
 };
+use burn_deepspeed::precision::cast_module;
+use burn_deepspeed::tensor_parallel::SliceLayout;
 use burn_deepspeed::{DeepSpeedError, Result};
 use serde::Serialize;
 
+use crate::data::{WindowBatcher, windows};
 use crate::model::{Gpt, GptShape};
 
 /// What one generation run does.
@@ -30,6 +35,17 @@ pub struct GenerateSpec {
     pub prompts: Vec<Vec<u32>>,
     /// Tokens to generate and how.
     pub options: GenerateOptions,
+    /// The dtype the model serves in: f32, 16-bit, or INT8/INT4 weights.
+    pub dtype: InferenceDtype,
+    /// INT8/INT4: the largest group (values per step and offset); the dtype's default when
+    /// `None`.
+    pub quant_group: Option<usize>,
+    /// INT8/INT4: the scheme; the dtype's default (INT8 symmetric, INT4 asymmetric) when
+    /// `None`.
+    pub quant_scheme: Option<Scheme>,
+    /// Held-out bytes: the report gives the model's mean next-byte loss over their
+    /// non-overlapping windows of the context length.
+    pub eval: Option<Arc<Vec<u8>>>,
     /// Also time greedy generation by full recomputation (the whole sequence again for each
     /// token, no cache), for the speed-up and the token-for-token check (prompts of one
     /// length).
@@ -63,6 +79,14 @@ impl GenerateSpec {
 pub struct GenerateReport {
     /// Tensor-parallel ranks (the world).
     pub tp: usize,
+    /// The dtype the model served in.
+    pub dtype: String,
+    /// INT8/INT4: the largest group asked for (values per step and offset; each weight takes
+    /// the largest that fits its rows).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quant_group: Option<usize>,
+    /// Parameters of the whole model (Ψ).
+    pub parameters: u64,
     /// `"threads"` or `"mpi"`.
     pub backend: String,
     /// The generated text of each prompt (bytes, lossily as UTF-8).
@@ -79,8 +103,19 @@ pub struct GenerateReport {
     pub token_latency_p50_s: f64,
     /// 99th percentile of the seconds per decode step.
     pub token_latency_p99_s: f64,
-    /// Bytes of this rank's parameters (its slices), measured on the tensors.
+    /// Bytes of this rank's weights (its slices: f32 or 16-bit tensors, or codes with their
+    /// steps and offsets), measured on what it holds.
     pub weight_bytes_per_rank: u64,
+    /// Mean next-byte cross-entropy over the held-out windows, when given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heldout_loss: Option<f64>,
+    /// Tokens the held-out loss averages over.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heldout_tokens: Option<usize>,
+    /// In another dtype than fp32: the mean KL divergence of its next-byte distributions
+    /// from the fp32 model's over the held-out windows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heldout_kl_from_fp32: Option<f64>,
     /// Bytes of this rank's key/value caches.
     pub cache_bytes_per_rank: u64,
     /// Generated tokens per second by full recomputation, when compared.
@@ -116,6 +151,15 @@ pub fn generate_rank(spec: &GenerateSpec, comm: Arc<dyn Communicator>) -> Result
         )));
     }
     let model = params_from_flat(whole, &layout, &spec.params).sliced(grid.tensor_parallel());
+    let (served, quant_group) = serving(model.clone(), spec)?;
+    let heldout = match &spec.eval {
+        Some(bytes) => {
+            let reference = (spec.dtype != InferenceDtype::F32).then_some(&model);
+            Some(heldout(&served, reference, bytes, spec.shape.seq_len)?)
+        }
+        None => None,
+    };
+    let model = served;
     let generation = generate(&model, &spec.prompts, &spec.options, &device)?;
     let batch = spec.prompts.len();
     let prompt_tokens: usize = spec.prompts.iter().map(Vec::len).sum();
@@ -132,6 +176,9 @@ pub fn generate_rank(spec: &GenerateSpec, comm: Arc<dyn Communicator>) -> Result
     Ok(GenerateReport {
         tp,
         backend,
+        dtype: spec.dtype.to_string(),
+        quant_group,
+        parameters: layout.numel as u64,
         text: generation
             .tokens
             .iter()
@@ -145,10 +192,106 @@ pub fn generate_rank(spec: &GenerateSpec, comm: Arc<dyn Communicator>) -> Result
         time_to_first_token_s: generation.prefill.as_secs_f64(),
         token_latency_p50_s: percentile(generation.steps.clone(), 0.5),
         token_latency_p99_s: percentile(generation.steps, 0.99),
-        weight_bytes_per_rank: param_bytes(&model),
+        weight_bytes_per_rank: model.weight_bytes(),
+        heldout_loss: heldout.map(|h| h.loss),
+        heldout_tokens: heldout.map(|h| h.tokens),
+        heldout_kl_from_fp32: heldout.and_then(|h| h.kl_from_reference),
         cache_bytes_per_rank: generation.cache_bytes,
         recompute_tokens_per_s,
         matches_recompute,
+    })
+}
+
+/// `model` in `spec`'s dtype: cast to 16 bits, or its weights quantized (with the group the
+/// largest weights took).
+fn serving(model: Gpt, spec: &GenerateSpec) -> Result<(Gpt, Option<usize>)> {
+    if let Some(float) = spec.dtype.float() {
+        return Ok((cast_module(model, float), None));
+    }
+    let Some(mut how) = spec.dtype.quantization() else {
+        return Ok((model, None));
+    };
+    if let Some(group) = spec.quant_group {
+        how = how.with_group(group);
+    }
+    if let Some(scheme) = spec.quant_scheme {
+        how = how.with_scheme(scheme);
+    }
+    let quantized = model.quantized(&how)?;
+    Ok((quantized, Some(how.group)))
+}
+
+/// A model's quality on held-out bytes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Heldout {
+    /// Mean next-byte cross-entropy.
+    pub loss: f64,
+    /// Tokens it averages over.
+    pub tokens: usize,
+    /// Mean KL(reference ‖ model) of the next-byte distributions, when a reference was given:
+    /// how far the model's predictions moved from the reference's (0 when they are the same,
+    /// never below).
+    pub kl_from_reference: Option<f64>,
+}
+
+/// `model`'s [`Heldout`] figures over the non-overlapping windows of `seq_len + 1` bytes in
+/// `bytes`, and its distance from `reference` (the same model in f32, say). A collective over
+/// the model's group: every rank of it calls it.
+///
+/// # Errors
+/// When the bytes hold no window, or a tensor-parallel collective failed.
+pub fn heldout(
+    model: &Gpt,
+    reference: Option<&Gpt>,
+    bytes: &[u8],
+    seq_len: usize,
+) -> Result<Heldout> {
+    let windows = windows(bytes, seq_len);
+    if windows.is_empty() {
+        return Err(DeepSpeedError::Data(format!(
+            "the held-out data has {} bytes, less than one window of {}",
+            bytes.len(),
+            seq_len + 1
+        )));
+    }
+    let group = model.vocab_group().clone();
+    let whole = |logits: Tensor<3>| -> Result<Tensor<2>> {
+        let [b, t, v] = logits.dims();
+        let layout = SliceLayout {
+            dim: 1,
+            sections: 1,
+        };
+        let flat = logits.reshape([b * t, v]).cast(FloatDType::F32);
+        group
+            .gather(flat, layout)
+            .map_err(|e| DeepSpeedError::Data(format!("held-out logits: {e}")))
+    };
+    let (mut sum, mut kl, mut tokens) = (0.0f64, 0.0f64, 0usize);
+    for chunk in windows.chunks(8) {
+        let batch = WindowBatcher
+            .batch(chunk.to_vec(), &Device::flex())
+            .with_vocab_group(group.clone());
+        let logits = model.forward(batch.inputs.clone());
+        let n = chunk.len() * seq_len;
+        if let Some(reference) = reference {
+            let p = log_softmax(whole(reference.forward(batch.inputs.clone()))?, 1);
+            let q = log_softmax(whole(logits.clone())?, 1);
+            let d = (p.clone().exp() * (p - q)).sum().into_scalar::<f32>();
+            kl += f64::from(d);
+        }
+        let (loss, _, _) = batch.cross_entropy(logits, &group);
+        sum += f64::from(loss.into_scalar::<f32>()) * n as f64;
+        tokens += n;
+    }
+    if let Some(e) = group.take_error() {
+        return Err(DeepSpeedError::Data(format!(
+            "a tensor-parallel collective failed in the held-out loss: {e}"
+        )));
+    }
+    Ok(Heldout {
+        loss: sum / tokens as f64,
+        tokens,
+        kl_from_reference: reference.map(|_| kl / tokens as f64),
     })
 }
 

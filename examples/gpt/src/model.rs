@@ -4,12 +4,13 @@
 //! of the embedding and of the head too).
 
 use burn::module::{Module, ModuleMapper, Param};
-use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_deepspeed::activation::checkpoint;
-use burn_deepspeed::inference::{CausalLm, KvCache};
+use burn_deepspeed::engine::memory::param_bytes;
+use burn_deepspeed::inference::{CausalLm, KvCache, WeightQuantization};
 use burn_deepspeed::pipe::{LayerInput, PipeBatch, PipeLayer};
 use burn_deepspeed::pld::ProgressiveLayerDrop;
 use burn_deepspeed::tensor_parallel::{
@@ -144,6 +145,19 @@ impl Block {
         }
     }
 
+    /// The block with its four linear layers' weights quantized under `how`.
+    fn quantized(&self, how: &WeightQuantization) -> burn_deepspeed::Result<Self> {
+        Ok(Self {
+            ln_attn: self.ln_attn.clone(),
+            qkv: self.qkv.quantized(how)?,
+            attn_out: self.attn_out.quantized(how)?,
+            ln_mlp: self.ln_mlp.clone(),
+            mlp_in: self.mlp_in.quantized(how)?,
+            mlp_out: self.mlp_out.quantized(how)?,
+            heads: self.heads,
+        })
+    }
+
     /// The block on new positions `x` `[batch, t, d]` that attend to `cache`'s positions and
     /// to themselves under the additive `mask` `[batch, 1, t, cached + t]`; their keys and
     /// values are appended to `cache` (inference: no residual scaling).
@@ -204,7 +218,7 @@ impl Block {
 #[derive(Module, Debug)]
 pub struct GptEmbed {
     tok_emb: VocabParallelEmbedding,
-    pos_emb: Embedding,
+    pos_emb: VocabParallelEmbedding,
     seq_len: usize,
 }
 
@@ -329,7 +343,10 @@ impl Gpt {
                     &EmbeddingConfig::new(VOCAB, d).init(device),
                     TensorParallel::none(),
                 ),
-                pos_emb: EmbeddingConfig::new(shape.seq_len, d).init(device),
+                pos_emb: VocabParallelEmbedding::from_embedding(
+                    &EmbeddingConfig::new(shape.seq_len, d).init(device),
+                    TensorParallel::none(),
+                ),
                 seq_len: shape.seq_len,
             },
             blocks: (0..shape.layers)
@@ -373,6 +390,52 @@ impl Gpt {
             },
             checkpoint_blocks: self.checkpoint_blocks,
         }
+    }
+
+    /// The model (whole or this rank's slice) for inference with its weights quantized under
+    /// `how` (DeepSpeed-Inference's INT8/INT4 weights): every linear layer's weight, the
+    /// token and position tables and the head as codes; the LayerNorms and biases stay f32.
+    ///
+    /// # Errors
+    /// When no group fits a weight's rows, or the model is quantized already.
+    pub fn quantized(&self, how: &WeightQuantization) -> burn_deepspeed::Result<Self> {
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|b| b.quantized(how))
+            .collect::<burn_deepspeed::Result<_>>()?;
+        Ok(Self {
+            embed: GptEmbed {
+                tok_emb: self.embed.tok_emb.quantized(how)?,
+                pos_emb: self.embed.pos_emb.quantized(how)?,
+                seq_len: self.embed.seq_len,
+            },
+            blocks,
+            head: GptHead {
+                ln_f: self.head.ln_f.clone(),
+                head: self.head.head.quantized(how)?,
+            },
+            checkpoint_blocks: self.checkpoint_blocks,
+        })
+    }
+
+    /// Bytes of this rank's weights: its parameters' tensors and its quantized weights'
+    /// codes, steps and offsets, measured on what it holds.
+    pub fn weight_bytes(&self) -> u64 {
+        let quantized: u64 = self
+            .blocks
+            .iter()
+            .map(|b| {
+                b.qkv.quantized_bytes()
+                    + b.attn_out.quantized_bytes()
+                    + b.mlp_in.quantized_bytes()
+                    + b.mlp_out.quantized_bytes()
+            })
+            .sum::<u64>()
+            + self.embed.tok_emb.quantized_bytes()
+            + self.embed.pos_emb.quantized_bytes()
+            + self.head.head.quantized_bytes();
+        param_bytes(self) + quantized
     }
 
     /// The model with each block an activation checkpoint (`on`), or not: a checkpointed
@@ -520,8 +583,9 @@ impl CausalLm for Gpt {
             .iter()
             .map(|b| {
                 let tp = b.qkv.tp.size();
-                let weight = b.qkv.weight.val();
-                let ([d, _], dtype) = (weight.dims(), weight.dtype());
+                // The width from the LayerNorm (a quantized weight's tensor is empty).
+                let scale = b.ln_attn.gamma.val();
+                let ([d], dtype) = (scale.dims(), scale.dtype());
                 KvCache::new(batch, b.heads / tp, capacity, d / b.heads, dtype, device)
             })
             .collect()

@@ -164,6 +164,9 @@ pub struct RunReport {
     /// The global gradient norm (before clipping) of each optimizer step run.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub grad_norms: Vec<f64>,
+    /// MoQ: the lowest bits a weight was quantized at after each step (empty when off).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub moq_bits: Vec<u32>,
     /// Tokens per second over all ranks (wall clock of the whole run).
     pub tokens_per_s: f64,
     /// Samples per optimizer step over all ranks.
@@ -436,6 +439,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     // Capacity for what a report keeps, not a blind allocation of `--steps` entries.
     let mut losses = Vec::with_capacity((spec.steps - first_step).min(1 << 16) as usize);
     let mut grad_norms = Vec::with_capacity(losses.capacity());
+    let mut moq_bits = Vec::new();
     let (mut per_step_bytes, mut per_sample, mut compressed) = (Vec::new(), Vec::new(), 0);
     let mut per_step_model_bytes = Vec::new();
     let (mut fb_seconds, mut optimizer_seconds) = (Vec::new(), Vec::new());
@@ -453,6 +457,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         staged.push(staged_collective_bytes() - staged_before);
         losses.push(report.loss);
         grad_norms.push(report.grad_norm);
+        moq_bits.extend(report.moq_bits);
         per_step_bytes.push(report.bytes_sent);
         per_step_model_bytes.push(report.model_bytes_sent);
         per_sample.push(step_start.elapsed().as_secs_f64() / batch.train_batch_size as f64);
@@ -506,6 +511,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         first_step,
         losses,
         grad_norms,
+        moq_bits,
         tokens_per_s: ((spec.steps - first_step) * batch.train_batch_size * seq as u64) as f64
             / elapsed,
         train_batch_size: batch.train_batch_size,
@@ -709,6 +715,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         first_step,
         losses,
         grad_norms,
+        moq_bits: Vec::new(),
         tokens_per_s: ((spec.steps - first_step) * batch.train_batch_size * seq as u64) as f64
             / elapsed,
         train_batch_size: batch.train_batch_size,

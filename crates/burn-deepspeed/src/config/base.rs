@@ -13,9 +13,10 @@ use serde_json::Value;
 
 use super::serde_util::{count, opt_count};
 use super::{
-    ActivationCheckpointingConfig, AioConfig, BatchSizes, Bf16Config, FlopsProfilerConfig,
-    Fp16Config, OptimizerConfig, OptimizerKind, PipelineConfig, PldConfig, SchedulerConfig,
-    TensorParallelConfig, ZeroConfig, ZeroStage, resolve_batch,
+    ActivationCheckpointingConfig, AioConfig, BatchSizes, Bf16Config, CompressionTrainingConfig,
+    FlopsProfilerConfig, Fp16Config, OptimizerConfig, OptimizerKind, PipelineConfig, PldConfig,
+    QuantizeTrainingConfig, SchedulerConfig, TensorParallelConfig, ZeroConfig, ZeroStage,
+    resolve_batch,
 };
 use crate::{DeepSpeedError, Result};
 
@@ -83,6 +84,12 @@ pub struct DeepSpeedConfig {
     pub steps_per_print: u64,
     /// Print the time spent in forward, backward, reduction and step.
     pub wall_clock_breakdown: bool,
+    /// MoQ, the older form (the MoQ tutorial's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quantize_training: Option<QuantizeTrainingConfig>,
+    /// DeepSpeed's compression library: its `weight_quantization` (MoQ).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compression_training: Option<CompressionTrainingConfig>,
 }
 
 impl Default for DeepSpeedConfig {
@@ -107,6 +114,8 @@ impl Default for DeepSpeedConfig {
             aio: AioConfig::default(),
             steps_per_print: 10,
             wall_clock_breakdown: false,
+            quantize_training: None,
+            compression_training: None,
         }
     }
 }
@@ -136,7 +145,6 @@ const UNIMPLEMENTED_KEYS: &[&str] = &[
     "comms_logger",
     "communication_data_type",
     "compile",
-    "compression_training",
     "csv_monitor",
     "curriculum_learning",
     "data_efficiency",
@@ -150,7 +158,6 @@ const UNIMPLEMENTED_KEYS: &[&str] = &[
     "hybrid_engine",
     "memory_breakdown",
     "nebula",
-    "quantize_training",
     "seq_parallel_communication_data_type",
     "sparse_attention",
     "sparse_gradients",
@@ -384,6 +391,14 @@ impl DeepSpeedConfig {
                         "accepted for compatibility; has no effect here",
                     );
                 }
+            }
+        }
+        if let Some(c) = &self.compression_training {
+            for key in c.other.keys() {
+                add(
+                    &format!("compression_training.{key}"),
+                    "not implemented (only weight_quantization is); ignored",
+                );
             }
         }
         if self.flops_profiler.enabled {

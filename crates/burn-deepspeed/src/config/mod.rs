@@ -3,6 +3,7 @@
 mod base;
 mod batch;
 mod optimizer;
+mod quantize;
 mod scheduler;
 mod sections;
 mod serde_util;
@@ -12,6 +13,7 @@ mod zero;
 pub use base::*;
 pub use batch::*;
 pub use optimizer::*;
+pub use quantize::*;
 pub use scheduler::*;
 pub use sections::*;
 pub use support::*;

@@ -29,6 +29,30 @@ fn refuse(key: &str, reason: impl Into<String>) -> Result<()> {
     })
 }
 
+/// MoQ runs in the data-parallel engine (and the Learner strategy on it) at ZeRO stages 0-2.
+fn check_moq(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
+    let Some(moq) = config.moq()? else {
+        return Ok(());
+    };
+    let key = match moq.groups[0].name.as_str() {
+        "quantize_training" => "quantize_training.enabled",
+        _ => "compression_training.weight_quantization.shared_parameters.enabled",
+    };
+    if entry == EntryPoint::Pipeline {
+        return refuse(
+            key,
+            "MoQ is not implemented in the pipeline engine; train with DeepSpeedEngine",
+        );
+    }
+    if config.zero_optimization.stage == ZeroStage::Parameters {
+        return refuse(
+            key,
+            "MoQ quantizes the weights the model holds, which ZeRO stage 3 keeps as              partitions; use stage 0, 1 or 2",
+        );
+    }
+    Ok(())
+}
+
 /// Refuses, with the key and the alternative, what `entry` cannot run under `config`.
 pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     check_zero_keys(config)?;
@@ -37,6 +61,7 @@ pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()
     check_precision(config, entry)?;
     check_activation_checkpointing(config)?;
     check_optimizer(config, entry)?;
+    check_moq(config, entry)?;
     let stage = config.zero_optimization.stage;
     let pipelined = config
         .pipeline

@@ -22,6 +22,7 @@ use super::{StepLoss, StepReport};
 use crate::activation::{CheckpointStats, take_stats, with_config_options};
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
 use crate::grid::Grid;
+use crate::moq::Moq;
 use crate::precision::{
     DynamicLossScaler, LossScalerState, unscaled_backward_message, with_loss_scale,
 };
@@ -70,6 +71,8 @@ pub struct DeepSpeedEngine<M: Module> {
     /// The most heap one micro-batch's forward and backward held above what was live before
     /// them, in this step (with the counting allocator installed).
     activation_peak: Option<u64>,
+    /// MoQ: the weights quantized after each step, when configured.
+    moq: Option<Moq>,
 }
 
 impl<M> DeepSpeedEngine<M>
@@ -132,6 +135,12 @@ where
             true => Some(DynamicLossScaler::new(&config.fp16)?),
             false => None,
         };
+        // MoQ quantizes the weights the model computes with (the working copy in mixed
+        // precision; check_supported refused stage 3).
+        let moq = match config.moq()? {
+            Some(settings) => Some(Moq::new(&model, settings)?),
+            None => None,
+        };
         let pld = config
             .progressive_layer_drop
             .enabled
@@ -155,6 +164,7 @@ where
             scaler,
             unscaled: false,
             activation_peak: None,
+            moq,
         })
     }
 
@@ -268,6 +278,10 @@ where
             );
         } else {
             self.model = self.sync.step(self.model.clone(), lr)?;
+            if let Some(moq) = &mut self.moq {
+                let taken = self.global_step + 1 - self.skipped_steps;
+                self.model = moq.after_step(self.model.clone(), taken);
+            }
         }
         let optimizer = start.elapsed();
         // The overflow flag is the same on every rank, and so is the scaler's state; at the
@@ -299,6 +313,7 @@ where
             model_bytes_sent: moved.total_model_sent(),
             compressed: reduced.compressed,
             pld_theta,
+            moq_bits: self.moq.as_ref().map(Moq::bits),
             loss_scale,
             activation_checkpoints: self.checkpoint_stats(),
             peak_activation_bytes: self.activation_peak.take(),

@@ -294,9 +294,24 @@ pub fn params_range<M: Module>(module: &M, layout: &ParamLayout, range: Range<us
 /// the names Burn's stores give them), or none when the module's parameters are not the
 /// layout's.
 pub fn param_paths<M: Module>(module: &M, layout: &ParamLayout) -> Vec<String> {
+    let found = param_entries(module);
+    let same = found.len() == layout.slots.len()
+        && found
+            .iter()
+            .zip(&layout.slots)
+            .all(|((id, ..), s)| *id == s.id);
+    if !same {
+        return Vec::new();
+    }
+    found.into_iter().map(|(_, path, _)| path).collect()
+}
+
+/// Each float parameter of `module` in visiting order: its id, its module path and its
+/// (lazy) dims.
+pub(crate) fn param_entries<M: Module>(module: &M) -> Vec<(ParamId, String, Vec<usize>)> {
     struct V {
         stack: Vec<String>,
-        found: Vec<(ParamId, String)>,
+        found: Vec<(ParamId, String, Vec<usize>)>,
     }
     impl ModuleVisitor for V {
         fn enter_module(&mut self, name: &str, _container_type: &str) {
@@ -306,7 +321,8 @@ pub fn param_paths<M: Module>(module: &M, layout: &ParamLayout) -> Vec<String> {
             self.stack.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.found.push((param.id, self.stack.join(".")));
+            let dims = param.lazy_shape().dims::<D>().to_vec();
+            self.found.push((param.id, self.stack.join("."), dims));
         }
     }
     let mut v = V {
@@ -314,13 +330,5 @@ pub fn param_paths<M: Module>(module: &M, layout: &ParamLayout) -> Vec<String> {
         found: Vec::new(),
     };
     module.visit(&mut v);
-    let same = v.found.len() == layout.slots.len()
-        && v.found
-            .iter()
-            .zip(&layout.slots)
-            .all(|((id, _), s)| *id == s.id);
-    if !same {
-        return Vec::new();
-    }
-    v.found.into_iter().map(|(_, path)| path).collect()
+    v.found
 }

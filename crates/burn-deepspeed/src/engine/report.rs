@@ -48,6 +48,9 @@ pub struct StepReport {
     pub compressed: bool,
     /// Progressive layer dropping: the θ this step's forward passes were given.
     pub pld_theta: Option<f64>,
+    /// MoQ: the lowest bits a weight was quantized at after this step (`None` when MoQ is
+    /// off; the start bits before the schedule's offset).
+    pub moq_bits: Option<u32>,
     /// fp16: the loss scale this step's gradients were computed with (the scaler then halves
     /// it after an overflow, or doubles it after a window of clean steps); `None` without
     /// fp16.

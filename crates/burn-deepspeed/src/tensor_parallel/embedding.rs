@@ -9,6 +9,8 @@ use burn::tensor::{Int, Tensor};
 
 use super::linear::sliced;
 use super::{SliceLayout, TensorParallel};
+use crate::inference::{QuantizedMatrix, WeightQuantization};
+use crate::{DeepSpeedError, Result};
 
 /// The rows of a vocabulary of `vocab` tokens that rank `rank` of `size` holds.
 pub(crate) fn vocab_rows(vocab: usize, tp: &TensorParallel) -> std::ops::Range<usize> {
@@ -42,6 +44,10 @@ pub struct VocabParallelEmbedding {
     /// Tokens in the whole vocabulary.
     #[module(skip)]
     pub vocab: usize,
+    /// For inference: the table quantized (then `weight` is empty), see
+    /// [`quantized`](Self::quantized).
+    #[module(skip)]
+    pub quantized: Option<QuantizedMatrix>,
 }
 
 impl VocabParallelEmbedding {
@@ -72,6 +78,7 @@ impl VocabParallelEmbedding {
             weight: sliced(weight, layout, &tp, "vocabulary-parallel embedding rows"),
             tp,
             vocab,
+            quantized: None,
         }
     }
 
@@ -79,13 +86,46 @@ impl VocabParallelEmbedding {
     /// rank.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         if self.tp.size() == 1 {
-            return embedding(self.weight.val(), ids);
+            return self.lookup(ids);
         }
         let (index, held) = local_ids(ids, vocab_rows(self.vocab, &self.tp));
-        let rows = embedding(self.weight.val(), index);
-        // The mask in the table's dtype (f16 or bf16 under mixed precision).
+        let rows = self.lookup(index);
         let partial = rows.clone() * held.cast(rows.dtype()).unsqueeze_dim(2);
         self.tp.reduce(partial)
+    }
+
+    /// Rows `ids` of this rank's table (quantized or not).
+    fn lookup(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        match &self.quantized {
+            Some(table) => table.rows(ids),
+            None => embedding(self.weight.val(), ids),
+        }
+    }
+
+    /// This table (whole or a slice) for inference with its rows quantized under `how`: the
+    /// codes replace the f32 rows (`weight` is left empty, `[0, 0]`), and a lookup
+    /// dequantizes the rows it reads.
+    ///
+    /// # Errors
+    /// When no group fits a row, or the table is quantized already.
+    pub fn quantized(&self, how: &WeightQuantization) -> Result<Self> {
+        if self.quantized.is_some() {
+            return Err(DeepSpeedError::Data(
+                "the table is quantized already".into(),
+            ));
+        }
+        let quantized = QuantizedMatrix::quantize(&self.weight.val(), how)?;
+        Ok(Self {
+            weight: Param::from_tensor(Tensor::empty([0, 0], &self.weight.device())),
+            tp: self.tp.clone(),
+            vocab: self.vocab,
+            quantized: Some(quantized),
+        })
+    }
+
+    /// Bytes of the quantized table (0 when not quantized).
+    pub fn quantized_bytes(&self) -> u64 {
+        self.quantized.as_ref().map_or(0, QuantizedMatrix::bytes)
     }
 }
 

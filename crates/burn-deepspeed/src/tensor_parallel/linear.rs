@@ -13,6 +13,8 @@ use burn::tensor::Tensor;
 use burn::tensor::module::linear;
 
 use super::{SliceLayout, TensorParallel};
+use crate::inference::{QuantizedMatrix, WeightQuantization};
+use crate::{DeepSpeedError, Result};
 
 /// This rank's block of `whole` cut under `layout` over `tp` (see [`SliceLayout`]).
 ///
@@ -77,6 +79,10 @@ pub struct ColumnParallelLinear {
     /// projection), each cut on its own.
     #[module(skip)]
     pub sections: usize,
+    /// For inference: the weight quantized (then `weight` is empty), see
+    /// [`quantized`](Self::quantized).
+    #[module(skip)]
+    pub quantized: Option<QuantizedMatrix>,
 }
 
 impl ColumnParallelLinear {
@@ -121,14 +127,62 @@ impl ColumnParallelLinear {
             bias: bias.map(|b| sliced(b, layout(0), &tp, what)),
             tp,
             sections,
+            quantized: None,
         }
+    }
+
+    /// This layer (whole or a slice) for inference with its weight quantized under `how`:
+    /// the codes replace the f32 weight (left empty, `[0, 0]`), the bias stays as it is,
+    /// and [`forward`](Self::forward) runs the fused dequantize-matmul.
+    ///
+    /// # Errors
+    /// When no group fits the weight's rows, or the layer is quantized already.
+    pub fn quantized(&self, how: &WeightQuantization) -> Result<Self> {
+        let quantized = quantize_weight(&self.weight, self.quantized.is_some(), how)?;
+        Ok(Self {
+            weight: Param::from_tensor(Tensor::empty([0, 0], &self.weight.device())),
+            bias: self.bias.clone(),
+            tp: self.tp.clone(),
+            sections: self.sections,
+            quantized: Some(quantized),
+        })
+    }
+
+    /// Bytes of the quantized weight (0 when not quantized).
+    pub fn quantized_bytes(&self) -> u64 {
+        self.quantized.as_ref().map_or(0, QuantizedMatrix::bytes)
     }
 
     /// This rank's block of `x · W + b` (its features; `x` is whole on every rank).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         let bias = self.bias.as_ref().map(|b| b.val());
-        linear(self.tp.copy(x), self.weight.val(), bias)
+        match &self.quantized {
+            Some(w) => with_bias(w.matmul(self.tp.copy(x)), bias),
+            None => linear(self.tp.copy(x), self.weight.val(), bias),
+        }
     }
+}
+
+/// `y + b` over `y`'s last dimension.
+fn with_bias<const D: usize>(y: Tensor<D>, bias: Option<Tensor<1>>) -> Tensor<D> {
+    match bias {
+        Some(b) => y + b.unsqueeze(),
+        None => y,
+    }
+}
+
+/// `weight` quantized under `how`, refused when its layer is quantized already.
+fn quantize_weight(
+    weight: &Param<Tensor<2>>,
+    already: bool,
+    how: &WeightQuantization,
+) -> Result<QuantizedMatrix> {
+    if already {
+        return Err(DeepSpeedError::Data(
+            "the layer's weight is quantized already".into(),
+        ));
+    }
+    QuantizedMatrix::quantize(&weight.val(), how)
 }
 
 /// A linear layer whose input features are cut across the tensor-parallel group (the
@@ -142,6 +196,10 @@ pub struct RowParallelLinear {
     /// The group.
     #[module(skip)]
     pub tp: TensorParallel,
+    /// For inference: the weight quantized (then `weight` is empty), see
+    /// [`quantized`](Self::quantized).
+    #[module(skip)]
+    pub quantized: Option<QuantizedMatrix>,
 }
 
 impl RowParallelLinear {
@@ -177,20 +235,40 @@ impl RowParallelLinear {
             // Whole on every rank: the same parameter.
             bias: bias.cloned(),
             tp,
+            quantized: None,
         }
+    }
+
+    /// This layer (whole or a slice) for inference with its weight quantized under `how`
+    /// (see [`ColumnParallelLinear::quantized`]).
+    ///
+    /// # Errors
+    /// When no group fits the weight's rows, or the layer is quantized already.
+    pub fn quantized(&self, how: &WeightQuantization) -> Result<Self> {
+        let quantized = quantize_weight(&self.weight, self.quantized.is_some(), how)?;
+        Ok(Self {
+            weight: Param::from_tensor(Tensor::empty([0, 0], &self.weight.device())),
+            bias: self.bias.clone(),
+            tp: self.tp.clone(),
+            quantized: Some(quantized),
+        })
+    }
+
+    /// Bytes of the quantized weight (0 when not quantized).
+    pub fn quantized_bytes(&self) -> u64 {
+        self.quantized.as_ref().map_or(0, QuantizedMatrix::bytes)
     }
 
     /// `x · W + b` whole on every rank, from this rank's block of the input features.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        if self.tp.size() == 1 {
-            return linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()));
-        }
-        let partial = linear(x, self.weight.val(), None);
-        let sum = self.tp.reduce(partial);
-        match &self.bias {
-            Some(b) => sum + b.val().unsqueeze(),
-            None => sum,
-        }
+        let partial = match &self.quantized {
+            Some(w) => w.matmul(x),
+            None if self.tp.size() == 1 => {
+                return linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()));
+            }
+            None => linear(x, self.weight.val(), None),
+        };
+        with_bias(self.tp.reduce(partial), self.bias.as_ref().map(|b| b.val()))
     }
 }
 

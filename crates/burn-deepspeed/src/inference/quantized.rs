@@ -1,0 +1,371 @@
+//! Quantized weights for inference: DeepSpeed-Inference's group-wise INT8 and INT4 weights
+//! (asymmetric by default, as DeepSpeed's post-initialization quantization), stored packed
+//! (INT4 two per byte) with one step and offset per group, and multiplied by the fused
+//! dequantize-matmul ([`dequant_matmul`]) so that a weight is never whole in f32.
+//!
+//! A [`QuantizedMatrix`] replaces the weight of a linear layer (`y = x · W`) or an embedding
+//! table (rows looked up). The tensor-parallel layers take one through their `quantized`
+//! methods, so a model built from them (or whole, with [`TensorParallel::none`]) quantizes
+//! its slices layer by layer: each rank holds Ψ/tp codes.
+//!
+//! [`TensorParallel::none`]: crate::tensor_parallel::TensorParallel::none
+
+use std::sync::Arc;
+
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
+use burn_deepspeed_cubecl_kernels::qmatmul::dequant_matmul;
+pub use burn_deepspeed_cubecl_kernels::quantize::{Bits, Scheme};
+use burn_deepspeed_cubecl_kernels::quantize::{Quantized, Quantizer};
+
+use crate::{DeepSpeedError, Result};
+
+/// The dtype a model serves in (DeepSpeed's `init_inference(dtype=...)`): f32, a 16-bit
+/// float (every parameter cast), or INT8/INT4 weights (the matrices quantized, activations,
+/// LayerNorms and biases in f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InferenceDtype {
+    /// f32 throughout.
+    F32,
+    /// Every parameter in f16 (activations follow).
+    F16,
+    /// Every parameter in bf16.
+    Bf16,
+    /// Weight matrices in INT8 ([`WeightQuantization::int8`]).
+    Int8,
+    /// Weight matrices in INT4 ([`WeightQuantization::int4`]).
+    Int4,
+}
+
+impl InferenceDtype {
+    /// The names [`parse`](Self::parse) takes.
+    pub const NAMES: [&'static str; 5] = ["fp32", "fp16", "bf16", "int8", "int4"];
+
+    /// The dtype named `name`: `fp32`, `fp16`, `bf16`, `int8` or `int4` (also `float32`,
+    /// `float16`, `half`, `bfloat16`, as DeepSpeed's torch dtypes are spelled).
+    ///
+    /// # Errors
+    /// For any other name, listing these.
+    pub fn parse(name: &str) -> Result<Self> {
+        Ok(match name.to_ascii_lowercase().as_str() {
+            "fp32" | "float32" | "float" | "f32" => Self::F32,
+            "fp16" | "float16" | "half" | "f16" => Self::F16,
+            "bf16" | "bfloat16" => Self::Bf16,
+            "int8" => Self::Int8,
+            "int4" => Self::Int4,
+            _ => {
+                return Err(DeepSpeedError::Data(format!(
+                    "unknown inference dtype `{name}`: expected one of {}",
+                    Self::NAMES.join(", ")
+                )));
+            }
+        })
+    }
+
+    /// The float dtype every parameter is cast to (16-bit dtypes only).
+    pub fn float(self) -> Option<FloatDType> {
+        match self {
+            Self::F16 => Some(FloatDType::F16),
+            Self::Bf16 => Some(FloatDType::BF16),
+            _ => None,
+        }
+    }
+
+    /// The weight quantization (INT8 and INT4 only), with its default groups.
+    pub fn quantization(self) -> Option<WeightQuantization> {
+        match self {
+            Self::Int8 => Some(WeightQuantization::int8()),
+            Self::Int4 => Some(WeightQuantization::int4()),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for InferenceDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let i = match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Bf16 => 2,
+            Self::Int8 => 3,
+            Self::Int4 => 4,
+        };
+        f.write_str(Self::NAMES[i])
+    }
+}
+
+/// How weights are quantized: code width, scheme, and values per group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WeightQuantization {
+    /// 8 or 4 bits per code.
+    pub bits: Bits,
+    /// Symmetric (a step per group) or asymmetric (a step and an offset).
+    pub scheme: Scheme,
+    /// The largest group: a weight's groups run along its rows (its output features) and
+    /// take the largest size up to this that divides a row (even for INT4), or whole rows
+    /// when a row fits (`usize::MAX`: one group per matrix), so that no group straddles a
+    /// row boundary.
+    pub group: usize,
+}
+
+impl WeightQuantization {
+    /// INT8, symmetric (as DeepSpeed-Inference's INT8 kernels), groups of up to 512 values
+    /// (a step per group: under 1% over one byte per weight).
+    pub fn int8() -> Self {
+        Self {
+            bits: Bits::Int8,
+            scheme: Scheme::Symmetric,
+            group: 512,
+        }
+    }
+
+    /// INT4, asymmetric (as DeepSpeed's post-initialization quantization), groups of 64
+    /// values (two codes per byte).
+    pub fn int4() -> Self {
+        Self {
+            bits: Bits::Int4,
+            scheme: Scheme::Asymmetric,
+            group: 64,
+        }
+    }
+
+    /// The same with groups of up to `group` values.
+    pub fn with_group(mut self, group: usize) -> Self {
+        self.group = group;
+        self
+    }
+
+    /// The same under `scheme`.
+    pub fn with_scheme(mut self, scheme: Scheme) -> Self {
+        self.scheme = scheme;
+        self
+    }
+
+    /// The quantizer for a `[rows, cols]` matrix: groups of whole rows when
+    /// [`group`](Self::group) holds a row (the most rows up to it that divide the matrix;
+    /// every row of the matrix in one group is per-tensor quantization), else the largest
+    /// part of a row up to it that divides the row (even for INT4). No group straddles a row
+    /// boundary.
+    fn quantizer_for(&self, rows: usize, cols: usize) -> Result<Quantizer> {
+        let even = self.bits == Bits::Int4;
+        let fits = |g: usize| !even || g.is_multiple_of(2);
+        let group = if self.group >= cols && cols > 0 {
+            (1..=(self.group / cols).min(rows.max(1)))
+                .rev()
+                .find(|r| rows.is_multiple_of(*r) && fits(r * cols))
+                .map(|r| r * cols)
+        } else {
+            (1..=self.group.min(cols))
+                .rev()
+                .find(|g| cols.is_multiple_of(*g) && fits(*g))
+        };
+        let group = group.ok_or_else(|| {
+            DeepSpeedError::Data(format!(
+                "rows of {cols} values have no {} group of at most {} values",
+                if even { "even" } else { "whole" },
+                self.group
+            ))
+        })?;
+        Quantizer::new(self.bits, self.scheme, group)
+            .map_err(|e| DeepSpeedError::Data(e.to_string()))
+    }
+}
+
+/// A `[rows, cols]` matrix stored quantized, group-wise along its rows.
+#[derive(Debug, Clone)]
+pub struct QuantizedMatrix {
+    values: Arc<Quantized>,
+    rows: usize,
+    cols: usize,
+    /// The weight's dtype: rows looked up come back in it.
+    dtype: DType,
+}
+
+impl QuantizedMatrix {
+    /// `weight` quantized under `how`.
+    ///
+    /// # Errors
+    /// When no group fits a row (see [`WeightQuantization::group`]).
+    pub fn quantize(weight: &Tensor<2>, how: &WeightQuantization) -> Result<Self> {
+        let [rows, cols] = weight.dims();
+        let quantizer = how.quantizer_for(rows, cols)?;
+        let values = host_f32(weight.clone());
+        Ok(Self {
+            values: Arc::new(quantizer.quantize(&values)),
+            rows,
+            cols,
+            dtype: weight.dtype(),
+        })
+    }
+
+    /// Rows and columns.
+    pub fn dims(&self) -> [usize; 2] {
+        [self.rows, self.cols]
+    }
+
+    /// The quantizer that holds the values (its group is the one the rows took).
+    pub fn quantizer(&self) -> Quantizer {
+        self.values.quantizer
+    }
+
+    /// Bytes held: the codes, and each group's step and offset.
+    pub fn bytes(&self) -> u64 {
+        self.values.bytes() as u64
+    }
+
+    /// The matrix in f32 (for checks: inference never makes it).
+    pub fn dequantize(&self, device: &burn::tensor::Device) -> Tensor<2> {
+        let data = TensorData::new(self.values.dequantize(), [self.rows, self.cols]);
+        Tensor::from_data(data, device)
+    }
+
+    /// `x · W` for `x` `[..., rows]`: `[..., cols]`, by the fused dequantize-matmul (on the
+    /// host; `x` keeps its device and dtype).
+    ///
+    /// # Panics
+    /// When `x`'s last dimension is not the matrix's rows.
+    pub fn matmul<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let mut dims = x.dims();
+        assert_eq!(
+            dims[D - 1],
+            self.rows,
+            "a [.., {}] input times a quantized [{}, {}] weight",
+            dims[D - 1],
+            self.rows,
+            self.cols
+        );
+        let (device, dtype) = (x.device(), x.dtype());
+        let m = dims[..D - 1].iter().product();
+        let xs = host_f32(x);
+        let mut out = vec![0.0f32; m * self.cols];
+        dequant_matmul(&xs, m, &self.values, self.rows, self.cols, &mut out)
+            .expect("the shapes were checked");
+        dims[D - 1] = self.cols;
+        Tensor::<D>::from_data(TensorData::new(out, dims), &device).cast(dtype)
+    }
+
+    /// The rows `ids` `[batch, t]` name, dequantized: `[batch, t, cols]` (an embedding
+    /// lookup), in the weight's dtype on `ids`' device.
+    ///
+    /// # Panics
+    /// When an id is not a row.
+    pub fn rows(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        let [b, t] = ids.dims();
+        let device = ids.device();
+        let ids = ids
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec::<i64>()
+            .expect("i64 ids");
+        let mut out = vec![0.0f32; ids.len() * self.cols];
+        for (&id, row) in ids.iter().zip(out.chunks_mut(self.cols)) {
+            let id = usize::try_from(id)
+                .ok()
+                .filter(|&i| i < self.rows)
+                .unwrap_or_else(|| panic!("id {id} of a table of {} rows", self.rows));
+            self.values.dequantize_range_into(id * self.cols, row);
+        }
+        Tensor::<3>::from_data(TensorData::new(out, [b, t, self.cols]), &device).cast(self.dtype)
+    }
+}
+
+/// The values of `x` in f32 on the host.
+fn host_f32<const D: usize>(x: Tensor<D>) -> Vec<f32> {
+    x.into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .expect("converted to f32")
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, Distribution};
+
+    use super::*;
+
+    fn max_rel(a: &Tensor<3>, b: &Tensor<3>) -> f32 {
+        let (a, b) = (host_f32(a.clone()), host_f32(b.clone()));
+        let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+        a.iter()
+            .zip(&b)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+            / scale
+    }
+
+    /// The quantized product equals x times the dequantized weight, and is close to x · W
+    /// (INT8 tighter than INT4).
+    #[test]
+    fn matmul_is_x_times_the_dequantized_weight() {
+        let device = Device::flex();
+        let w = Tensor::<2>::random([96, 192], Distribution::Normal(0.0, 0.05), &device);
+        let x = Tensor::<3>::random([2, 3, 96], Distribution::Default, &device);
+        let exact = x.clone().matmul(w.clone().unsqueeze());
+        for (how, bound) in [
+            (WeightQuantization::int8(), 0.01),
+            (WeightQuantization::int4(), 0.2),
+        ] {
+            let q = QuantizedMatrix::quantize(&w, &how).expect("quantizes");
+            // 192 values per row: INT8 takes two rows (384, up to 512), INT4 a third of one.
+            let group = q.quantizer().group();
+            assert_eq!(group, if how.bits == Bits::Int8 { 384 } else { 64 });
+            let y = q.matmul(x.clone());
+            let via = x.clone().matmul(q.dequantize(&device).unsqueeze());
+            assert!(max_rel(&y, &via) < 1e-5, "{how:?}: {}", max_rel(&y, &via));
+            let err = max_rel(&y, &exact);
+            assert!(err < bound && err > 0.0, "{how:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn rows_are_the_dequantized_tables_rows() {
+        let device = Device::flex();
+        let w = Tensor::<2>::random([10, 16], Distribution::Default, &device);
+        let q = QuantizedMatrix::quantize(&w, &WeightQuantization::int4().with_group(8))
+            .expect("quantizes");
+        let ids =
+            Tensor::<2, Int>::from_data(TensorData::new(vec![3i64, 0, 9, 3], [2, 2]), &device);
+        let got = q.rows(ids.clone());
+        let want = burn::tensor::module::embedding(q.dequantize(&device), ids);
+        assert_eq!(max_rel(&got, &want), 0.0);
+        // Two codes per byte, and a step and an offset per group of 8.
+        assert_eq!(q.bytes(), 160 / 2 + 20 * 8);
+    }
+
+    #[test]
+    fn dtype_names_parse_and_print() {
+        for name in InferenceDtype::NAMES {
+            let dtype = InferenceDtype::parse(name).expect("a name");
+            assert_eq!(dtype.to_string(), name);
+        }
+        assert_eq!(
+            InferenceDtype::parse("Half").ok(),
+            Some(InferenceDtype::F16)
+        );
+        let e = InferenceDtype::parse("int3").expect_err("no such dtype");
+        assert!(
+            e.to_string().contains("`int3`") && e.to_string().contains("int4"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn groups_hold_parts_of_rows_or_whole_rows() {
+        let group = |how: WeightQuantization, rows, cols| {
+            how.quantizer_for(rows, cols).expect("a group").group()
+        };
+        let int8 = WeightQuantization::int8();
+        assert_eq!(group(int8, 256, 768), 384);
+        assert_eq!(group(int8, 256, 192), 384);
+        assert_eq!(group(int8, 12, 256), 512);
+        assert_eq!(group(int8.with_group(usize::MAX), 12, 256), 12 * 256);
+        assert_eq!(group(int8.with_group(1000), 12, 256), 3 * 256);
+        assert_eq!(group(WeightQuantization::int4(), 8, 96), 48);
+    }
+
+    #[test]
+    fn rows_without_a_group_are_refused() {
+        // int4 needs even groups: rows of 7, three of them.
+        let w = Tensor::<2>::zeros([3, 7], &Device::flex());
+        let e = QuantizedMatrix::quantize(&w, &WeightQuantization::int4()).expect_err("odd rows");
+        assert!(e.to_string().contains("rows of 7 values"), "{e}");
+    }
+}

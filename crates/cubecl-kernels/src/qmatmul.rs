@@ -153,36 +153,77 @@ const ROWS_AT_ONCE: usize = 4;
 /// [`ROWS_AT_ONCE`] at a time into a buffer in L1 and adding them into the outputs.
 fn skinny(x: &[f32], m: usize, w: &Quantized, k: usize, n: usize, cols: usize, out: &mut [f32]) {
     by_column_blocks(m, n, cols, out, |j0, nb| {
-        let mut acc = vec![0.0f32; m * nb];
-        let mut rows = vec![0.0f32; ROWS_AT_ONCE * nb];
-        let mut p = 0;
-        while p + ROWS_AT_ONCE <= k {
-            for (r, row) in rows.chunks_mut(nb).enumerate() {
-                w.dequantize_range_into((p + r) * n + j0, row);
-            }
-            let [r0, r1, r2, r3] = [0, 1, 2, 3].map(|r| &rows[r * nb..(r + 1) * nb]);
-            for (i, acc) in acc.chunks_mut(nb).enumerate() {
-                let xi = &x[i * k + p..i * k + p + ROWS_AT_ONCE];
-                let (x0, x1, x2, x3) = (xi[0], xi[1], xi[2], xi[3]);
-                for ((((a, &w0), &w1), &w2), &w3) in acc.iter_mut().zip(r0).zip(r1).zip(r2).zip(r3)
-                {
-                    *a += x0 * w0 + x1 * w1 + x2 * w2 + x3 * w3;
-                }
-            }
-            p += ROWS_AT_ONCE;
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, checked just above.
+            return unsafe { skinny_block_avx2(x, m, w, k, n, j0, nb) };
         }
-        for p in p..k {
-            let row = &mut rows[..nb];
-            w.dequantize_range_into(p * n + j0, row);
-            for (i, acc) in acc.chunks_mut(nb).enumerate() {
-                let xi = x[i * k + p];
-                for (a, r) in acc.iter_mut().zip(row.iter()) {
-                    *a += xi * r;
-                }
-            }
-        }
-        acc
+        skinny_block(x, m, w, k, n, j0, nb)
     });
+}
+
+/// [`skinny_block`] compiled for AVX2 (8 lanes; the build's baseline is SSE2's 4), chosen
+/// at run time as `gemm` chooses its kernels.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn skinny_block_avx2(
+    x: &[f32],
+    m: usize,
+    w: &Quantized,
+    k: usize,
+    n: usize,
+    j0: usize,
+    nb: usize,
+) -> Vec<f32> {
+    skinny_block(x, m, w, k, n, j0, nb)
+}
+
+/// Columns `j0..j0 + nb` of `x · W` (`[m, nb]`): the rows of `W` dequantized
+/// [`ROWS_AT_ONCE`] at a time into a buffer in L1 and added into the outputs.
+#[inline(always)]
+fn skinny_block(
+    x: &[f32],
+    m: usize,
+    w: &Quantized,
+    k: usize,
+    n: usize,
+    j0: usize,
+    nb: usize,
+) -> Vec<f32> {
+    let mut acc = vec![0.0f32; m * nb];
+    let mut rows = vec![0.0f32; ROWS_AT_ONCE * nb];
+    let mut p = 0;
+    while p + ROWS_AT_ONCE <= k {
+        for (r, row) in rows.chunks_mut(nb).enumerate() {
+            w.dequantize_range_into((p + r) * n + j0, row);
+        }
+        let [r0, r1, r2, r3] = [0, 1, 2, 3].map(|r| &rows[r * nb..(r + 1) * nb]);
+        for (i, acc) in acc.chunks_exact_mut(nb).enumerate() {
+            let xi = &x[i * k + p..i * k + p + ROWS_AT_ONCE];
+            let (x0, x1, x2, x3) = (xi[0], xi[1], xi[2], xi[3]);
+            // Equal lengths up front, so the loop indexes without checks and vectorizes.
+            let n = acc.len();
+            let (r0, r1, r2, r3) = (&r0[..n], &r1[..n], &r2[..n], &r3[..n]);
+            for j in 0..n {
+                acc[j] += x0 * r0[j] + x1 * r1[j] + x2 * r2[j] + x3 * r3[j];
+            }
+        }
+        p += ROWS_AT_ONCE;
+    }
+    for p in p..k {
+        let row = &mut rows[..nb];
+        w.dequantize_range_into(p * n + j0, row);
+        for (i, acc) in acc.chunks_mut(nb).enumerate() {
+            let xi = x[i * k + p];
+            for (a, r) in acc.iter_mut().zip(row.iter()) {
+                *a += xi * r;
+            }
+        }
+    }
+    acc
 }
 
 /// The plain reference: the weight dequantized whole, then a triple loop in f64.

@@ -10,6 +10,7 @@ Usage: benchmarks_md.py pipeline BENCH_JSON GRID_MPI_JSON GRID_THREADS_JSON CORE
        benchmarks_md.py offload DIR CORES
        benchmarks_md.py 3d BENCH_JSON MPI_JSON CORES
        benchmarks_md.py inference DIR NEW_TOKENS CORES
+       benchmarks_md.py quantization DIR STEPS_SMALL STEPS_TINY CORES
 """
 import json
 import re
@@ -719,6 +720,63 @@ def inference(directory, new, cores):
     return "\n".join(lines) + "\n"
 
 
+def quantization(directory, steps_small, steps_tiny, cores):
+    d = Path(directory)
+    load = lambda name: json.load(open(d / f"{name}.json"))
+    lines = [
+        "## Inference: quantized weights and MoQ",
+        "",
+        f"`bash scripts/bench-quantization.sh` on a machine with {cores} CPU cores, Flex. GPT "
+        f"`small` trained for {steps_small} steps (2 data-parallel ranks) on the embedded "
+        "corpus's first 62,000 bytes; the held-out figures are over the other "
+        "7,538 bytes' non-overlapping windows. INT8: symmetric, groups of up to 512 values; "
+        "INT4: asymmetric, groups of 64; the LayerNorms and biases stay f32. KL: the mean "
+        "KL divergence of the next-byte distributions from the fp32 model's. Weight bytes are "
+        "measured on what each rank holds; Ψ/tp is the formula they are compared with "
+        "(Megatron keeps the LayerNorms, the position table and the row-parallel biases whole "
+        "on every rank, so the f32 ratio shows what replication adds).",
+        "",
+        "| tp | dtype | held-out loss | vs fp32 | KL from fp32 | weight bytes per rank | bytes / (Ψ/tp) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for tp in (1, 2, 4):
+        base = load(f"small-fp32-{tp}")["heldout_loss"]
+        for dtype in ("fp32", "bf16", "int8", "int4"):
+            r = load(f"small-{dtype}-{tp}")
+            kl = r.get("heldout_kl_from_fp32")
+            psi = r["parameters"] / r["tp"]
+            lines.append(
+                f"| {tp} | {dtype} | {r['heldout_loss']:.5f} "
+                f"| {100 * (r['heldout_loss'] / base - 1):+.3f}% "
+                f"| {'' if kl is None else f'{kl:.2e}'} | {r['weight_bytes_per_rank']:,} "
+                f"| {r['weight_bytes_per_rank'] / psi:.4f} |"
+            )
+    plain, moq = load("train-tiny-plain"), load("train-tiny-moq")
+    bits = moq.get("moq_bits", [])
+    reach = next((i + 1 for i, b in enumerate(bits) if b == 8), None)
+    lines += [
+        "",
+        f"MoQ: GPT `tiny` trained for {steps_tiny} steps plainly and with "
+        "`examples/gpt/configs/moq.json` (start 16 bits, target 8, period 2, offset 0, one "
+        f"symmetric group per matrix: 8 bits from step {reach}), both on the same bytes and "
+        "seed. `int8-grid` is INT8 with MoQ's own grid (symmetric, one group per matrix).",
+        "",
+        "| training | final train loss | dtype | held-out loss | change from its fp32 | KL from its fp32 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run, train in (("plain", plain), ("moq", moq)):
+        base = load(f"tiny-{run}-fp32")["heldout_loss"]
+        for name in ("fp32", "int8-grid", "int8", "int4"):
+            r = load(f"tiny-{run}-{name}")
+            kl = r.get("heldout_kl_from_fp32")
+            lines.append(
+                f"| {run} | {train['losses'][-1]:.4f} | {name} | {r['heldout_loss']:.5f} "
+                f"| {100 * (r['heldout_loss'] / base - 1):+.4f}% "
+                f"| {'' if kl is None else f'{kl:.2e}'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def write_section(name, body):
     text = PATH.read_text() if PATH.exists() else HEADER
     block = f"<!-- section: {name} -->\n{body}<!-- end: {name} -->\n"
@@ -757,5 +815,7 @@ if __name__ == "__main__":
         write_section("3d", grid3d(*sys.argv[2:5]))
     elif kind == "inference":
         write_section("inference", inference(*sys.argv[2:5]))
+    elif kind == "quantization":
+        write_section("quantization", quantization(*sys.argv[2:6]))
     else:
         sys.exit(f"unknown section {kind}")

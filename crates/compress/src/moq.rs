@@ -66,7 +66,7 @@ impl MoqState {
     pub fn advance(&mut self, qstep: u64) -> u32 {
         if self.bits > self.target && qstep >= self.period {
             self.bits -= 1;
-            self.period <<= 1;
+            self.period = self.period.saturating_mul(2);
         }
         self.bits
     }

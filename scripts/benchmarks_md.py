@@ -730,14 +730,17 @@ def quantization(directory, steps_small, steps_tiny, cores):
         f"`small` trained for {steps_small} steps (2 data-parallel ranks) on the embedded "
         "corpus's first 62,000 bytes; the held-out figures are over the other "
         "7,538 bytes' non-overlapping windows. INT8: symmetric, groups of up to 512 values; "
-        "INT4: asymmetric, groups of 64; the LayerNorms and biases stay f32. KL: the mean "
+        "INT4: asymmetric, groups of 64; around them the LayerNorms, biases and activations "
+        "are fp16, as DeepSpeed serves INT8 models. KL: the mean "
         "KL divergence of the next-byte distributions from the fp32 model's. Weight bytes are "
-        "measured on what each rank holds; Ψ/tp is the formula they are compared with "
-        "(Megatron keeps the LayerNorms, the position table and the row-parallel biases whole "
-        "on every rank, so the f32 ratio shows what replication adds).",
+        "measured on what each rank holds; Ψ/tp and Ψ/(2·tp) plus an 8-byte step and offset "
+        "per 64 values are the formulas they are compared with (the LayerNorms and the "
+        "row-parallel biases stay whole on every rank, so the fp32 ratio shows what "
+        "replication adds).",
         "",
-        "| tp | dtype | held-out loss | vs fp32 | KL from fp32 | weight bytes per rank | bytes / (Ψ/tp) |",
-        "|---|---|---|---|---|---|---|",
+        "| tp | dtype | held-out loss | vs fp32 | KL from fp32 | weight bytes per rank "
+        "| bytes / (Ψ/tp) | INT4: bytes / (Ψ/(2·tp) + steps) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for tp in (1, 2, 4):
         base = load(f"small-fp32-{tp}")["heldout_loss"]
@@ -745,11 +748,13 @@ def quantization(directory, steps_small, steps_tiny, cores):
             r = load(f"small-{dtype}-{tp}")
             kl = r.get("heldout_kl_from_fp32")
             psi = r["parameters"] / r["tp"]
+            held = r["weight_bytes_per_rank"]
+            int4 = f"{held / (psi * (0.5 + 8 / 64)):.4f}" if dtype == "int4" else ""
             lines.append(
                 f"| {tp} | {dtype} | {r['heldout_loss']:.5f} "
                 f"| {100 * (r['heldout_loss'] / base - 1):+.3f}% "
-                f"| {'' if kl is None else f'{kl:.2e}'} | {r['weight_bytes_per_rank']:,} "
-                f"| {r['weight_bytes_per_rank'] / psi:.4f} |"
+                f"| {'' if kl is None else f'{kl:.2e}'} | {held:,} "
+                f"| {held / psi:.4f} | {int4} |"
             )
     plain, moq = load("train-tiny-plain"), load("train-tiny-moq")
     bits = moq.get("moq_bits", [])

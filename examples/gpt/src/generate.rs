@@ -12,10 +12,10 @@ use burn_deepspeed::comm::Communicator;
 use burn_deepspeed::engine::checkpoint::read_model;
 use burn_deepspeed::engine::flat::{ParamLayout, params_from_flat};
 use burn_deepspeed::grid::Grid;
-use burn_deepspeed::inference::Scheme;
 use burn_deepspeed::inference::{
     CausalLm, GenerateOptions, InferenceDtype, Sampler, Sampling, generate, next_tokens,
 };
+use burn_deepspeed::inference::{Scheme, WeightQuantization};
 use burn_deepspeed::precision::cast_module;
 use burn_deepspeed::tensor_parallel::SliceLayout;
 use burn_deepspeed::{DeepSpeedError, Result};
@@ -202,23 +202,40 @@ pub fn generate_rank(spec: &GenerateSpec, comm: Arc<dyn Communicator>) -> Result
     })
 }
 
-/// `model` in `spec`'s dtype: cast to 16 bits, or its weights quantized (with the group the
-/// largest weights took).
+/// `model` in `spec`'s dtype, with its `--quant-group` and `--quant-scheme`.
 fn serving(model: Gpt, spec: &GenerateSpec) -> Result<(Gpt, Option<usize>)> {
-    if let Some(float) = spec.dtype.float() {
-        return Ok((cast_module(model, float), None));
-    }
-    let Some(mut how) = spec.dtype.quantization() else {
-        return Ok((model, None));
+    let how = spec.dtype.quantization().map(|mut how| {
+        if let Some(group) = spec.quant_group {
+            how = how.with_group(group);
+        }
+        if let Some(scheme) = spec.quant_scheme {
+            how = how.with_scheme(scheme);
+        }
+        how
+    });
+    let group = how.as_ref().map(|h| h.group);
+    Ok((in_dtype(model, spec.dtype, how.as_ref())?, group))
+}
+
+/// `model` served in `dtype`: under INT8/INT4 its weight matrices quantized from f32 (`how`,
+/// or the dtype's defaults), and the rest (layer norms, biases, activations, caches) cast to
+/// the dtype's float: fp16 under INT8/INT4, as DeepSpeed serves them.
+///
+/// # Errors
+/// When a group does not fit a weight.
+pub fn in_dtype(
+    model: Gpt,
+    dtype: InferenceDtype,
+    how: Option<&WeightQuantization>,
+) -> Result<Gpt> {
+    let model = match dtype.quantization() {
+        Some(default) => model.quantized(how.unwrap_or(&default))?,
+        None => model,
     };
-    if let Some(group) = spec.quant_group {
-        how = how.with_group(group);
-    }
-    if let Some(scheme) = spec.quant_scheme {
-        how = how.with_scheme(scheme);
-    }
-    let quantized = model.quantized(&how)?;
-    Ok((quantized, Some(how.group)))
+    Ok(match dtype.float() {
+        Some(float) => cast_module(model, float),
+        None => model,
+    })
 }
 
 /// A model's quality on held-out bytes.

@@ -224,8 +224,16 @@ pub struct GptEmbed {
 
 impl GptEmbed {
     /// Hidden states `[batch, t, d]` of token ids `[batch, t]` at `positions` `[batch, t]`.
+    /// Sliced, each rank adds its shares of the two tables and the group sums them once.
     pub fn forward_at(&self, inputs: Tensor<2, Int>, positions: Tensor<2, Int>) -> Tensor<3> {
-        self.tok_emb.forward(inputs) + self.pos_emb.forward(positions)
+        let tokens = self.tok_emb.partial(inputs);
+        if self.pos_emb.tp.size() == self.tok_emb.tp.size() {
+            self.tok_emb
+                .tp
+                .reduce(tokens + self.pos_emb.partial(positions))
+        } else {
+            self.tok_emb.tp.reduce(tokens) + self.pos_emb.forward(positions)
+        }
     }
 
     /// Hidden states `[batch, seq, d]` of token ids `[batch, seq]`.
@@ -240,7 +248,7 @@ impl GptEmbed {
         let positions = Tensor::<1, Int>::arange(0..t as i64, &device)
             .reshape([1, t])
             .repeat_dim(0, b);
-        self.tok_emb.forward(inputs) + self.pos_emb.forward(positions)
+        self.forward_at(inputs, positions)
     }
 }
 
@@ -367,7 +375,8 @@ impl Gpt {
     /// This rank's slice of the (whole) model over `tp` (Megatron-LM's split, arXiv
     /// 1909.08053 §3): in each block its heads and its block of the MLP's hidden features,
     /// its block of the vocabulary in the token embedding and the head (the loss is the
-    /// vocabulary-parallel cross-entropy); the LayerNorms and the position embedding whole.
+    /// vocabulary-parallel cross-entropy), its block of the positions in the position table
+    /// (whole when the context does not split evenly); the LayerNorms whole.
     /// Every parameter keeps its id; the slices' layouts are recorded in `tp`. With
     /// [`TensorParallel::none`] the model as it is.
     ///
@@ -380,7 +389,11 @@ impl Gpt {
         Self {
             embed: GptEmbed {
                 tok_emb: self.embed.tok_emb.slice(tp.clone()),
-                pos_emb: self.embed.pos_emb,
+                // Cut like the vocabulary when the positions split evenly, whole otherwise.
+                pos_emb: match self.embed.seq_len.is_multiple_of(tp.size()) {
+                    true => self.embed.pos_emb.slice(tp.clone()),
+                    false => self.embed.pos_emb,
+                },
                 seq_len: self.embed.seq_len,
             },
             blocks: self.blocks.iter().map(|b| b.sliced(tp)).collect(),
@@ -394,7 +407,8 @@ impl Gpt {
 
     /// The model (whole or this rank's slice) for inference with its weights quantized under
     /// `how` (DeepSpeed-Inference's INT8/INT4 weights): every linear layer's weight, the
-    /// token and position tables and the head as codes; the LayerNorms and biases stay f32.
+    /// token and position tables and the head as codes; the LayerNorms and biases keep their dtype
+    /// (the generate example then casts them to fp16: [`crate::generate::in_dtype`]).
     ///
     /// # Errors
     /// When no group fits a weight's rows, or the model is quantized already.

@@ -20,8 +20,8 @@ use burn_deepspeed_cubecl_kernels::quantize::{Quantized, Quantizer};
 use crate::{DeepSpeedError, Result};
 
 /// The dtype a model serves in (DeepSpeed's `init_inference(dtype=...)`): f32, a 16-bit
-/// float (every parameter cast), or INT8/INT4 weights (the matrices quantized, activations,
-/// LayerNorms and biases in f32).
+/// float (every parameter cast), or INT8/INT4 weights (the matrices quantized; activations,
+/// LayerNorms and biases in fp16, as DeepSpeed serves them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InferenceDtype {
     /// f32 throughout.
@@ -61,10 +61,12 @@ impl InferenceDtype {
         })
     }
 
-    /// The float dtype every parameter is cast to (16-bit dtypes only).
+    /// The float dtype the model computes in and keeps its unquantized parameters in (layer
+    /// norms, biases), `None` for fp32. INT8 and INT4 run in fp16 around their quantized
+    /// matrices, as DeepSpeed's INT8 inference does.
     pub fn float(self) -> Option<FloatDType> {
         match self {
-            Self::F16 => Some(FloatDType::F16),
+            Self::F16 | Self::Int8 | Self::Int4 => Some(FloatDType::F16),
             Self::Bf16 => Some(FloatDType::BF16),
             _ => None,
         }

@@ -85,19 +85,27 @@ impl VocabParallelEmbedding {
     /// The embeddings `[batch, seq, d_model]` of token ids `[batch, seq]`, whole on every
     /// rank.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.tp.reduce(self.partial(ids))
+    }
+
+    /// This rank's share of [`forward`](Self::forward): the rows of the ids it holds, zeros
+    /// for the others' (the whole lookup when whole). Summed over the group
+    /// ([`TensorParallel::reduce`]) the shares are the embeddings, so a caller that adds
+    /// several tables cut over one group (tokens and positions) reduces once.
+    pub fn partial(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         if self.tp.size() == 1 {
             return self.lookup(ids);
         }
         let (index, held) = local_ids(ids, vocab_rows(self.vocab, &self.tp));
         let rows = self.lookup(index);
-        let partial = rows.clone() * held.cast(rows.dtype()).unsqueeze_dim(2);
-        self.tp.reduce(partial)
+        rows.clone() * held.cast(rows.dtype()).unsqueeze_dim(2)
     }
 
-    /// Rows `ids` of this rank's table (quantized or not).
+    /// Rows `ids` of this rank's table (quantized or not), in the module's float dtype (a
+    /// quantized table's emptied weight keeps it when the module is cast).
     fn lookup(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         match &self.quantized {
-            Some(table) => table.rows(ids),
+            Some(table) => table.rows(ids).cast(self.weight.val().dtype()),
             None => embedding(self.weight.val(), ids),
         }
     }

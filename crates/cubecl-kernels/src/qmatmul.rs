@@ -3,9 +3,11 @@
 //! along its flattened values, without ever holding `W` whole in f32.
 //!
 //! The weight is taken a block of columns at a time, the blocks in parallel: each block's
-//! groups are dequantized into a buffer of about [`TILE_BYTES`] that stays in cache, and
-//! `y[:, cols] = x · block` runs on `gemm` (the matrix multiply Burn's Flex backend uses) over
-//! the whole inner dimension. Memory per thread: one block, not the weight.
+//! groups are dequantized (in AVX-512 or AVX2 when the CPU has them, chosen at run time) into
+//! a buffer of about [`TILE_BYTES`] that stays in cache, and `y[:, cols] = x · block` runs on
+//! `gemm` (the matrix multiply Burn's Flex backend uses) over the whole inner dimension,
+//! writing its columns of the output in place. Memory per thread: one block, not the weight.
+//! A few rows (a decode step) stream the weight's rows instead ([`SKINNY`]).
 
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -13,8 +15,10 @@ use rayon::prelude::*;
 use crate::KernelError;
 use crate::quantize::Quantized;
 
-/// About the bytes of one dequantized block of columns (fits a core's L2 cache).
-pub const TILE_BYTES: usize = 512 * 1024;
+/// About the bytes of one dequantized block of columns: a core's L2 cache on an EPYC (wider
+/// blocks mean fewer passes of `x` through `gemm`'s packing; 512 KiB was 3-5% slower at 256
+/// rows).
+pub const TILE_BYTES: usize = 2 * 1024 * 1024;
 
 /// Columns per block for a weight of `k` rows and `n` columns in groups of `group`: as
 /// many as [`TILE_BYTES`] holds, a multiple of the group when the groups tile a row (so that
@@ -75,46 +79,109 @@ pub fn dequant_matmul(
         return Ok(());
     }
     let cols = block_cols(k, n, group);
-    by_column_blocks(m, n, cols, out, |j0, nb| {
-        let mut tile = vec![0.0f32; k * nb];
-        if nb == n {
-            w.dequantize_range_into(0, &mut tile);
-        } else {
-            // Row p of the block: whole groups from p·n + j0.
-            for (p, row) in tile.chunks_mut(nb).enumerate() {
-                w.dequantize_range_into(p * n + j0, row);
+    let dst = OutPtr(out.as_mut_ptr());
+    (0..n)
+        .step_by(cols)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .for_each(|j0| {
+            let nb = cols.min(n - j0);
+            let mut tile = vec![0.0f32; k * nb];
+            dequantize_block(w, n, j0, &mut tile);
+            // SAFETY: `out` is [m, n], `x` [m, k] and `tile` [k, nb], all row-major and of
+            // exactly those lengths (checked above), so every index the strides reach is inside
+            // its slice; this call writes only columns j0..j0 + nb of `out`, which no other
+            // block writes, and `out` aliases neither input.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    nb,
+                    k,
+                    dst.at(j0),
+                    1,
+                    n as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    tile.as_ptr(),
+                    1,
+                    nb as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                );
             }
-        }
-        let mut block = vec![0.0f32; m * nb];
-        // SAFETY: `block` is [m, nb], `x` [m, k] and `tile` [k, nb], all row-major and
-        // of exactly those lengths (checked above), so every index the strides reach is
-        // inside its slice; `block` aliases neither input.
-        unsafe {
-            gemm::gemm(
-                m,
-                nb,
-                k,
-                block.as_mut_ptr(),
-                1,
-                nb as isize,
-                false,
-                x.as_ptr(),
-                1,
-                k as isize,
-                tile.as_ptr(),
-                1,
-                nb as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                Parallelism::None,
-            );
-        }
-        block
-    });
+        });
     Ok(())
+}
+
+/// Runs `$body` compiled for AVX-512 or AVX2 when the CPU has them (chosen at run time, as
+/// `gemm` chooses its kernels; the build's baseline is SSE2), as the function `$name`.
+macro_rules! simd_dispatch {
+    ($(#[$doc:meta])* fn $name:ident = $body:ident($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        $(#[$doc])*
+        fn $name($($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                fn avx512($($arg: $ty),*) -> $ret {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2")]
+                fn avx2($($arg: $ty),*) -> $ret {
+                    $body($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has AVX-512F (and so AVX2 and FMA), checked above.
+                    return unsafe { avx512($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU has AVX2, checked just above.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            $body($($arg),*)
+        }
+    };
+}
+
+simd_dispatch! {
+    /// Columns `j0..j0 + nb` of the weight (`[k, n]`) into `tile` (`[k, nb]`).
+    fn dequantize_block = dequantize_block_any(w: &Quantized, n: usize, j0: usize, tile: &mut [f32]) -> ()
+}
+
+#[inline(always)]
+fn dequantize_block_any(w: &Quantized, n: usize, j0: usize, tile: &mut [f32]) {
+    let nb = tile.len() / (w.len / n);
+    if nb == n {
+        w.dequantize_range_into(0, tile);
+    } else {
+        // Row p of the block: whole groups from p·n + j0.
+        for (p, row) in tile.chunks_mut(nb).enumerate() {
+            w.dequantize_range_into(p * n + j0, row);
+        }
+    }
+}
+
+/// The output's pointer, shared by the column blocks that each write their own columns.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+
+// SAFETY: the blocks that share it write disjoint columns (see `dequant_matmul`).
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer to column `j0` of row 0 (a method, so that closures capture the whole
+    /// wrapper rather than its raw field).
+    fn at(self, j0: usize) -> *mut f32 {
+        self.0.wrapping_add(j0)
+    }
 }
 
 /// `out` `[m, n]` from its column blocks of `cols` (the last may be narrower), each made by
@@ -153,38 +220,21 @@ const ROWS_AT_ONCE: usize = 4;
 /// [`ROWS_AT_ONCE`] at a time into a buffer in L1 and adding them into the outputs.
 fn skinny(x: &[f32], m: usize, w: &Quantized, k: usize, n: usize, cols: usize, out: &mut [f32]) {
     by_column_blocks(m, n, cols, out, |j0, nb| {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2, checked just above.
-            return unsafe { skinny_block_avx2(x, m, w, k, n, j0, nb) };
-        }
         skinny_block(x, m, w, k, n, j0, nb)
     });
 }
 
-/// [`skinny_block`] compiled for AVX2 (8 lanes; the build's baseline is SSE2's 4), chosen
-/// at run time as `gemm` chooses its kernels.
-///
-/// # Safety
-/// The CPU must support AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn skinny_block_avx2(
-    x: &[f32],
-    m: usize,
-    w: &Quantized,
-    k: usize,
-    n: usize,
-    j0: usize,
-    nb: usize,
-) -> Vec<f32> {
-    skinny_block(x, m, w, k, n, j0, nb)
+simd_dispatch! {
+    /// Columns `j0..j0 + nb` of `x · W` (`[m, nb]`), see [`skinny_block_any`].
+    fn skinny_block = skinny_block_any(
+        x: &[f32], m: usize, w: &Quantized, k: usize, n: usize, j0: usize, nb: usize
+    ) -> Vec<f32>
 }
 
 /// Columns `j0..j0 + nb` of `x · W` (`[m, nb]`): the rows of `W` dequantized
 /// [`ROWS_AT_ONCE`] at a time into a buffer in L1 and added into the outputs.
 #[inline(always)]
-fn skinny_block(
+fn skinny_block_any(
     x: &[f32],
     m: usize,
     w: &Quantized,

@@ -208,7 +208,6 @@ fn rne(t: f32) -> f32 {
     (t + MAGIC) - MAGIC
 }
 
-/// The signed value of a 4-bit two's complement nibble.
 /// Int4 codes from `codes` into `out` (one group's step and offset), starting at the low
 /// nibble of the first byte when `odd`: whole pairs without a branch (the high nibble by an
 /// arithmetic shift of the byte, the low one shifted up first), then an odd last value.
@@ -245,6 +244,7 @@ fn int4_into(codes: &[u8], odd: bool, step: f32, o: f32, out: &mut [f32]) {
     }
 }
 
+/// The signed value of a 4-bit two's complement nibble.
 fn nibble(n: u8) -> f32 {
     (((n << 4) as i8) >> 4) as f32
 }

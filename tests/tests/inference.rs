@@ -228,3 +228,34 @@ fn quantized_weights_keep_the_loss_and_shrink_the_bytes() {
         );
     }
 }
+
+/// On wgpu (lavapipe in CI) the INT8 and INT4 GPT multiplies with the CubeCL kernel (its
+/// codes on the device, dequantized as they are loaded) and scores the held-out bytes as the
+/// same model on Flex does, with the CPU's kernel.
+#[cfg(feature = "wgpu")]
+#[test]
+fn quantized_weights_on_wgpu_score_as_on_flex() {
+    use burn::module::Module;
+    use burn_deepspeed::inference::InferenceDtype;
+    use burn_deepspeed_example_gpt::generate::{heldout, in_dtype};
+
+    let params = trained();
+    let text = &EMBEDDED_CORPUS[EMBEDDED_CORPUS.len() - 1000..];
+    let wgpu = Device::from(burn::backend::wgpu::WgpuDevice::default());
+    for dtype in [InferenceDtype::Int8, InferenceDtype::Int4] {
+        let on_flex = in_dtype(model(&params), dtype, None).expect("quantizes");
+        let on_wgpu = in_dtype(model(&params).to_device(&wgpu), dtype, None).expect("quantizes");
+        let flex = heldout(&on_flex, None, text, SHAPE.seq_len).expect("scores");
+        let gpu = heldout(&on_wgpu, None, text, SHAPE.seq_len).expect("scores");
+        println!(
+            "{dtype}: held-out loss flex {:.6}, wgpu {:.6}",
+            flex.loss, gpu.loss
+        );
+        assert!(
+            (gpu.loss / flex.loss - 1.0).abs() < 1e-4,
+            "{dtype}: wgpu {} vs flex {}",
+            gpu.loss,
+            flex.loss
+        );
+    }
+}

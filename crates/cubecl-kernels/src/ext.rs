@@ -56,6 +56,19 @@ pub trait FusedOps: Backend {
         len: usize,
     ) -> FloatTensor<Self>;
 
+    /// `x · W` (`[m, n]`) for an f32 `x` `[m, k]` and a quantized `[k, n]` weight in code
+    /// words, dequantized as it is loaded.
+    #[allow(clippy::too_many_arguments)]
+    fn dequant_matmul(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        steps: FloatTensor<Self>,
+        offsets: FloatTensor<Self>,
+        quantizer: Quantizer,
+        k: usize,
+        n: usize,
+    ) -> FloatTensor<Self>;
+
     /// Error-feedback 1-bit compression: (sign words, scale `[1]`, new error).
     fn onebit_compress(
         x: FloatTensor<Self>,
@@ -190,6 +203,31 @@ mod flex {
             FlexTensor::from_data(TensorData::new(q.dequantize(), [len]))
         }
 
+        fn dequant_matmul(
+            x: FlexTensor,
+            codes: FlexTensor,
+            steps: FlexTensor,
+            offsets: FlexTensor,
+            quantizer: Quantizer,
+            k: usize,
+            n: usize,
+        ) -> FlexTensor {
+            let (x, codes) = (contiguous(x), contiguous(codes));
+            let (steps, offsets) = (contiguous(steps), contiguous(offsets));
+            let w = host_quantized(
+                quantizer,
+                k * n,
+                codes.storage::<u32>(),
+                steps.storage::<f32>(),
+                offsets.storage::<f32>(),
+            );
+            let m = x.layout().num_elements() / k.max(1);
+            let mut out = vec![0.0f32; m * n];
+            crate::qmatmul::dequant_matmul(x.storage::<f32>(), m, &w, k, n, &mut out)
+                .unwrap_or_else(|e| panic!("{e} (after the tensor checks; a bug in this crate)"));
+            FlexTensor::from_data(TensorData::new(out, [m, n]))
+        }
+
         fn onebit_compress(
             x: FlexTensor,
             error: FlexTensor,
@@ -247,7 +285,7 @@ mod cube {
     use burn_cubecl::tensor::CubeTensor;
 
     use super::*;
-    use crate::cube::{adam, lamb, quantize, sign};
+    use crate::cube::{adam, lamb, qmatmul, quantize, sign};
 
     /// Contiguous and owned alone, so that a kernel may write it in place.
     fn owned(t: CubeTensor) -> CubeTensor {
@@ -360,6 +398,34 @@ mod cube {
             ));
             let out = q.dequantize(&codes.client);
             new_like(&codes, out, len, DType::F32)
+        }
+
+        fn dequant_matmul(
+            x: CubeTensor,
+            codes: CubeTensor,
+            steps: CubeTensor,
+            offsets: CubeTensor,
+            quantizer: Quantizer,
+            k: usize,
+            n: usize,
+        ) -> CubeTensor {
+            let x = into_contiguous(x);
+            let w = checked(quantize::DeviceQuantized::from_parts(
+                quantizer,
+                k * n,
+                into_contiguous(codes).handle,
+                into_contiguous(steps).handle,
+                into_contiguous(offsets).handle,
+            ));
+            let m = len(&x) / k.max(1);
+            let out = checked(qmatmul::dequant_matmul(&x.client, &x.handle, m, &w, k, n));
+            CubeTensor::new_contiguous(
+                x.client.clone(),
+                x.device.clone(),
+                [m, n].into(),
+                out,
+                DType::F32,
+            )
         }
 
         fn onebit_compress(
@@ -476,6 +542,27 @@ impl<B: Backend + FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
             Self::inner(offsets),
             quantizer,
             len,
+        ))
+    }
+
+    /// Inference: the product is a constant of the graph (no gradient flows to `x`).
+    fn dequant_matmul(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        steps: FloatTensor<Self>,
+        offsets: FloatTensor<Self>,
+        quantizer: Quantizer,
+        k: usize,
+        n: usize,
+    ) -> FloatTensor<Self> {
+        Self::from_inner(B::dequant_matmul(
+            Self::inner(x),
+            codes,
+            Self::inner(steps),
+            Self::inner(offsets),
+            quantizer,
+            k,
+            n,
         ))
     }
 
@@ -657,12 +744,9 @@ pub fn quantize_groups(
 }
 
 impl QuantizedTensor {
-    /// The dequantized values.
-    ///
-    /// # Errors
-    /// [`KernelError::Arguments`] when the fields do not fit together: fewer code words than
-    /// `len` values need, or fewer steps or offsets than groups.
-    pub fn dequantize(&self) -> Result<Tensor<1>, KernelError> {
+    /// Refuses fields that do not fit together: fewer code words than `len` values need,
+    /// fewer steps or offsets than groups, or other dtypes than u32 words and f32.
+    fn check_buffers(&self, op: &'static str) -> Result<(), KernelError> {
         let groups = self.len.div_ceil(self.quantizer.group());
         let words = self.quantizer.bits().words_for(self.len);
         let (have_codes, have_steps, have_offsets) = (
@@ -672,7 +756,7 @@ impl QuantizedTensor {
         );
         check(
             have_codes >= words && have_steps >= groups && have_offsets >= groups,
-            "dequantize",
+            op,
             || {
                 format!(
                     "{} values need {words} code words and {groups} steps and offsets; got \
@@ -685,9 +769,19 @@ impl QuantizedTensor {
             self.codes.dtype() == DType::U32
                 && self.steps.dtype() == DType::F32
                 && self.offsets.dtype() == DType::F32,
-            "dequantize",
+            op,
             || "codes must be u32 words, steps and offsets f32".into(),
         )?;
+        Ok(())
+    }
+
+    /// The dequantized values.
+    ///
+    /// # Errors
+    /// [`KernelError::Arguments`] when the fields do not fit together: fewer code words than
+    /// `len` values need, or fewer steps or offsets than groups.
+    pub fn dequantize(&self) -> Result<Tensor<1>, KernelError> {
+        self.check_buffers("dequantize")?;
         Ok(Tensor::from_dispatch(
             <Dispatch as FusedOps>::dequantize_groups(
                 self.codes.clone().into_dispatch(),
@@ -695,6 +789,44 @@ impl QuantizedTensor {
                 self.offsets.clone().into_dispatch(),
                 self.quantizer,
                 self.len,
+            ),
+        ))
+    }
+}
+
+impl QuantizedTensor {
+    /// `x · W` (`[m, n]`) for an f32 `x` `[m, k]` and this tensor as the row-major `[k, n]`
+    /// weight, dequantized as it is loaded: the CPU's blocked kernel on Flex, the CubeCL
+    /// kernel on wgpu and CUDA ([`crate::cube::qmatmul`]); the weight is never whole in f32.
+    /// For inference: under autodiff no gradient flows.
+    ///
+    /// # Errors
+    /// [`KernelError::Arguments`] when `x` is not f32, `k · n` is not this tensor's length,
+    /// or the buffers are short (as [`dequantize`](Self::dequantize)).
+    pub fn matmul(&self, x: Tensor<2>, n: usize) -> Result<Tensor<2>, KernelError> {
+        let [_, k] = x.dims();
+        check(
+            x.dtype() == DType::F32 && k * n == self.len,
+            "dequant_matmul",
+            || {
+                format!(
+                    "x must be f32 [m, k] with k · {n} = {} values; got {:?} {:?}",
+                    self.len,
+                    x.dtype(),
+                    x.dims()
+                )
+            },
+        )?;
+        self.check_buffers("dequant_matmul")?;
+        Ok(Tensor::from_dispatch(
+            <Dispatch as FusedOps>::dequant_matmul(
+                x.into_dispatch(),
+                self.codes.clone().into_dispatch(),
+                self.steps.clone().into_dispatch(),
+                self.offsets.clone().into_dispatch(),
+                self.quantizer,
+                k,
+                n,
             ),
         ))
     }

@@ -130,6 +130,44 @@ fn quantize_on(device: &Device) {
     }
 }
 
+/// The fused dequantize-matmul through the extension: the product of the tensors'
+/// quantized weight against the CPU path's on the same codes, within 1e-5 of its largest
+/// value; a wrong inner size and a non-f32 `x` are refused.
+fn qmatmul_on(device: &Device) {
+    use burn_deepspeed_cubecl_kernels::qmatmul::dequant_matmul;
+    let (m, k, n) = (5, 96, 320);
+    let w: Vec<f32> = uniform(k * n, 3).iter().map(|v| v * 0.2).collect();
+    let x = uniform(m * k, 4);
+    for bits in [Bits::Int8, Bits::Int4] {
+        let q = Quantizer::new(bits, Scheme::Asymmetric, 64).expect("valid");
+        let t = Tensor::<1>::from_data(TensorData::new(w.clone(), [k * n]), device);
+        let dq = quantize_groups(t, &q).expect("f32");
+        let xt = Tensor::<2>::from_data(TensorData::new(x.clone(), [m, k]), device);
+        let y = dq.matmul(xt.clone(), n).expect("shapes");
+        assert_eq!(y.dims(), [m, n]);
+        let y = floats(y.reshape([m * n]));
+        let cpu = burn_deepspeed_cubecl_kernels::quantize::Quantized {
+            quantizer: q,
+            len: k * n,
+            codes: bytes(&words(dq.codes.clone()), bits.bytes_for(k * n)),
+            steps: floats(dq.steps.clone()),
+            offsets: floats(dq.offsets.clone()),
+        };
+        let mut want = vec![0.0f32; m * n];
+        dequant_matmul(&x, m, &cpu, k, n, &mut want).expect("shapes");
+        let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        for (a, b) in y.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-5 * scale, "{bits:?}: {a} vs {b}");
+        }
+        let e = dq
+            .matmul(xt.clone(), n + 1)
+            .expect_err("k · (n + 1) values");
+        assert!(e.to_string().contains("dequant_matmul"), "{e}");
+        let e = dq.matmul(xt.cast(DType::F16), n).expect_err("f16 x");
+        assert!(e.to_string().contains("must be f32"), "{e}");
+    }
+}
+
 fn onebit_on(device: &Device) {
     let x = uniform(N, 7);
     let e0: Vec<f32> = uniform(N, 8).iter().map(|v| v * 0.1).collect();
@@ -171,6 +209,7 @@ fn all_ops_on(device: &Device, dtypes: &[DType]) {
     }
     lamb_on(device);
     quantize_on(device);
+    qmatmul_on(device);
     onebit_on(device);
 }
 

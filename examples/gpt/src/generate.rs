@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::data::dataloader::batcher::Batcher;
+use burn::module::Module;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use burn_deepspeed::comm::Communicator;
@@ -284,9 +285,14 @@ pub fn heldout(
             .map_err(|e| DeepSpeedError::Data(format!("held-out logits: {e}")))
     };
     let (mut sum, mut kl, mut tokens) = (0.0f64, 0.0f64, 0usize);
+    let device = model
+        .devices()
+        .into_iter()
+        .next()
+        .unwrap_or_else(Device::flex);
     for chunk in windows.chunks(8) {
         let batch = WindowBatcher
-            .batch(chunk.to_vec(), &Device::flex())
+            .batch(chunk.to_vec(), &device)
             .with_vocab_group(group.clone());
         let logits = model.forward(batch.inputs.clone());
         let n = chunk.len() * seq_len;

@@ -12,10 +12,13 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
+use burn_deepspeed_cubecl_kernels::ext::QuantizedTensor;
 use burn_deepspeed_cubecl_kernels::qmatmul::dequant_matmul;
 pub use burn_deepspeed_cubecl_kernels::quantize::{Bits, Scheme};
 use burn_deepspeed_cubecl_kernels::quantize::{Quantized, Quantizer};
+use burn_deepspeed_cubecl_kernels::words::to_words;
+use burn_deepspeed_strategies::device::host_resident;
 
 use crate::{DeepSpeedError, Result};
 
@@ -172,18 +175,29 @@ impl WeightQuantization {
     }
 }
 
-/// A `[rows, cols]` matrix stored quantized, group-wise along its rows.
+/// A `[rows, cols]` matrix stored quantized, group-wise along its rows: in host memory, or
+/// (after [`on`](Self::on) a wgpu or CUDA device) as tensors of that device.
 #[derive(Debug, Clone)]
 pub struct QuantizedMatrix {
-    values: Arc<Quantized>,
+    values: Codes,
     rows: usize,
     cols: usize,
     /// The weight's dtype: rows looked up come back in it.
     dtype: DType,
 }
 
+/// Where a [`QuantizedMatrix`]'s codes, steps and offsets live.
+#[derive(Debug, Clone)]
+enum Codes {
+    /// Host memory: the CPU's fused dequantize-matmul reads them.
+    Host(Arc<Quantized>),
+    /// A device's tensors (u32 code words, f32 steps and offsets): the CubeCL kernel
+    /// dequantizes them as it loads them.
+    Device(Arc<QuantizedTensor>),
+}
+
 impl QuantizedMatrix {
-    /// `weight` quantized under `how`.
+    /// `weight` quantized under `how` (in host memory: see [`on`](Self::on)).
     ///
     /// # Errors
     /// When no group fits a row (see [`WeightQuantization::group`]).
@@ -192,7 +206,7 @@ impl QuantizedMatrix {
         let quantizer = how.quantizer_for(rows, cols)?;
         let values = host_f32(weight.clone());
         Ok(Self {
-            values: Arc::new(quantizer.quantize(&values)),
+            values: Codes::Host(Arc::new(quantizer.quantize(&values))),
             rows,
             cols,
             dtype: weight.dtype(),
@@ -204,24 +218,77 @@ impl QuantizedMatrix {
         [self.rows, self.cols]
     }
 
-    /// The quantizer that holds the values (its group is the one the rows took).
-    pub fn quantizer(&self) -> Quantizer {
-        self.values.quantizer
+    /// The matrix with its codes on `device` when that is not host memory (wgpu, CUDA), so
+    /// that [`matmul`](Self::matmul) runs the CubeCL kernel there (the weight dequantized as
+    /// it is loaded) and the host copy is dropped; unchanged on Flex. For a layer's weight:
+    /// an embedding table keeps its host codes ([`rows`](Self::rows) reads a few of them).
+    pub fn on(self, device: &Device) -> Self {
+        let Codes::Host(host) = &self.values else {
+            return self;
+        };
+        if host_resident(device) {
+            return self;
+        }
+        let q = &**host;
+        let groups = q.steps.len();
+        let offsets = match q.offsets.is_empty() {
+            true => vec![0.0; groups],
+            false => q.offsets.clone(),
+        };
+        let floats = |v: Vec<f32>| Tensor::<1>::from_data(TensorData::new(v, [groups]), device);
+        let words = to_words(&q.codes);
+        let n = words.len();
+        let codes = Tensor::<1, Int>::from_data(TensorData::new(words, [n]), (device, DType::U32));
+        let values = Codes::Device(Arc::new(QuantizedTensor {
+            quantizer: q.quantizer,
+            len: q.len,
+            codes,
+            steps: floats(q.steps.clone()),
+            offsets: floats(offsets),
+        }));
+        Self { values, ..self }
     }
 
-    /// Bytes held: the codes, and each group's step and offset.
+    /// The quantizer that holds the values (its group is the one the rows took).
+    pub fn quantizer(&self) -> Quantizer {
+        match &self.values {
+            Codes::Host(q) => q.quantizer,
+            Codes::Device(q) => q.quantizer,
+        }
+    }
+
+    /// Bytes held: the codes, and each group's step and offset (on a device, the offsets of
+    /// a symmetric matrix too: zeros, which the kernel adds).
     pub fn bytes(&self) -> u64 {
-        self.values.bytes() as u64
+        match &self.values {
+            Codes::Host(q) => q.bytes() as u64,
+            Codes::Device(q) => {
+                let n = |t: usize| t as u64 * 4;
+                n(q.codes.shape().num_elements())
+                    + n(q.steps.shape().num_elements())
+                    + n(q.offsets.shape().num_elements())
+            }
+        }
     }
 
     /// The matrix in f32 (for checks: inference never makes it).
-    pub fn dequantize(&self, device: &burn::tensor::Device) -> Tensor<2> {
-        let data = TensorData::new(self.values.dequantize(), [self.rows, self.cols]);
-        Tensor::from_data(data, device)
+    pub fn dequantize(&self, device: &Device) -> Tensor<2> {
+        match &self.values {
+            Codes::Host(q) => {
+                let data = TensorData::new(q.dequantize(), [self.rows, self.cols]);
+                Tensor::from_data(data, device)
+            }
+            Codes::Device(q) => q
+                .dequantize()
+                .expect("the tensors were built together")
+                .reshape([self.rows, self.cols])
+                .to_device(device),
+        }
     }
 
-    /// `x · W` for `x` `[..., rows]`: `[..., cols]`, by the fused dequantize-matmul (on the
-    /// host; `x` keeps its device and dtype).
+    /// `x · W` for `x` `[..., rows]`: `[..., cols]`, by the fused dequantize-matmul: the
+    /// CPU's for host codes, the CubeCL kernel on the device's for codes [`on`](Self::on) a
+    /// device; `x` keeps its device and dtype.
     ///
     /// # Panics
     /// When `x`'s last dimension is not the matrix's rows.
@@ -237,22 +304,43 @@ impl QuantizedMatrix {
         );
         let (device, dtype) = (x.device(), x.dtype());
         let m = dims[..D - 1].iter().product();
+        let host = match &self.values {
+            Codes::Host(q) => q,
+            Codes::Device(q) => {
+                let x2 = x.reshape([m, self.rows]).cast(FloatDType::F32);
+                dims[D - 1] = self.cols;
+                return q
+                    .matmul(x2, self.cols)
+                    .expect("the shapes were checked")
+                    .reshape(dims)
+                    .cast(dtype);
+            }
+        };
         let xs = host_f32(x);
         let mut out = vec![0.0f32; m * self.cols];
-        dequant_matmul(&xs, m, &self.values, self.rows, self.cols, &mut out)
+        dequant_matmul(&xs, m, host, self.rows, self.cols, &mut out)
             .expect("the shapes were checked");
         dims[D - 1] = self.cols;
         Tensor::<D>::from_data(TensorData::new(out, dims), &device).cast(dtype)
     }
 
     /// The rows `ids` `[batch, t]` name, dequantized: `[batch, t, cols]` (an embedding
-    /// lookup), in the weight's dtype on `ids`' device.
+    /// lookup), in the weight's dtype on `ids`' device. Host codes dequantize only those rows;
+    /// codes on a device dequantize the whole matrix first (keep tables on the host).
     ///
     /// # Panics
     /// When an id is not a row.
     pub fn rows(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         let [b, t] = ids.dims();
         let device = ids.device();
+        let host = match &self.values {
+            Codes::Host(q) => q,
+            Codes::Device(_) => {
+                let flat = ids.reshape([b * t]);
+                let rows = self.dequantize(&device).select(0, flat);
+                return rows.reshape([b, t, self.cols]).cast(self.dtype);
+            }
+        };
         let ids = ids
             .into_data()
             .convert::<i64>()
@@ -264,7 +352,7 @@ impl QuantizedMatrix {
                 .ok()
                 .filter(|&i| i < self.rows)
                 .unwrap_or_else(|| panic!("id {id} of a table of {} rows", self.rows));
-            self.values.dequantize_range_into(id * self.cols, row);
+            host.dequantize_range_into(id * self.cols, row);
         }
         Tensor::<3>::from_data(TensorData::new(out, [b, t, self.cols]), &device).cast(self.dtype)
     }
@@ -314,6 +402,40 @@ mod tests {
             assert!(max_rel(&y, &via) < 1e-5, "{how:?}: {}", max_rel(&y, &via));
             let err = max_rel(&y, &exact);
             assert!(err < bound && err > 0.0, "{how:?}: {err}");
+        }
+    }
+
+    /// On wgpu the codes move to the device and the CubeCL kernel multiplies: the product
+    /// equals the host path's on the same codes within 1e-5, the bytes are the device's
+    /// (symmetric INT8's zero offsets included), and a table on the device still looks up.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn codes_on_a_wgpu_device_multiply_there_like_the_host_path() {
+        let flex = Device::flex();
+        let wgpu = Device::from(burn::backend::wgpu::WgpuDevice::default());
+        let w = Tensor::<2>::random([96, 192], Distribution::Normal(0.0, 0.05), &flex);
+        let x = Tensor::<3>::random([2, 3, 96], Distribution::Default, &flex);
+        for how in [WeightQuantization::int8(), WeightQuantization::int4()] {
+            let host = QuantizedMatrix::quantize(&w, &how).expect("quantizes");
+            let on = QuantizedMatrix::quantize(&w.clone().to_device(&wgpu), &how)
+                .expect("quantizes")
+                .on(&wgpu);
+            assert!(matches!(on.values, Codes::Device(_)), "{how:?}: moved");
+            assert!(matches!(host.clone().on(&flex).values, Codes::Host(_)));
+            let y = on.matmul(x.clone().to_device(&wgpu));
+            assert_eq!(y.device(), wgpu);
+            let err = max_rel(&y.to_device(&flex), &host.matmul(x.clone()));
+            assert!(err < 1e-5, "{how:?}: {err}");
+            let groups = (96 * 192usize).div_ceil(host.quantizer().group()) as u64;
+            let codes = (96 * 192 / if how.bits == Bits::Int8 { 1 } else { 2 }) as u64;
+            assert_eq!(on.bytes(), codes + 8 * groups, "{how:?}");
+            let ids = Tensor::<2, Int>::from_data([[3, 0], [95, 7]], &wgpu);
+            let rows = on.rows(ids.clone());
+            let want = host.rows(ids.to_device(&flex));
+            assert!(
+                max_rel(&rows.to_device(&flex), &want) < 1e-6,
+                "{how:?}: rows"
+            );
         }
     }
 

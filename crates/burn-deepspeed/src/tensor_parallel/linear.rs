@@ -182,7 +182,10 @@ fn quantize_weight(
             "the layer's weight is quantized already".into(),
         ));
     }
-    QuantizedMatrix::quantize(&weight.val(), how)
+    // On a wgpu or CUDA device the codes move there: the layer multiplies by the CubeCL
+    // kernel, which dequantizes the weight as it loads it.
+    let weight = weight.val();
+    Ok(QuantizedMatrix::quantize(&weight, how)?.on(&weight.device()))
 }
 
 /// A linear layer whose input features are cut across the tensor-parallel group (the

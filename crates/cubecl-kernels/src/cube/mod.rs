@@ -10,6 +10,7 @@ pub mod adam;
 pub mod copy;
 mod grid;
 pub mod lamb;
+pub mod qmatmul;
 pub mod quantize;
 mod reduce;
 pub mod sign;

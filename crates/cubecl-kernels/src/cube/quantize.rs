@@ -65,7 +65,7 @@ fn group_range_kernel(
 
 /// Where code `k` of a word sits: int8 in byte `k`; int4 in byte `k/2`, even `k` high.
 #[cube]
-fn code_shift(k: u32, #[comptime] int4: bool) -> u32 {
+pub(super) fn code_shift(k: u32, #[comptime] int4: bool) -> u32 {
     if int4 {
         8 * (k / 2) + 4 * (1 - k % 2)
     } else {
@@ -118,20 +118,33 @@ fn dequantize_kernel(
 ) {
     let i = ABSOLUTE_POS;
     if i < out.len() {
-        let per = comptime!(if int4 { 8usize } else { 4usize });
-        let bits = comptime!(if int4 { 4u32 } else { 8u32 });
-        let mask = comptime!(if int4 { 0xfu32 } else { 0xffu32 });
-        let raw = (codes[i / per] >> code_shift((i % per) as u32, int4)) & mask;
-        // Two's complement of `bits` bits.
-        let half = 1u32 << (bits - 1);
-        let code = select(
-            raw >= half,
-            f32::cast_from(raw) - f32::cast_from(2 * half),
-            f32::cast_from(raw),
-        );
-        let g = i / group;
-        out[i] = code * steps[g] + offsets[g];
+        out[i] = dequantize_one(codes, steps, offsets, i, group, int4);
     }
+}
+
+/// Value `i` of the quantized buffers: its code (two's complement of 8 or 4 bits, read from
+/// its word) times its group's step, plus the group's offset.
+#[cube]
+pub(super) fn dequantize_one(
+    codes: &[u32],
+    steps: &[f32],
+    offsets: &[f32],
+    i: usize,
+    group: usize,
+    #[comptime] int4: bool,
+) -> f32 {
+    let per = comptime!(if int4 { 8usize } else { 4usize });
+    let bits = comptime!(if int4 { 4u32 } else { 8u32 });
+    let mask = comptime!(if int4 { 0xfu32 } else { 0xffu32 });
+    let raw = (codes[i / per] >> code_shift((i % per) as u32, int4)) & mask;
+    let half = 1u32 << (bits - 1);
+    let code = select(
+        raw >= half,
+        f32::cast_from(raw) - f32::cast_from(2 * half),
+        f32::cast_from(raw),
+    );
+    let g = i / group;
+    code * steps[g] + offsets[g]
 }
 
 /// Quantized values on a device: the codes (in 32-bit words) and each group's step and
@@ -256,6 +269,11 @@ impl DeviceQuantized {
     /// Whether there are no values.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The buffers, borrowed: codes, steps and offsets.
+    pub(super) fn buffers(&self) -> (&Handle, &Handle, &Handle) {
+        (&self.codes, &self.steps, &self.offsets)
     }
 
     /// The buffers: codes (u32 words), per-group steps (`1/scale`) and offsets (f32).

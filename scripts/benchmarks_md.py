@@ -348,6 +348,25 @@ def kernels(path, cores):
         f"{k['burn_adamw_ms']:.1f} ms in Burn.",
         "",
     ]
+    if k.get("qmatmul"):
+        lines += [
+            "### The fused dequantize-matmul",
+            "",
+            "`y = x · W` for a weight quantized group-wise (asymmetric, groups of 64; "
+            "`qmatmul::dequant_matmul`, never whole in f32) against Burn's f32 matmul on Flex "
+            "(`x.matmul(w)`) on the same shapes. The three run in turn within each repetition, "
+            "so each finds its weight out of cache as a model's layers do; medians.",
+            "",
+            "| shape | Burn f32 (ms) | int8 (ms) | int8 speed vs Burn | int4 (ms) | int4 speed vs Burn |",
+            "|---|---|---|---|---|---|",
+        ]
+        for q in k["qmatmul"]:
+            lines.append(
+                f"| [{q['m']}, {q['k']}] x [{q['k']}, {q['n']}] | {q['burn_f32_ms']:.3f} "
+                f"| {q['int8_ms']:.3f} | {q['int8_over_burn']:.2f}x "
+                f"| {q['int4_ms']:.3f} | {q['int4_over_burn']:.2f}x |"
+            )
+        lines.append("")
     if "device" in k:
         lines += [
             f"### CubeCL kernels on {k['device']}",

@@ -18,6 +18,7 @@ mod error;
 pub mod grid;
 pub mod inference;
 pub mod launch;
+pub mod moe;
 pub mod moq;
 pub mod pipe;
 pub mod precision;

@@ -160,13 +160,8 @@ fn finish(gates: Tensor<2>, combine_weights: Tensor<3>, routing: Routing) -> Gat
 mod tests {
     use burn::tensor::Device;
 
+    use super::super::routing::tests::DROP;
     use super::*;
-
-    const DROP: RouteOptions = RouteOptions {
-        capacity_factor: 1.0,
-        min_capacity: 0,
-        drop_tokens: true,
-    };
 
     fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
         t.into_data()
@@ -212,7 +207,11 @@ mod tests {
         for (a, b) in c.iter().zip(&want) {
             assert!((*a as f64 - b).abs() < 1e-6, "{c:?} vs {want:?}");
         }
-        let mask = g.dispatch_mask.into_data().try_to_vec::<bool>().expect("bools");
+        let mask = g
+            .dispatch_mask
+            .into_data()
+            .try_to_vec::<bool>()
+            .expect("bools");
         assert_eq!(mask, want.iter().map(|&w| w != 0.0).collect::<Vec<_>>());
         let mean = |e: usize| (0..5).map(|s| p[s * 2 + e]).sum::<f64>() / 5.0;
         let l_aux = 2.0 * (mean(0) * 0.8 + mean(1) * 0.2);

@@ -191,10 +191,11 @@ fn share(choice: &[usize], experts: usize) -> Vec<f64> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    const DROP: RouteOptions = RouteOptions {
+    /// Capacity factor 1, no minimum, drops on.
+    pub(in crate::moe) const DROP: RouteOptions = RouteOptions {
         capacity_factor: 1.0,
         min_capacity: 0,
         drop_tokens: true,

@@ -138,9 +138,9 @@ impl ColumnParallelLinear {
     /// # Errors
     /// When no group fits the weight's rows, or the layer is quantized already.
     pub fn quantized(&self, how: &WeightQuantization) -> Result<Self> {
-        let quantized = quantize_weight(&self.weight, self.quantized.is_some(), how)?;
+        let (weight, quantized) = quantize_weight(&self.weight, self.quantized.is_some(), how)?;
         Ok(Self {
-            weight: Param::from_tensor(Tensor::empty([0, 0], &self.weight.device())),
+            weight,
             bias: self.bias.clone(),
             tp: self.tp.clone(),
             sections: self.sections,
@@ -171,12 +171,13 @@ fn with_bias<const D: usize>(y: Tensor<D>, bias: Option<Tensor<1>>) -> Tensor<D>
     }
 }
 
-/// `weight` quantized under `how`, refused when its layer is quantized already.
+/// `weight` quantized under `how`, refused when its layer is quantized already: the emptied
+/// weight (`[0, 0]`) that replaces it, and the codes.
 fn quantize_weight(
     weight: &Param<Tensor<2>>,
     already: bool,
     how: &WeightQuantization,
-) -> Result<QuantizedMatrix> {
+) -> Result<(Param<Tensor<2>>, QuantizedMatrix)> {
     if already {
         return Err(DeepSpeedError::Data(
             "the layer's weight is quantized already".into(),
@@ -185,7 +186,9 @@ fn quantize_weight(
     // On a wgpu or CUDA device the codes move there: the layer multiplies by the CubeCL
     // kernel, which dequantizes the weight as it loads it.
     let weight = weight.val();
-    Ok(QuantizedMatrix::quantize(&weight, how)?.on(&weight.device()))
+    let device = weight.device();
+    let codes = QuantizedMatrix::quantize(&weight, how)?.on(&device);
+    Ok((Param::from_tensor(Tensor::empty([0, 0], &device)), codes))
 }
 
 /// A linear layer whose input features are cut across the tensor-parallel group (the
@@ -248,9 +251,9 @@ impl RowParallelLinear {
     /// # Errors
     /// When no group fits the weight's rows, or the layer is quantized already.
     pub fn quantized(&self, how: &WeightQuantization) -> Result<Self> {
-        let quantized = quantize_weight(&self.weight, self.quantized.is_some(), how)?;
+        let (weight, quantized) = quantize_weight(&self.weight, self.quantized.is_some(), how)?;
         Ok(Self {
-            weight: Param::from_tensor(Tensor::empty([0, 0], &self.weight.device())),
+            weight,
             bias: self.bias.clone(),
             tp: self.tp.clone(),
             quantized: Some(quantized),

@@ -22,6 +22,15 @@ pub enum Sampling {
     },
 }
 
+/// Uniform in [0, 1) from the SplitMix64 generator of state `state` (advanced by one draw).
+pub(crate) fn splitmix_uniform(state: &mut u64) -> f64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+}
+
 /// A [`Sampling`] with its random state: the draws of one generation.
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -41,11 +50,7 @@ impl Sampler {
 
     /// Uniform in [0, 1) (SplitMix64).
     pub(crate) fn uniform(&mut self) -> f64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+        splitmix_uniform(&mut self.state)
     }
 
     /// The next token of a row of `logits` over the whole vocabulary.

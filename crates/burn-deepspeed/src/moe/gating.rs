@@ -53,6 +53,17 @@ pub fn top1_gating(
     use_rts: bool,
     uniform: &mut dyn FnMut() -> f32,
 ) -> Gating {
+    top1_choices(logits, options, rsample, use_rts, uniform).dense()
+}
+
+/// [`top1_gating`] as each choice's weights (the layer's sparse form).
+pub(crate) fn top1_choices(
+    logits: Tensor<2>,
+    options: &RouteOptions,
+    rsample: bool,
+    use_rts: bool,
+    uniform: &mut dyn FnMut() -> f32,
+) -> Choices {
     let [tokens, experts] = logits.dims();
     let device = logits.device();
     let gates = softmax(logits.clone(), 1);
@@ -71,10 +82,13 @@ pub fn top1_gating(
         priority.as_deref(),
         options,
     );
-    let (mask, slots) = choice_tensors(&routing, 0, &device);
-    let weights = (gates.clone() * mask).unsqueeze_dim::<3>(2);
-    let combine_weights = weights * slots.unsqueeze_dim(1);
-    finish(gates, combine_weights, routing)
+    let mask = choice_mask(&routing, 0, &device);
+    let weight = (gates.clone() * mask).sum_dim(1);
+    Choices {
+        gates,
+        weights: vec![weight],
+        routing,
+    }
 }
 
 /// DeepSpeed's `top2gating`: each token to its most probable expert and to a second one
@@ -88,6 +102,16 @@ pub fn top2_gating(
     second_sampling: bool,
     uniform: &mut dyn FnMut() -> f32,
 ) -> Gating {
+    top2_choices(logits, options, second_sampling, uniform).dense()
+}
+
+/// [`top2_gating`] as each choice's weights (the layer's sparse form).
+pub(crate) fn top2_choices(
+    logits: Tensor<2>,
+    options: &RouteOptions,
+    second_sampling: bool,
+    uniform: &mut dyn FnMut() -> f32,
+) -> Choices {
     let [_, experts] = logits.dims();
     let device = logits.device();
     let gates = softmax(logits.clone(), 1);
@@ -99,61 +123,93 @@ pub fn top2_gating(
         }
     }
     let routing = routing::top2(&gates_host, experts, &second, options);
-    let (m1, l1) = choice_tensors(&routing, 0, &device);
-    let (m2, l2) = choice_tensors(&routing, 1, &device);
-    let g1 = (gates.clone() * m1.clone()).sum_dim(1);
-    let g2 = (gates.clone() * m2.clone()).sum_dim(1);
+    let g1 = (gates.clone() * choice_mask(&routing, 0, &device)).sum_dim(1);
+    let g2 = (gates.clone() * choice_mask(&routing, 1, &device)).sum_dim(1);
     let denom = (g1.clone() + g2.clone()).clamp_min(f32::EPSILON);
-    let part = |g: Tensor<2>, m: Tensor<2>, l: Tensor<2>| {
-        let w = (g / denom.clone()) * m;
-        w.unsqueeze_dim::<3>(2) * l.unsqueeze_dim(1)
-    };
-    let combine_weights = part(g1, m1, l1) + part(g2, m2, l2);
-    finish(gates, combine_weights, routing)
-}
-
-/// Choice `k`'s kept experts `[tokens, experts]` and slots `[tokens, capacity]` as one-hot
-/// f32 constants on `device` (rows of dropped tokens all zero).
-fn choice_tensors(
-    routing: &Routing,
-    k: usize,
-    device: &burn::tensor::Device,
-) -> (Tensor<2>, Tensor<2>) {
-    let slots = &routing.slots[k];
-    let (tokens, experts, capacity) = (slots.len(), routing.experts, routing.capacity);
-    let mut mask = vec![0.0f32; tokens * experts];
-    let mut slot = vec![0.0f32; tokens * capacity];
-    for (s, choice) in slots.iter().enumerate() {
-        if let Some((e, c)) = *choice {
-            mask[s * experts + e] = 1.0;
-            slot[s * capacity + c] = 1.0;
-        }
-    }
-    (
-        Tensor::from_data(TensorData::new(mask, [tokens, experts]), device),
-        Tensor::from_data(TensorData::new(slot, [tokens, capacity]), device),
-    )
-}
-
-/// `l_aux` and the dispatch mask beside the combine weights.
-fn finish(gates: Tensor<2>, combine_weights: Tensor<3>, routing: Routing) -> Gating {
-    let experts = routing.experts;
-    let device = gates.device();
-    let share = Tensor::<2>::from_data(
-        TensorData::new(
-            routing.first_share.iter().map(|&v| v as f32).collect(),
-            [1, experts],
-        ),
-        &device,
-    );
-    let l_aux = (gates.mean_dim(0) * share).sum().mul_scalar(experts as f64);
-    let dispatch_mask = combine_weights.clone().not_equal_elem(0.0);
-    Gating {
-        l_aux,
-        combine_weights,
-        dispatch_mask,
+    Choices {
+        gates,
+        weights: vec![g1 / denom.clone(), g2 / denom],
         routing,
     }
+}
+
+/// A gate's decision in the sparse form an MoE layer dispatches with: per choice, each
+/// token's weight `[tokens, 1]` (zero where the choice was dropped) beside the routing.
+pub(crate) struct Choices {
+    /// The gate's probabilities `[tokens, experts]`.
+    gates: Tensor<2>,
+    /// Per choice, `[tokens, 1]`: the weight of the token's output from that expert.
+    pub(crate) weights: Vec<Tensor<2>>,
+    /// The decisions.
+    pub(crate) routing: Routing,
+}
+
+impl Choices {
+    /// DeepSpeed's load-balancing loss `[1]`.
+    pub(crate) fn l_aux(&self) -> Tensor<1> {
+        let experts = self.routing.experts;
+        let share = Tensor::<2>::from_data(
+            TensorData::new(
+                self.routing.first_share.iter().map(|&v| v as f32).collect(),
+                [1, experts],
+            ),
+            &self.gates.device(),
+        );
+        (self.gates.clone().mean_dim(0) * share)
+            .sum()
+            .mul_scalar(experts as f64)
+    }
+
+    /// The dense form DeepSpeed returns: the combine weights `[tokens, experts, capacity]`
+    /// (each choice's weight at its expert and slot) and the dispatch mask.
+    fn dense(self) -> Gating {
+        let device = self.gates.device();
+        let l_aux = self.l_aux();
+        let combine_weights = (self.weights.iter().enumerate())
+            .map(|(k, w)| {
+                let mask = choice_mask(&self.routing, k, &device);
+                let slots = choice_slots(&self.routing, k, &device);
+                (w.clone() * mask).unsqueeze_dim::<3>(2) * slots.unsqueeze_dim(1)
+            })
+            .reduce(|a, b| a + b)
+            .expect("a gate makes at least one choice");
+        let dispatch_mask = combine_weights.clone().not_equal_elem(0.0);
+        Gating {
+            l_aux,
+            combine_weights,
+            dispatch_mask,
+            routing: self.routing,
+        }
+    }
+}
+
+/// Choice `k`'s one-hot rows `[tokens, width]` (all zero for a dropped token), `at` giving
+/// the hot column of a kept `(expert, slot)`.
+fn one_hot_rows(
+    routing: &Routing,
+    k: usize,
+    width: usize,
+    at: impl Fn((usize, usize)) -> usize,
+    device: &burn::tensor::Device,
+) -> Tensor<2> {
+    let slots = &routing.slots[k];
+    let mut rows = vec![0.0f32; slots.len() * width];
+    for (s, choice) in slots.iter().enumerate() {
+        if let Some(c) = *choice {
+            rows[s * width + at(c)] = 1.0;
+        }
+    }
+    Tensor::from_data(TensorData::new(rows, [slots.len(), width]), device)
+}
+
+/// Choice `k`'s kept experts `[tokens, experts]`.
+fn choice_mask(routing: &Routing, k: usize, device: &burn::tensor::Device) -> Tensor<2> {
+    one_hot_rows(routing, k, routing.experts, |(e, _)| e, device)
+}
+
+/// Choice `k`'s slots `[tokens, capacity]`.
+fn choice_slots(routing: &Routing, k: usize, device: &burn::tensor::Device) -> Tensor<2> {
+    one_hot_rows(routing, k, routing.capacity, |(_, c)| c, device)
 }
 
 #[cfg(test)]

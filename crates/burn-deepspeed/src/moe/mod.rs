@@ -1,8 +1,16 @@
 //! Mixture of Experts (DeepSpeed-MoE, arXiv 2201.05596): DeepSpeed's gating, as plain-data
-//! routing decisions and as the differentiable combine weights a layer uses.
+//! routing decisions and as the differentiable combine weights a layer uses; the [`MoE`]
+//! layer; and expert parallelism ([`ExpertParallel`]), whose token exchange is an all-to-all
+//! with its own backward.
 
 pub mod gating;
+mod group;
+mod layer;
+mod op;
 pub mod routing;
 
 pub use gating::{Gating, top1_gating, top2_gating};
+pub use group::ExpertParallel;
+pub use layer::*;
+pub use op::ExpertParallelOps;
 pub use routing::{RouteOptions, Routing, capacity};

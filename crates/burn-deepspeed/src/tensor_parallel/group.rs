@@ -26,6 +26,25 @@ impl Group {
     /// `op` of `t` over the group (zeros after a failure, which is kept for
     /// [`TensorParallel::take_error`]; the calls after it do not communicate).
     pub(crate) fn all_reduce(&self, t: Tensor<1>, op: ReduceOp) -> Tensor<1> {
+        self.guarded("all-reduce", t, |c, t| c.all_reduce(t, op))
+    }
+
+    /// `t`'s equal chunks exchanged over the group: chunk `j` goes to rank `j`, and chunk
+    /// `j` of the result came from rank `j` (zeros after a failure, as
+    /// [`all_reduce`](Self::all_reduce)).
+    pub(crate) fn all_to_all(&self, t: Tensor<1>) -> Tensor<1> {
+        self.guarded("all-to-all", t, |c, t| c.all_to_all(t))
+    }
+
+    /// The collective `f` on `t`: `t` itself in a group of one, zeros once a collective of
+    /// the group failed (the failure is kept and the world aborted so that the peers fail at
+    /// once instead of waiting in their next collective).
+    fn guarded(
+        &self,
+        what: &str,
+        t: Tensor<1>,
+        f: impl FnOnce(&dyn DeviceCollectives, Tensor<1>) -> Result<Tensor<1>, CommError>,
+    ) -> Tensor<1> {
         let mut error = self.error.lock().unwrap_or_else(|e| e.into_inner());
         if error.is_some() || self.coll.world_size() == 1 {
             return match error.is_some() {
@@ -35,15 +54,14 @@ impl Group {
         }
         let device = t.device();
         let zeros = t.zeros_like();
-        let _span = tracing::trace_span!("tp_all_reduce", elems = t.dims()[0]).entered();
-        match transfer::staged_collective(self.coll.as_ref(), &device, |c| c.all_reduce(t, op)) {
-            Ok(sum) => sum,
+        let _span = tracing::trace_span!("group_collective", what, elems = t.dims()[0]).entered();
+        match transfer::staged_collective(self.coll.as_ref(), &device, |c| f(c, t)) {
+            Ok(out) => out,
             Err(e) => {
-                // The op cannot return the error: the world is aborted so that the peers
-                // fail at once instead of waiting in their next collective.
+                // The op cannot return the error.
                 if !matches!(e, CommError::PeerFailed { .. }) {
                     self.coll
-                        .abort(&format!("a tensor-parallel all-reduce failed: {e}"));
+                        .abort(&format!("a model-parallel {what} failed: {e}"));
                 }
                 *error = Some(e);
                 zeros
@@ -134,7 +152,7 @@ impl TensorParallel {
 
     /// The group's key for the ops, when it has more than one rank (the ops of a group of
     /// one are the identity, and are not recorded at all).
-    fn key(&self) -> Option<u64> {
+    pub(crate) fn key(&self) -> Option<u64> {
         self.group
             .as_ref()
             .filter(|(_, g)| g.coll.world_size() > 1)

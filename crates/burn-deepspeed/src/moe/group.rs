@@ -1,0 +1,151 @@
+//! [`ExpertParallel`]: one rank's place in DeepSpeed-MoE's expert-parallel layout (arXiv
+//! 2201.05596 §4; DeepSpeed's `_create_expert_and_data_parallel`): the data-parallel ranks
+//! cut into expert-parallel groups of `ep_size` consecutive ranks, each holding
+//! `num_experts / ep_size` experts of every MoE layer, and the expert-data-parallel groups of
+//! the ranks that hold the same experts (one per group, strided).
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use burn::module::ParamId;
+use burn::tensor::{Device, Tensor};
+use burn_deepspeed_strategies::CommError;
+use burn_deepspeed_strategies::comm::Communicator;
+use burn_deepspeed_strategies::device::device_collectives;
+
+use super::op;
+use crate::grid::alone;
+use crate::tensor_parallel::TensorParallel;
+use crate::{DeepSpeedError, Result};
+
+/// The groups of expert parallelism, shared by every MoE layer of a model. Cloning shares
+/// them. [`ExpertParallel::none`] is `ep_size` 1: every rank holds every expert and its
+/// tokens never leave it.
+#[derive(Clone, Default)]
+pub struct ExpertParallel {
+    /// The ranks that exchange tokens (the all-to-all's group), with its ops' failure state.
+    exchange: TensorParallel,
+    /// The ranks of the exchange group as a host communicator (its norms and maxima).
+    ep: Option<Arc<dyn Communicator>>,
+    /// The ranks that hold the same experts as this one: where expert gradients are
+    /// reduced and their optimizer state partitioned.
+    expert_data: Option<Arc<dyn Communicator>>,
+    /// The ids of this rank's expert parameters, recorded by the layers.
+    experts: Arc<Mutex<HashSet<ParamId>>>,
+}
+
+impl std::fmt::Debug for ExpertParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertParallel")
+            .field("rank", &self.rank())
+            .field("size", &self.size())
+            .field("experts", &lock(&self.experts).len())
+            .finish()
+    }
+}
+
+impl ExpertParallel {
+    /// The groups of `ep_size` over the data-parallel ranks `data` (a grid's
+    /// [`data`](crate::grid::Grid::data) group): ranks `[k·ep, (k+1)·ep)` exchange tokens,
+    /// ranks equal modulo `ep` hold the same experts. The all-to-alls run on `device`'s
+    /// collectives. A collective: every rank of `data` calls it.
+    pub fn new(data: &Arc<dyn Communicator>, ep_size: usize, device: &Device) -> Result<Self> {
+        let world = data.world_size();
+        if ep_size == 0 || !world.is_multiple_of(ep_size) {
+            return Err(DeepSpeedError::Unsupported {
+                key: "moe.ep_size".into(),
+                reason: format!(
+                    "ep_size {ep_size} must divide the {world} data-parallel ranks \
+                     (DeepSpeed's expert-parallel groups tile the data-parallel group)"
+                ),
+            });
+        }
+        if ep_size == 1 {
+            return Ok(Self::none());
+        }
+        let rank = data.rank();
+        // Both splits in the same order on every rank; a group of the whole data group is
+        // the group itself, a group of one a world of its own.
+        let ep = match ep_size == world {
+            true => data.clone(),
+            false => data.split(rank / ep_size)?,
+        };
+        let expert_data = match ep_size == world {
+            true => alone()?,
+            false => data.split(rank % ep_size)?,
+        };
+        Ok(Self {
+            exchange: TensorParallel::new(device_collectives(ep.clone(), device)?),
+            ep: Some(ep),
+            expert_data: Some(expert_data),
+            experts: Arc::default(),
+        })
+    }
+
+    /// `ep_size` 1: every expert on every rank.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// This rank's index in its expert-parallel group: it holds experts
+    /// `[rank · local, (rank + 1) · local)` of each layer.
+    pub fn rank(&self) -> usize {
+        self.exchange.rank()
+    }
+
+    /// `ep_size`: ranks that split a layer's experts.
+    pub fn size(&self) -> usize {
+        self.exchange.size()
+    }
+
+    /// The host communicator of the expert-parallel group (`None` at `ep_size` 1).
+    pub fn ep_group(&self) -> Option<&Arc<dyn Communicator>> {
+        self.ep.as_ref()
+    }
+
+    /// The ranks holding this rank's experts (`None` at `ep_size` 1, where it is the whole
+    /// data-parallel group).
+    pub fn expert_data_group(&self) -> Option<&Arc<dyn Communicator>> {
+        self.expert_data.as_ref()
+    }
+
+    /// Records `id` as one of this rank's expert parameters (the MoE layers call it as they
+    /// keep their experts).
+    pub fn record(&self, id: ParamId) {
+        lock(&self.experts).insert(id);
+    }
+
+    /// Whether `id` is an expert parameter of this rank.
+    pub fn is_expert(&self, id: ParamId) -> bool {
+        lock(&self.experts).contains(&id)
+    }
+
+    /// Expert parameters recorded.
+    pub fn recorded(&self) -> usize {
+        lock(&self.experts).len()
+    }
+
+    /// `x`'s equal chunks exchanged over the expert-parallel group (chunk `j` to rank `j`);
+    /// its backward is the reverse exchange. The identity at `ep_size` 1.
+    pub fn all_to_all<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        match self.exchange.key() {
+            Some(id) => op::ep_all_to_all(x, id),
+            None => x,
+        }
+    }
+
+    /// The elementwise maximum of `x` over the expert-parallel group, outside autodiff.
+    pub fn max<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.exchange.max(x)
+    }
+
+    /// The first failure of an all-to-all since the last call (the ops return zeros after
+    /// one): a training step checks it before it steps.
+    pub fn take_error(&self) -> Option<CommError> {
+        self.exchange.take_error()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -135,6 +135,7 @@ pub const GPT_MINI: burn_deepspeed_example_gpt::model::GptShape =
         layers: 2,
         heads: 2,
         seq_len: 16,
+        moe: None,
     };
 
 /// The run the crash tests kill and resume: [`GPT_MINI`] on the embedded corpus at ZeRO `stage`,

@@ -21,6 +21,7 @@ const SHAPE: GptShape = GptShape {
     layers: 4,
     heads: 2,
     seq_len: 64,
+    moe: None,
 };
 
 fn config(stage: u8, bf16: bool, checkpointing: bool) -> DeepSpeedConfig {

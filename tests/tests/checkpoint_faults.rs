@@ -19,6 +19,7 @@ const SHAPE: GptShape = GptShape {
     layers: 1,
     heads: 2,
     seq_len: 16,
+    moe: None,
 };
 
 fn config(stage: u8, layers: usize) -> (DeepSpeedConfig, GptShape) {

@@ -19,6 +19,7 @@ const SHAPE: GptShape = GptShape {
     layers: 2,
     heads: 2,
     seq_len: 16,
+    moe: None,
 };
 
 fn eval_loss(model: &Gpt) -> f64 {

@@ -17,6 +17,7 @@ const SHAPE: GptShape = GptShape {
     layers: 2,
     heads: 4,
     seq_len: 32,
+    moe: None,
 };
 
 fn config(extra: &str) -> DeepSpeedConfig {
@@ -114,6 +115,7 @@ fn unsupported_settings_are_refused_with_the_key() {
         resume_from: None,
         keep_final_state: true,
         device: Default::default(),
+        ep_size: 1,
     };
     let err = launch(1, Duration::from_secs(30), |comm| run_rank(&spec, comm))
         .expect_err("MiCS is refused")
@@ -142,6 +144,7 @@ fn a_failing_rank_fails_the_run_instead_of_hanging() {
         resume_from: None,
         keep_final_state: true,
         device: Default::default(),
+        ep_size: 1,
     };
     let start = std::time::Instant::now();
     let result = launch(2, Duration::from_secs(60), |comm| {

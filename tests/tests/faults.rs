@@ -230,6 +230,7 @@ fn progressive_layer_drop_at_stage_3_matches_stage_0() {
         layers: 4,
         heads: 4,
         seq_len: 16,
+        moe: None,
     };
     let pld = r#", "progressive_layer_drop": {"enabled": true, "theta": 0.5, "gamma": 0.5}"#;
     let run = |stage: u8| {

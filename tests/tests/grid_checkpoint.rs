@@ -17,6 +17,7 @@ const SHAPE: GptShape = GptShape {
     layers: 2,
     heads: 4,
     seq_len: 16,
+    moe: None,
 };
 
 /// The pipelined GPT at (tp, pp) with ZeRO stage 1, 8 sequences per step in micro-batches

@@ -20,6 +20,7 @@ const SHAPE: GptShape = GptShape {
     layers: 2,
     heads: 4,
     seq_len: 96,
+    moe: None,
 };
 const NEW_TOKENS: usize = 48;
 

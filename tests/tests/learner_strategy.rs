@@ -23,6 +23,7 @@ const SHAPE: GptShape = GptShape {
     layers: 2,
     heads: 4,
     seq_len: 32,
+    moe: None,
 };
 
 fn eval_loss(model: &Gpt) -> f64 {

@@ -21,6 +21,7 @@ const SHAPE: GptShape = GptShape {
     layers: 2,
     heads: 2,
     seq_len: 16,
+    moe: None,
 };
 
 fn run(ranks: usize, config: DeepSpeedConfig, shape: GptShape, steps: u64) -> RunReport {

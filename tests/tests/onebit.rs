@@ -17,6 +17,7 @@ const SHAPE: GptShape = GptShape {
     layers: 2,
     heads: 4,
     seq_len: 32,
+    moe: None,
 };
 
 fn config(optimizer: &str, params: &str, extra: &str) -> DeepSpeedConfig {

@@ -18,6 +18,7 @@ const SHAPE: GptShape = GptShape {
     layers: 2,
     heads: 4,
     seq_len: 32,
+    moe: None,
 };
 const MICRO_BATCHES: u64 = 8;
 

@@ -25,6 +25,7 @@ const SHAPE: GptShape = GptShape {
     layers: 2,
     heads: 2,
     seq_len: 16,
+    moe: None,
 };
 
 #[test]

@@ -89,6 +89,7 @@ const SMALL: GptShape = GptShape {
     layers: 2,
     heads: 4,
     seq_len: 16,
+    moe: None,
 };
 
 /// tp 2 x dp 2 on 4 ranks at ZeRO stages 0 to 3 follows one rank: the data-parallel group

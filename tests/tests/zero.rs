@@ -14,6 +14,7 @@ const SHAPE: GptShape = GptShape {
     layers: 2,
     heads: 2,
     seq_len: 16,
+    moe: None,
 };
 
 fn config(stage: u8, optimizer: &str, gas: u64, extra: &str) -> DeepSpeedConfig {

@@ -9,6 +9,7 @@ use burn_deepspeed_strategies::comm::{Communicator, ThreadWorld, ThreadWorldOpti
 use burn_deepspeed_strategies::device::device_collectives;
 use burn_deepspeed_strategies::pipe::{GridAxis, GridCoord, GridTopology};
 
+use crate::moe::ExpertParallel;
 use crate::tensor_parallel::TensorParallel;
 use crate::{DeepSpeedConfig, DeepSpeedError, Result};
 
@@ -41,6 +42,7 @@ pub struct Grid {
     data: Arc<dyn Communicator>,
     tensor: Arc<dyn Communicator>,
     tp: TensorParallel,
+    experts: ExpertParallel,
 }
 
 impl std::fmt::Debug for Grid {
@@ -99,6 +101,7 @@ impl Grid {
             data,
             tensor,
             tp,
+            experts: ExpertParallel::none(),
         })
     }
 
@@ -166,6 +169,22 @@ impl Grid {
                 false => sent(&self.world),
             },
         }
+    }
+
+    /// The grid with expert parallelism of `ep_size` over its data-parallel group
+    /// (DeepSpeed-MoE's expert-parallel and expert-data-parallel groups, see
+    /// [`ExpertParallel::new`]); the all-to-alls run on `device`'s collectives. Cut the
+    /// model's MoE layers with [`expert_parallel`](Self::expert_parallel), and the engine
+    /// reduces their experts in their own groups. A collective.
+    pub fn with_expert_parallel(mut self, ep_size: usize, device: &Device) -> Result<Self> {
+        self.experts = ExpertParallel::new(&self.data, ep_size, device)?;
+        Ok(self)
+    }
+
+    /// The expert-parallel groups of the MoE layers ([`ExpertParallel::none`] unless
+    /// [`with_expert_parallel`](Self::with_expert_parallel) asked for more than one rank).
+    pub fn expert_parallel(&self) -> &ExpertParallel {
+        &self.experts
     }
 
     /// The tensor-parallel group the sliced layers run their ops on

@@ -30,8 +30,16 @@ struct Args {
     #[arg(long)]
     config: Option<std::path::PathBuf>,
     /// Model size.
-    #[arg(long, default_value = "tiny", value_parser = ["tiny", "small", "medium", "xl"])]
+    #[arg(
+        long,
+        default_value = "tiny",
+        value_parser = ["tiny", "small", "medium", "xl", "tiny-moe", "small-moe"]
+    )]
     model: String,
+    /// Expert parallelism of a GPT-MoE (`tiny-moe`, `small-moe`): ranks that split each MoE
+    /// layer's experts; it must divide the data-parallel ranks and the experts.
+    #[arg(long, default_value_t = 1)]
+    ep_size: usize,
     /// Overrides the preset's number of transformer blocks (e.g. the `xl` width at a depth
     /// that fits in memory without offload).
     #[arg(long)]
@@ -124,6 +132,7 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         resume_from: args.resume.clone(),
         keep_final_state: false,
         device,
+        ep_size: args.ep_size,
     };
     // ANCHOR: launch
     let (_, reports) = launch(args.ranks, Duration::from_secs(args.timeout), |comm| {

@@ -91,6 +91,7 @@ fn main() -> ExitCode {
         resume_from: None,
         keep_final_state: true,
         device: Default::default(),
+        ep_size: 1,
     });
     let outcome = launch(1, Duration::from_secs(3600), |comm| {
         let device = Device::flex().autodiff();

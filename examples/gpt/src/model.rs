@@ -6,11 +6,14 @@
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, softmax};
+use std::sync::{Arc, Mutex};
+
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_deepspeed::activation::checkpoint;
 use burn_deepspeed::engine::memory::param_bytes;
 use burn_deepspeed::inference::{CausalLm, KvCache, WeightQuantization};
+use burn_deepspeed::moe::{ExpertMlp, ExpertParallel, MoE, MoeConfig, MoeStats};
 use burn_deepspeed::pipe::{LayerInput, PipeBatch, PipeLayer};
 use burn_deepspeed::pld::ProgressiveLayerDrop;
 use burn_deepspeed::tensor_parallel::{
@@ -32,7 +35,25 @@ pub struct GptShape {
     pub heads: usize,
     /// Context length.
     pub seq_len: usize,
+    /// Mixture of Experts in every other block (GPT-MoE), or none.
+    pub moe: Option<MoeShape>,
 }
+
+/// The MoE layers of a GPT-MoE (DeepSpeed-MoE, arXiv 2201.05596): every other block's MLP
+/// (the second, fourth, ...) is an MoE layer of experts shaped like that MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Experts per MoE layer.
+    pub experts: usize,
+    /// Experts per token (1 or 2).
+    pub k: usize,
+    /// PR-MoE's residual: a dense MLP beside the experts.
+    pub residual: bool,
+}
+
+/// The load-balancing loss's coefficient in the training loss (Megatron-DeepSpeed's
+/// `--moe-loss-coeff` default).
+pub const MOE_LOSS_COEF: f64 = 0.01;
 
 impl GptShape {
     /// d 128, 4 layers, 4 heads, context 128 (about 0.9M parameters).
@@ -41,6 +62,7 @@ impl GptShape {
         layers: 4,
         heads: 4,
         seq_len: 128,
+        moe: None,
     };
     /// d 256, 8 layers, 8 heads, context 256 (about 6.5M parameters).
     pub const SMALL: GptShape = GptShape {
@@ -48,6 +70,7 @@ impl GptShape {
         layers: 8,
         heads: 8,
         seq_len: 256,
+        moe: None,
     };
 
     /// d 512, 16 layers, 8 heads, context 256 (about 50.7M parameters).
@@ -56,6 +79,7 @@ impl GptShape {
         layers: 16,
         heads: 8,
         seq_len: 256,
+        moe: None,
     };
 
     /// d 2048, 40 layers, 16 heads, context 128 (about 2.01B parameters: its fp32 Adam
@@ -67,15 +91,39 @@ impl GptShape {
         layers: 40,
         heads: 16,
         seq_len: 128,
+        moe: None,
     };
 
-    /// A preset by name (`tiny`, `small`, `medium`, `xl`).
+    /// `tiny` with 4 experts, top-1, in blocks 2 and 4.
+    pub const TINY_MOE: GptShape = GptShape {
+        moe: Some(MoeShape {
+            experts: 4,
+            k: 1,
+            residual: false,
+        }),
+        ..Self::TINY
+    };
+
+    /// `small` with 8 experts, top-1, in every other block (the same compute per token:
+    /// each token runs one expert the size of the dense MLP).
+    pub const SMALL_MOE: GptShape = GptShape {
+        moe: Some(MoeShape {
+            experts: 8,
+            k: 1,
+            residual: false,
+        }),
+        ..Self::SMALL
+    };
+
+    /// A preset by name (`tiny`, `small`, `medium`, `xl`, `tiny-moe`, `small-moe`).
     pub fn preset(name: &str) -> Option<GptShape> {
         match name {
             "tiny" => Some(Self::TINY),
             "small" => Some(Self::SMALL),
             "medium" => Some(Self::MEDIUM),
             "xl" => Some(Self::XL),
+            "tiny-moe" => Some(Self::TINY_MOE),
+            "small-moe" => Some(Self::SMALL_MOE),
             _ => None,
         }
     }
@@ -102,21 +150,38 @@ pub struct Block {
     qkv: ColumnParallelLinear,
     attn_out: RowParallelLinear,
     ln_mlp: LayerNorm,
-    mlp_in: ColumnParallelLinear,
-    mlp_out: RowParallelLinear,
+    /// The MLP (a dense block).
+    mlp_in: Option<ColumnParallelLinear>,
+    mlp_out: Option<RowParallelLinear>,
+    /// The MoE layer in the MLP's place (an MoE block).
+    moe: Option<MoE<ExpertMlp>>,
     /// Attention heads of the whole block.
     heads: usize,
 }
 
 impl Block {
-    fn new(d: usize, heads: usize, device: &Device) -> Self {
+    /// A block whose MLP is dense, or with `moe` an MoE layer of experts shaped like it.
+    fn new(d: usize, heads: usize, moe: Option<MoeShape>, device: &Device) -> Self {
+        let dense = moe.is_none();
+        let moe = moe.map(|m| {
+            let experts = (0..m.experts)
+                .map(|_| ExpertMlp::new(d, 4 * d, device))
+                .collect();
+            let residual = m.residual.then(|| ExpertMlp::new(d, 4 * d, device));
+            MoeConfig::new(d, m.experts)
+                .with_k(m.k)
+                .with_use_residual(m.residual)
+                .init(experts, residual, device)
+                .expect("a GPT-MoE preset is a valid MoE layer")
+        });
         Self {
             ln_attn: LayerNormConfig::new(d).init(device),
             qkv: column(d, 3 * d, 3, device),
             attn_out: row(d, d, device),
             ln_mlp: LayerNormConfig::new(d).init(device),
-            mlp_in: column(d, 4 * d, 1, device),
-            mlp_out: row(4 * d, d, device),
+            mlp_in: dense.then(|| column(d, 4 * d, 1, device)),
+            mlp_out: dense.then(|| row(4 * d, d, device)),
+            moe,
             heads,
         }
     }
@@ -139,21 +204,30 @@ impl Block {
             qkv: self.qkv.slice(tp.clone()),
             attn_out: self.attn_out.slice(tp.clone()),
             ln_mlp: self.ln_mlp.clone(),
-            mlp_in: self.mlp_in.slice(tp.clone()),
-            mlp_out: self.mlp_out.slice(tp.clone()),
+            mlp_in: self.mlp_in.as_ref().map(|l| l.slice(tp.clone())),
+            mlp_out: self.mlp_out.as_ref().map(|l| l.slice(tp.clone())),
+            // The experts stay whole on every slice.
+            moe: self.moe.clone(),
             heads: self.heads,
         }
     }
 
     /// The block with its four linear layers' weights quantized under `how`.
     fn quantized(&self, how: &WeightQuantization) -> burn_deepspeed::Result<Self> {
+        let (Some(mlp_in), Some(mlp_out)) = (&self.mlp_in, &self.mlp_out) else {
+            return Err(burn_deepspeed::DeepSpeedError::Unsupported {
+                key: "quantize".into(),
+                reason: "the GPT's MoE blocks are not quantized yet".into(),
+            });
+        };
         Ok(Self {
             ln_attn: self.ln_attn.clone(),
             qkv: self.qkv.quantized(how)?,
             attn_out: self.attn_out.quantized(how)?,
             ln_mlp: self.ln_mlp.clone(),
-            mlp_in: self.mlp_in.quantized(how)?,
-            mlp_out: self.mlp_out.quantized(how)?,
+            mlp_in: Some(mlp_in.quantized(how)?),
+            mlp_out: Some(mlp_out.quantized(how)?),
+            moe: None,
             heads: self.heads,
         })
     }
@@ -170,7 +244,7 @@ impl Block {
         let [q, k, v] = self.heads(&x);
         let (k, v) = cache.append(k, v)?;
         let x = x.clone() + self.attend(q, k, v, mask.clone().cast(x.dtype()));
-        Ok(x.clone() + self.mlp(x))
+        Ok(x.clone() + self.mlp(x).0)
     }
 
     /// This rank's heads (all of them when whole) of q, k and v `[b, heads, t, d_head]`
@@ -198,19 +272,37 @@ impl Block {
             .forward(att.swap_dims(1, 2).reshape([b, t, h * dh]))
     }
 
-    /// The MLP branch of `x`.
-    fn mlp(&self, x: Tensor<3>) -> Tensor<3> {
-        self.mlp_out
-            .forward(gelu(self.mlp_in.forward(self.ln_mlp.forward(x))))
+    /// The MLP branch of `x`, and for an MoE block its `l_aux` and routing.
+    fn mlp(&self, x: Tensor<3>) -> (Tensor<3>, Option<(Tensor<1>, MoeStats)>) {
+        let x = self.ln_mlp.forward(x);
+        match (&self.moe, &self.mlp_in, &self.mlp_out) {
+            (Some(moe), _, _) => {
+                let out = moe.forward(x);
+                (out.output, Some((out.l_aux, out.stats)))
+            }
+            (None, Some(mlp_in), Some(mlp_out)) => (mlp_out.forward(gelu(mlp_in.forward(x))), None),
+            _ => unreachable!("a block has a dense MLP or an MoE layer"),
+        }
     }
 
     /// The block, with its two residual branches multiplied by `scale` (1/p_l for a block
     /// kept by progressive layer dropping, else 1).
     fn forward(&self, x: Tensor<3>, causal: Tensor<4>, scale: f64) -> Tensor<3> {
+        self.forward_moe(x, causal, scale).0
+    }
+
+    /// [`forward`](Self::forward), with an MoE block's `l_aux` and routing.
+    fn forward_moe(
+        &self,
+        x: Tensor<3>,
+        causal: Tensor<4>,
+        scale: f64,
+    ) -> (Tensor<3>, Option<(Tensor<1>, MoeStats)>) {
         let branch = |y: Tensor<3>| if scale == 1.0 { y } else { y.mul_scalar(scale) };
         let [q, k, v] = self.heads(&x);
         let x = x + branch(self.attend(q, k, v, causal));
-        x.clone() + branch(self.mlp(x))
+        let (y, aux) = self.mlp(x.clone());
+        (x + branch(y), aux)
     }
 }
 
@@ -275,6 +367,37 @@ pub struct Gpt {
     head: GptHead,
     /// Whether each block is an activation checkpoint.
     checkpoint_blocks: bool,
+    /// The MoE blocks' routing in each forward, oldest first.
+    #[module(skip)]
+    moe_log: MoeLog,
+}
+
+/// The MoE layers' figures of the forwards run since the log was last drained: one entry per
+/// MoE block per forward.
+#[derive(Debug, Clone, Default)]
+pub struct MoeLog(Arc<Mutex<Vec<MoeRecord>>>);
+
+/// One MoE block's forward on this rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeRecord {
+    /// Its load-balancing loss.
+    pub l_aux: f32,
+    /// Its routing.
+    pub stats: MoeStats,
+}
+
+impl MoeLog {
+    fn push(&self, record: MoeRecord) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(record);
+    }
+
+    /// The records since the last drain.
+    pub fn drain(&self) -> Vec<MoeRecord> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
 }
 
 /// A batch of token sequences and their next-token targets, each `[batch, seq]`.
@@ -357,8 +480,9 @@ impl Gpt {
                 ),
                 seq_len: shape.seq_len,
             },
+            // GPT-MoE: the second, fourth, ... blocks are MoE blocks.
             blocks: (0..shape.layers)
-                .map(|_| Block::new(d, shape.heads, device))
+                .map(|l| Block::new(d, shape.heads, shape.moe.filter(|_| l % 2 == 1), device))
                 .collect(),
             head: GptHead {
                 ln_f: LayerNormConfig::new(d).init(device),
@@ -368,8 +492,28 @@ impl Gpt {
                 ),
             },
             checkpoint_blocks: false,
+            moe_log: MoeLog::default(),
         };
         model.map(&mut GptInit::new(seed, shape.layers))
+    }
+
+    /// This rank's part of the (whole) GPT-MoE over `ep`: each MoE block keeps its
+    /// `experts / ep_size` experts (recorded in `ep`), its draws seeded from `seed` and the
+    /// block (give each data-parallel rank its own seed). A dense GPT is returned as it is.
+    pub fn with_experts(mut self, ep: &ExpertParallel, seed: u64) -> burn_deepspeed::Result<Self> {
+        for (l, block) in self.blocks.iter_mut().enumerate() {
+            if let Some(moe) = block.moe.take() {
+                let mix = seed ^ (l as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                block.moe = Some(moe.expert_parallel(ep)?.with_seed(mix));
+            }
+        }
+        Ok(self)
+    }
+
+    /// The MoE blocks' figures of every forward since the last call (shared by the model's
+    /// clones).
+    pub fn moe_log(&self) -> &MoeLog {
+        &self.moe_log
     }
 
     /// This rank's slice of the (whole) model over `tp` (Megatron-LM's split, arXiv
@@ -402,6 +546,7 @@ impl Gpt {
                 head: self.head.head.slice(tp.clone()),
             },
             checkpoint_blocks: self.checkpoint_blocks,
+            moe_log: self.moe_log,
         }
     }
 
@@ -430,6 +575,7 @@ impl Gpt {
                 head: self.head.head.quantized(how)?,
             },
             checkpoint_blocks: self.checkpoint_blocks,
+            moe_log: self.moe_log.clone(),
         })
     }
 
@@ -442,8 +588,8 @@ impl Gpt {
             .map(|b| {
                 b.qkv.quantized_bytes()
                     + b.attn_out.quantized_bytes()
-                    + b.mlp_in.quantized_bytes()
-                    + b.mlp_out.quantized_bytes()
+                    + b.mlp_in.as_ref().map_or(0, |l| l.quantized_bytes())
+                    + b.mlp_out.as_ref().map_or(0, |l| l.quantized_bytes())
             })
             .sum::<u64>()
             + self.embed.tok_emb.quantized_bytes()
@@ -462,14 +608,30 @@ impl Gpt {
     }
 
     // ANCHOR: checkpoint_block
-    /// One block, checkpointed or not.
-    fn block(&self, block: &Block, x: Tensor<3>, causal: &Tensor<4>, scale: f64) -> Tensor<3> {
-        if self.checkpoint_blocks {
+    /// One block, checkpointed or not (an MoE block never is: its recompute would route
+    /// with new draws); an MoE block's figures go to the log, and its `l_aux` is returned.
+    fn block(
+        &self,
+        block: &Block,
+        x: Tensor<3>,
+        causal: &Tensor<4>,
+        scale: f64,
+    ) -> (Tensor<3>, Option<Tensor<1>>) {
+        if self.checkpoint_blocks && block.moe.is_none() {
             let causal = causal.clone();
-            checkpoint(block, x, move |b, x| b.forward(x, causal.clone(), scale))
-        } else {
-            block.forward(x, causal.clone(), scale)
+            let y = checkpoint(block, x, move |b, x| b.forward(x, causal.clone(), scale));
+            return (y, None);
         }
+        let (y, aux) = block.forward_moe(x, causal.clone(), scale);
+        let aux = aux.map(|(l_aux, stats)| {
+            let value = l_aux.clone().detach().into_scalar::<f32>();
+            self.moe_log.push(MoeRecord {
+                l_aux: value,
+                stats,
+            });
+            l_aux
+        });
+        (y, aux)
     }
     // ANCHOR_END: checkpoint_block
 
@@ -485,6 +647,25 @@ impl Gpt {
         inputs: Tensor<2, Int>,
         layer_drop: Option<LayerDrop>,
     ) -> Tensor<3> {
+        self.forward_aux(inputs, layer_drop).0
+    }
+
+    /// [`forward_dropping`](Self::forward_dropping), with the sum of the MoE blocks' `l_aux`
+    /// (`None` for a dense GPT).
+    pub fn forward_aux(
+        &self,
+        inputs: Tensor<2, Int>,
+        layer_drop: Option<LayerDrop>,
+    ) -> (Tensor<3>, Option<Tensor<1>>) {
+        let mut aux: Option<Tensor<1>> = None;
+        let mut add = |a: Option<Tensor<1>>| {
+            if let Some(a) = a {
+                aux = Some(match aux.take() {
+                    Some(sum) => sum + a,
+                    None => a,
+                });
+            }
+        };
         let mut x = self.embed.forward(inputs);
         // In the parameters' dtype: one op may not mix f32 with f16 or bf16.
         let causal = causal_mask(x.dims()[1], &x.device()).cast(x.dtype());
@@ -498,27 +679,36 @@ impl Gpt {
         match keep {
             None => {
                 for block in &self.blocks {
-                    x = self.block(block, x, &causal, 1.0);
+                    let (y, a) = self.block(block, x, &causal, 1.0);
+                    add(a);
+                    x = y;
                 }
             }
             Some((p, mut rng)) => {
                 for (block, p) in self.blocks.iter().zip(p) {
                     if rng.uniform() < p {
-                        x = self.block(block, x, &causal, 1.0 / p);
+                        let (y, a) = self.block(block, x, &causal, 1.0 / p);
+                        add(a);
+                        x = y;
                     }
                 }
             }
         }
         // ANCHOR_END: pld_forward
-        self.head.forward(x)
+        (self.head.forward(x), aux)
     }
 
     /// Mean next-token cross-entropy over the batch, with the logits and targets flattened.
     /// Drops layers when the batch asks for it (training only: see [`InferenceStep`]).
     pub fn forward_loss(&self, batch: GptBatch) -> ClassificationOutput {
-        let logits = self.forward_dropping(batch.inputs.clone(), batch.layer_drop);
+        self.forward_losses(batch).0
+    }
+
+    /// [`forward_loss`](Self::forward_loss), with the MoE blocks' summed `l_aux`.
+    fn forward_losses(&self, batch: GptBatch) -> (ClassificationOutput, Option<Tensor<1>>) {
+        let (logits, aux) = self.forward_aux(batch.inputs.clone(), batch.layer_drop);
         let (loss, logits, targets) = batch.cross_entropy(logits, &self.head.head.tp);
-        ClassificationOutput::new(loss, logits, targets)
+        (ClassificationOutput::new(loss, logits, targets), aux)
     }
 
     /// The model as a sequence of pipeline layers: the embeddings, each block, the head. The
@@ -629,8 +819,14 @@ impl TrainStep for Gpt {
     type Input = GptBatch;
     type Output = ClassificationOutput;
 
+    /// The next-token loss, plus [`MOE_LOSS_COEF`] times the MoE blocks' `l_aux` for a
+    /// GPT-MoE (DeepSpeed-MoE's training loss; evaluation reports the next-token loss alone).
     fn step(&self, batch: GptBatch) -> TrainOutput<ClassificationOutput> {
-        let out = self.forward_loss(batch);
+        let (mut out, aux) = self.forward_losses(batch);
+        if let Some(aux) = aux {
+            let aux = aux.cast(out.loss.dtype()).mul_scalar(MOE_LOSS_COEF);
+            out.loss = out.loss + aux;
+        }
         let grads = burn_deepspeed::precision::backward(&out.loss);
         TrainOutput::new(self, grads, out)
     }
@@ -680,7 +876,8 @@ impl ModuleMapper for GptInit {
         let (id, shape, device) = (param.id, param.lazy_shape(), param.lazy_device());
         let n = shape.num_elements();
         let name = self.path.last().map(String::as_str).unwrap_or("");
-        let in_residual_out = self.path.iter().any(|p| p == "attn_out" || p == "mlp_out");
+        let in_residual_out =
+            (self.path.iter()).any(|p| p == "attn_out" || p == "mlp_out" || p == "fc_out");
         let seed = self.seed ^ (self.index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         self.index += 1;
         let std = match name {

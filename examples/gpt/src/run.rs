@@ -43,6 +43,9 @@ pub struct RunSpec {
     pub keep_final_state: bool,
     /// Where the model trains.
     pub device: ModelDevice,
+    /// Expert parallelism of a GPT-MoE: ranks that split each MoE layer's experts (1: every
+    /// rank holds every expert).
+    pub ep_size: usize,
 }
 
 /// The device a rank's model trains on.
@@ -131,6 +134,7 @@ impl RunSpec {
             resume_from: None,
             keep_final_state: true,
             device: ModelDevice::Flex,
+            ep_size: 1,
         }
     }
 }
@@ -280,6 +284,53 @@ pub struct RunReport {
     /// serialized).
     #[serde(skip)]
     pub final_moments: Option<(FlatParams, FlatParams)>,
+    /// Ranks that split each MoE layer's experts (1 for a dense GPT).
+    pub ep_size: usize,
+    /// A GPT-MoE's routing figures (rank 0's), `None` for a dense GPT.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeReport>,
+}
+
+/// A GPT-MoE's routing over the run, on rank 0 (every MoE block and micro-batch of a step
+/// together).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct MoeReport {
+    /// Mean load-balancing loss of the MoE blocks in each step.
+    pub l_aux: Vec<f64>,
+    /// Tokens dropped (by every choice) in each step, summed over the MoE blocks.
+    pub tokens_dropped: Vec<u64>,
+    /// Tokens routed in each step, summed over the MoE blocks.
+    pub tokens_routed: Vec<u64>,
+    /// Load balance of each step: the busiest expert's count over the mean count (1 is
+    /// even), over the MoE blocks' counts summed.
+    pub load_balance: Vec<f64>,
+    /// Bytes rank 0 sent over its expert-parallel group in each step: the all-to-alls of
+    /// forward and backward (measured by the communicator; 0 at `ep_size` 1).
+    pub all_to_all_bytes: Vec<u64>,
+}
+
+impl MoeReport {
+    fn record(&mut self, records: &[crate::model::MoeRecord], exchanged: u64) {
+        let n = records.len().max(1) as f64;
+        self.l_aux
+            .push(records.iter().map(|r| r.l_aux as f64).sum::<f64>() / n);
+        let sum =
+            |f: fn(&crate::model::MoeRecord) -> usize| records.iter().map(f).sum::<usize>() as u64;
+        self.tokens_dropped.push(sum(|r| r.stats.dropped));
+        self.tokens_routed.push(sum(|r| r.stats.tokens));
+        let experts = records.first().map_or(0, |r| r.stats.counts.len());
+        let mut counts = vec![0usize; experts];
+        for r in records {
+            for (c, n) in counts.iter_mut().zip(&r.stats.counts) {
+                *c += n;
+            }
+        }
+        let mean = counts.iter().sum::<usize>() as f64 / experts.max(1) as f64;
+        let most = counts.iter().copied().max().unwrap_or(0) as f64;
+        self.load_balance
+            .push(if mean > 0.0 { most / mean } else { 1.0 });
+        self.all_to_all_bytes.push(exchanged);
+    }
 }
 
 /// The disk's own sequential `O_DIRECT` bandwidth (8 MiB requests, one thread), measured.
@@ -415,10 +466,15 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     // ANCHOR: engine_loop
     // The grid of `tensor_parallel.tp_size` slices x the data-parallel replicas; each rank
     // builds the whole model from the seed and keeps its slice.
-    let grid = Grid::from_config(&spec.config, comm.clone(), &device)?;
+    let grid = Grid::from_config(&spec.config, comm.clone(), &device)?
+        .with_expert_parallel(spec.ep_size, &device)?;
+    // A GPT-MoE keeps its experts of the expert-parallel group; each data-parallel rank
+    // routes with its own draws.
     let model = Gpt::new(spec.shape, spec.seed, &device)
         .with_activation_checkpointing(spec.config.activation_checkpointing.is_some())
-        .sliced(grid.tensor_parallel());
+        .sliced(grid.tensor_parallel())
+        .with_experts(grid.expert_parallel(), spec.seed ^ (rank as u64) << 40)?;
+    let moe_log = model.moe_log().clone();
     let mut engine = DeepSpeedEngine::with_grid(model, spec.config.clone(), &grid)?;
     if let Some(dir) = &spec.resume_from {
         engine.load_checkpoint(dir, None)?;
@@ -447,12 +503,22 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let mut pld_theta = None;
     let mut loss_scale = Vec::new();
     let mut peak_activation = None;
+    let mut moe = spec.shape.moe.map(|_| MoeReport::default());
+    let all_to_all = || {
+        grid.expert_parallel()
+            .ep_group()
+            .map_or(0, |c| c.stats().total_sent())
+    };
     let start = Instant::now();
     for step in first_step..spec.steps {
         let step_start = Instant::now();
         let (copied, staged_before) = (host_device_bytes(), staged_collective_bytes());
+        let exchanged = all_to_all();
         let report = train_step(&mut engine, spec, step, &inner)?;
         // ANCHOR_END: engine_loop
+        if let Some(moe) = &mut moe {
+            moe.record(&moe_log.drain(), all_to_all() - exchanged);
+        }
         host_device.push(host_device_bytes() - copied);
         staged.push(staged_collective_bytes() - staged_before);
         losses.push(report.loss);
@@ -565,6 +631,8 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
             false => FlatParams::default(),
         },
         final_moments: moments,
+        ep_size: grid.expert_parallel().size(),
+        moe,
     })
 }
 
@@ -619,6 +687,12 @@ fn check_corpus(spec: &RunSpec) -> Result<()> {
 
 /// Trains one stage of the pipelined GPT on this rank.
 fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport> {
+    if spec.shape.moe.is_some() || spec.ep_size > 1 {
+        return Err(DeepSpeedError::Unsupported {
+            key: "pipeline.stages".into(),
+            reason: "the GPT-MoE presets train without pipeline parallelism".into(),
+        });
+    }
     let device = spec.device.device(comm.rank());
     let rank = comm.rank();
     let world = comm.world_size();
@@ -766,6 +840,8 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         disk_baseline: None,
         final_params: FlatParams::default(),
         final_moments: None,
+        ep_size: 1,
+        moe: None,
     })
 }
 

@@ -116,7 +116,12 @@ where
         let batch = config.resolve(comm.world_size())?;
         check_supported(&config, EntryPoint::Engine)?;
         check_grid(&config, grid)?;
-        let (model, mut sync) = sync::build(model, &config, comm.clone())?;
+        let (model, mut sync) = match grid.expert_parallel().size() > 1 {
+            true => {
+                sync::build_expert_parallel(model, &config, comm.clone(), grid.expert_parallel())?
+            }
+            false => sync::build(model, &config, comm.clone())?,
+        };
         if grid.topology().tensor > 1 {
             let tp = grid.tensor_parallel();
             sync.model_parallel_norm(ModelParallelNorm::none().with_tensor(
@@ -236,6 +241,10 @@ where
         // A sliced layer's collective that failed in forward or backward left zeros.
         let failure = match self.grid.tensor_parallel().take_error() {
             Some(e) => Some(format!("a tensor-parallel collective failed: {e}")),
+            None => failure,
+        };
+        let failure = match self.grid.expert_parallel().take_error() {
+            Some(e) => Some(format!("an expert-parallel all-to-all failed: {e}")),
             None => failure,
         };
         let local = failure.map_or(Ok(()), |f| Err(DeepSpeedError::Data(f)));
@@ -622,6 +631,12 @@ fn check_grid(config: &DeepSpeedConfig, grid: &Grid) -> Result<()> {
                 config.tp_size(),
                 topology.tensor
             ),
+        );
+    }
+    if grid.expert_parallel().size() > 1 && topology.tensor > 1 {
+        return refuse(
+            "tensor_parallel.tp_size",
+            "expert parallelism with tensor slicing is not supported yet".into(),
         );
     }
     if topology.pipe > 1 {

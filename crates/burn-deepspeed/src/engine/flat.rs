@@ -78,6 +78,22 @@ impl ParamLayout {
         layout
     }
 
+    /// The layout of the parameters `keep` selects, in the same order, packed from offset 0
+    /// (a regime over part of a model: expert parallelism reduces the experts and the rest
+    /// in different groups).
+    pub fn subset(&self, keep: impl Fn(ParamId) -> bool) -> Self {
+        let mut layout = ParamLayout::default();
+        for slot in self.slots.iter().filter(|s| keep(s.id)) {
+            layout.slots.push(ParamSlot {
+                offset: layout.numel,
+                ..slot.clone()
+            });
+            layout.numel += slot.numel;
+        }
+        layout.reindex();
+        layout
+    }
+
     /// The slot of parameter `id`, if it belongs to this layout.
     pub fn slot_of(&self, id: ParamId) -> Option<usize> {
         self.index.get(&id).copied()
@@ -136,36 +152,42 @@ pub fn grads_from_flat<M: Module>(
     v.out
 }
 
-/// The module's parameter values as one flat f32 buffer.
+/// The module's parameter values as one flat f32 buffer (those of `layout`, in its order).
 pub fn params_to_flat<M: Module>(module: &M, layout: &ParamLayout) -> Vec<f32> {
     struct V<'a> {
+        layout: &'a ParamLayout,
         out: &'a mut Vec<f32>,
     }
     impl ModuleVisitor for V<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.out.extend(to_f32_vec(param.val()));
+            if self.layout.slot_of(param.id).is_some() {
+                self.out.extend(to_f32_vec(param.val()));
+            }
         }
     }
     let mut out = Vec::with_capacity(layout.numel);
-    module.visit(&mut V { out: &mut out });
+    module.visit(&mut V {
+        layout,
+        out: &mut out,
+    });
     out
 }
 
-/// Replaces the module's parameter values with those in `flat` (same layout), keeping each
-/// parameter's id, device, dtype (f32 values are rounded into a 16-bit parameter) and
-/// `require_grad` flag.
+/// Replaces the values of the module's parameters in `layout` with those in `flat`, keeping
+/// each parameter's id, device, dtype (f32 values are rounded into a 16-bit parameter) and
+/// `require_grad` flag; the parameters outside `layout` stay as they are.
 pub fn params_from_flat<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -> M {
     struct Mapper<'a> {
         layout: &'a ParamLayout,
         flat: &'a [f32],
-        next: usize,
     }
     impl ModuleMapper for Mapper<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some(i) = self.layout.slot_of(param.id) else {
+                return param;
+            };
             let (id, tensor, mapper) = param.consume();
-            let slot = &self.layout.slots[self.next];
-            self.next += 1;
-            debug_assert_eq!(slot.id, id, "layout order matches the module");
+            let slot = &self.layout.slots[i];
             let data = TensorData::new(
                 self.flat[slot.offset..slot.offset + slot.numel].to_vec(),
                 slot.shape.clone(),
@@ -182,11 +204,7 @@ pub fn params_from_flat<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]
             Param::from_mapped_value(id, new, mapper)
         }
     }
-    module.map(&mut Mapper {
-        layout,
-        flat,
-        next: 0,
-    })
+    module.map(&mut Mapper { layout, flat })
 }
 
 /// The one gradient visitor: calls `f(slot, values)` for every parameter of `layout` in

@@ -5,7 +5,7 @@
 //! the ranks that hold the same experts (one per group, strided).
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
 use burn::module::ParamId;
 use burn::tensor::{Device, Tensor};
@@ -64,12 +64,10 @@ impl ExpertParallel {
             return Ok(Self::none());
         }
         let rank = data.rank();
-        // Both splits in the same order on every rank; a group of the whole data group is
-        // the group itself, a group of one a world of its own.
-        let ep = match ep_size == world {
-            true => data.clone(),
-            false => data.split(rank / ep_size)?,
-        };
+        // Both splits in the same order on every rank. The exchange group is a communicator
+        // of its own even when it spans the data group, so that its traffic counts the
+        // all-to-alls alone; an expert-data group of one is a world of its own.
+        let ep = data.split(rank / ep_size)?;
         let expert_data = match ep_size == world {
             true => alone()?,
             false => data.split(rank % ep_size)?,
@@ -113,6 +111,7 @@ impl ExpertParallel {
     /// keep their experts).
     pub fn record(&self, id: ParamId) {
         lock(&self.experts).insert(id);
+        lock(&EVERY_EXPERT).insert(id);
     }
 
     /// Whether `id` is an expert parameter of this rank.
@@ -144,6 +143,16 @@ impl ExpertParallel {
     pub fn take_error(&self) -> Option<CommError> {
         self.exchange.take_error()
     }
+}
+
+/// Every expert parameter recorded in this process, whatever its group: the regimes that
+/// know nothing of experts refuse a model that has some (averaging them over the whole
+/// data-parallel group would mix different experts).
+static EVERY_EXPERT: LazyLock<Mutex<HashSet<ParamId>>> = LazyLock::new(Mutex::default);
+
+/// Whether `id` was recorded as an expert parameter by any [`ExpertParallel`].
+pub(crate) fn is_expert_anywhere(id: ParamId) -> bool {
+    lock(&EVERY_EXPERT).contains(&id)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -257,6 +257,13 @@ impl<E: Expert> MoE<E> {
         Ok(self)
     }
 
+    /// The layer with its draws (RTS, noise) started from `seed` (give each data-parallel
+    /// rank and layer its own, as each DeepSpeed rank has its own generator).
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.rng = Arc::new(Mutex::new(seed));
+        self
+    }
+
     /// The layer's settings.
     pub fn config(&self) -> &MoeConfig {
         &self.settings

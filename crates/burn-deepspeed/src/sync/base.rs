@@ -84,6 +84,16 @@ pub trait GradSync<M: Module> {
     /// model (the same on every rank).
     fn step(&mut self, model: M, lr: f64) -> Result<M>;
 
+    /// After [`reduce`](Self::reduce): multiplies this rank's reduced gradient by `factor`
+    /// (a caller that clips over several regimes by their joint norm, as expert parallelism
+    /// does, applies the coefficient here). Regimes that cannot refuse.
+    fn scale_reduced(&mut self, factor: f32) -> Result<()> {
+        let _ = factor;
+        Err(crate::DeepSpeedError::Strategy(
+            "this gradient regime cannot rescale its reduced gradient".into(),
+        ))
+    }
+
     /// After [`reduce`](Self::reduce), instead of a step (the norm was not finite): drops the
     /// accumulated gradient and leaves the parameters and the optimizer state as they are.
     fn discard(&mut self);

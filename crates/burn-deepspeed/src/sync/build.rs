@@ -46,6 +46,7 @@ fn build_with<M: Module, G: GradElem>(
         .as_ref()
         .ok_or_else(|| DeepSpeedError::Data("the config was not resolved".into()))?;
     let options = SyncOptions::of(config);
+    refuse_experts(&model)?;
     // The I/O engine is chosen per process (a node may lack io_uring): the ranks agree on
     // every one's choice before the first collective. The config, and so the branch, is the
     // same on every rank.
@@ -116,6 +117,27 @@ fn build_with<M: Module, G: GradElem>(
             (model, Box::new(sync))
         }
     })
+}
+
+/// Refuses a model with expert-parallel MoE layers: its experts differ from rank to rank, and
+/// only [`super::build_expert_parallel`] reduces them in their own groups.
+pub(crate) fn refuse_experts<M: Module>(model: &M) -> Result<()> {
+    let layout = ParamLayout::of(model);
+    match layout
+        .slots
+        .iter()
+        .any(|s| crate::moe::is_expert_anywhere(s.id))
+    {
+        true => Err(DeepSpeedError::Unsupported {
+            key: "moe.ep_size".into(),
+            reason: "the model's MoE layers are cut over an expert-parallel group: build a \
+                     grid `with_expert_parallel(ep_size, ..)` and create the engine with \
+                     `DeepSpeedEngine::with_grid`, which reduces each expert over the ranks \
+                     that hold it"
+                .into(),
+        }),
+        false => Ok(()),
+    }
 }
 
 /// The model's device and its optimizer's hyper-parameters when the model lives on a

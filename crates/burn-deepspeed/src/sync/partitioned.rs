@@ -27,7 +27,7 @@ use super::ModelParallelNorm;
 use super::bucket::Bucket;
 use super::buffer::merge_presence;
 use super::elem::{GradElem, add_into};
-use super::scale::{Scaling, clip_across, clip_to, sum_across};
+use super::scale::{Scaling, clip_across, clip_to, scale, sum_across};
 use super::{
     GradSync, NvmeOffload, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters,
 };
@@ -338,6 +338,11 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
             None => clip_across(comm.as_ref(), grads, clip)?,
         };
         Ok(Reduced::global(norm))
+    }
+
+    fn scale_reduced(&mut self, factor: f32) -> Result<()> {
+        scale(self.own_grads(), factor);
+        Ok(())
     }
 
     fn model_parallel_norm(&mut self, norm: ModelParallelNorm) -> Result<()> {

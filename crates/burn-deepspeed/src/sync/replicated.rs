@@ -21,7 +21,7 @@ use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, Partitione
 use super::ModelParallelNorm;
 use super::buffer::GradBuffer;
 use super::elem::GradElem;
-use super::scale::{clip_local, clip_to};
+use super::scale::{clip_local, clip_to, scale};
 use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
 use crate::engine::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
 use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat, restore_params};
@@ -178,6 +178,11 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
             None => clip_local(self.buffer.flat_mut(), self.clip),
         };
         Ok(Reduced::global(norm))
+    }
+
+    fn scale_reduced(&mut self, factor: f32) -> Result<()> {
+        scale(self.buffer.flat_mut(), factor);
+        Ok(())
     }
 
     fn model_parallel_norm(&mut self, norm: ModelParallelNorm) -> Result<()> {

@@ -54,7 +54,8 @@ impl Scaling {
     }
 }
 
-fn scale<G: GradElem>(values: &mut [G], factor: f32) {
+/// Multiplies `values` by `factor` (nothing to do for 1).
+pub(crate) fn scale<G: GradElem>(values: &mut [G], factor: f32) {
     if factor != 1.0 {
         values
             .iter_mut()

@@ -83,6 +83,10 @@ fn expert_parallel_runs_follow_every_expert_on_every_rank() {
             "ep {ep} exchanges"
         );
         assert_eq!(cut.ep_size, ep);
+        assert_eq!(
+            cut.params, whole.params,
+            "ep {ep}: the whole model's parameters"
+        );
     }
 }
 

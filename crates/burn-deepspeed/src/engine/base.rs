@@ -538,16 +538,19 @@ impl<M: Module> DeepSpeedEngine<M> {
     pub fn grid(&self) -> &Grid {
         &self.grid
     }
-    /// Parameters of the whole model: this rank's, with each sliced tensor counted whole
-    /// (equal to [`num_params`](Self::num_params) without tensor slicing).
+    /// Parameters of the whole model: this rank's, with each sliced tensor counted whole and
+    /// each expert once per rank of its expert-parallel group (which holds the other experts
+    /// of the layer, shaped alike); equal to [`num_params`](Self::num_params) without tensor
+    /// slicing or expert parallelism.
     pub fn model_params(&self) -> usize {
-        let tp = self.grid.tensor_parallel();
+        let (tp, ep) = (self.grid.tensor_parallel(), self.grid.expert_parallel());
         let layout = self.sync.layout();
         layout
             .slots
             .iter()
             .map(|s| match tp.layout(s.id) {
                 Some(_) => s.numel * tp.size(),
+                None if ep.is_expert(s.id) => s.numel * ep.size(),
                 None => s.numel,
             })
             .sum()

@@ -353,4 +353,114 @@ mod tests {
         };
         assert_eq!(run(7), run(7));
     }
+
+    /// One case of `deepspeed_gating.json`: DeepSpeed 0.19's `top1gating` / `top2gating`
+    /// (no noise, no random token selection, no second-expert sampling) on seeded logits,
+    /// written by `scripts/moe-gating-vectors.py`.
+    #[derive(serde::Deserialize)]
+    struct DeepSpeedCase {
+        k: usize,
+        tokens: usize,
+        experts: usize,
+        capacity_factor: f64,
+        min_capacity: usize,
+        logits: Vec<f32>,
+        /// Top-1 with random token selection: DeepSpeed's draws `[tokens, experts]`.
+        rts_draws: Option<Vec<f32>>,
+        l_aux: f64,
+        capacity: usize,
+        /// Nonzero combine weights: (token, expert, slot, weight).
+        combine: Vec<(usize, usize, usize, f64)>,
+        dispatch: usize,
+        counts: Vec<usize>,
+    }
+
+    /// DeepSpeed's own gating on 7 shapes (drops, `min_capacity` binding, ragged token
+    /// counts): top-2, top-1 with random token selection replaying DeepSpeed's draws, and
+    /// top-1 without it where no expert overflows (there DeepSpeed keeps whichever tokens
+    /// `torch.topk` returns among equal mask values, an order torch leaves unspecified; we
+    /// keep the earliest, as its top-2 does). The same capacity, counts, dispatch mask and
+    /// combine weights (positions exactly, values within 1e-6), and `l_aux` within 1e-6.
+    #[test]
+    fn gating_matches_deepspeeds_outputs() {
+        #[derive(serde::Deserialize)]
+        struct Vectors {
+            cases: Vec<DeepSpeedCase>,
+        }
+        let vectors: Vectors =
+            serde_json::from_str(include_str!("deepspeed_gating.json")).expect("the vectors parse");
+        assert_eq!(vectors.cases.len(), 21);
+        let device = Device::flex();
+        for case in vectors.cases {
+            let what = format!(
+                "top-{} (rts {}) on {} tokens x {} experts, factor {}, min {}",
+                case.k,
+                case.rts_draws.is_some(),
+                case.tokens,
+                case.experts,
+                case.capacity_factor,
+                case.min_capacity
+            );
+            let logits = Tensor::<2>::from_data(
+                TensorData::new(case.logits.clone(), [case.tokens, case.experts]),
+                &device,
+            );
+            let options = RouteOptions {
+                capacity_factor: case.capacity_factor,
+                min_capacity: case.min_capacity,
+                drop_tokens: true,
+            };
+            let g = match (case.k, &case.rts_draws) {
+                (1, Some(draws)) => {
+                    // Each token's draw at its expert, in token order.
+                    let e = case.experts;
+                    let mut priorities = case.logits.chunks(e).enumerate().map(|(s, row)| {
+                        let best = (0..e).fold(0, |b, x| if row[x] > row[b] { x } else { b });
+                        draws[s * e + best]
+                    });
+                    let mut replay = || priorities.next().expect("one draw per token");
+                    top1_gating(logits, &options, false, true, &mut replay)
+                }
+                (1, None) => top1_gating(logits, &options, false, false, &mut never),
+                _ => top2_gating(logits, &options, false, &mut never),
+            };
+            assert_eq!(g.routing.capacity, case.capacity, "{what}: capacity");
+            assert_eq!(g.routing.counts, case.counts, "{what}: counts");
+            let [s, e, c] = g.combine_weights.dims();
+            assert_eq!(
+                [s, e, c],
+                [case.tokens, case.experts, case.capacity],
+                "{what}"
+            );
+            let ours = values(g.combine_weights);
+            let mask: Vec<bool> = g
+                .dispatch_mask
+                .into_data()
+                .try_to_vec::<bool>()
+                .expect("bool");
+            assert_eq!(
+                mask.iter().filter(|&&m| m).count(),
+                case.dispatch,
+                "{what}: mask"
+            );
+            let mut want = vec![0.0f64; s * e * c];
+            for &(t, x, slot, w) in &case.combine {
+                want[(t * e + x) * c + slot] = w;
+            }
+            for (i, (&got, &w)) in ours.iter().zip(&want).enumerate() {
+                assert_eq!(got != 0.0, w != 0.0, "{what}: weight {i} placed alike");
+                assert!(
+                    (got as f64 - w).abs() <= 1e-6,
+                    "{what}: weight {i}: {got} vs {w}"
+                );
+                assert_eq!(mask[i], w != 0.0, "{what}: mask {i}");
+            }
+            let l_aux = values(g.l_aux)[0] as f64;
+            assert!(
+                (l_aux - case.l_aux).abs() <= 1e-6,
+                "{what}: l_aux {l_aux} vs {}",
+                case.l_aux
+            );
+        }
+    }
 }

@@ -3,9 +3,13 @@
 //! taken from the gate's probabilities on the host, with no tensors. [`super::gating`] turns a
 //! [`Routing`] into the differentiable combine weights.
 
-/// DeepSpeed's expert capacity: `⌈tokens / experts · factor⌉`, at least `min_capacity`.
+/// DeepSpeed's expert capacity: `⌈tokens / experts · factor⌉`, at least `min_capacity`. The
+/// product is taken in f32, as DeepSpeed's `_capacity` takes it (the factor is a float32
+/// tensor there), so that a product just above an integer in f32 rounds up as it does
+/// (50 tokens, 2 experts, top-2's doubled factor 0.6: 16 slots, not 15).
 pub fn capacity(tokens: usize, experts: usize, factor: f64, min_capacity: usize) -> usize {
-    let c = (tokens as f64 / experts as f64 * factor).ceil() as usize;
+    let share = (tokens as f64 / experts as f64) as f32;
+    let c = (share * factor as f32).ceil() as usize;
     c.max(min_capacity)
 }
 

@@ -156,3 +156,36 @@ fn what_expert_parallelism_cannot_run_is_refused_by_key() {
         "{err}"
     );
 }
+
+/// Mixed precision with expert parallelism: bf16 and fp16 (with dynamic loss scaling) at
+/// ep 2 follow ep 1 in the same precision, each side keeping fp32 masters.
+#[test]
+fn mixed_precision_expert_parallel_runs_follow_ep_1() {
+    for section in [
+        r#""bf16": {"enabled": true}"#,
+        r#""fp16": {"enabled": true, "initial_scale_power": 12}"#,
+    ] {
+        let text = format!(
+            r#"{{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                "gradient_clipping": 1.0, {section},
+                "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+                "zero_optimization": {{"stage": 1}}}}"#
+        );
+        let config = DeepSpeedConfig::from_json_str(&text).expect("valid").0;
+        let run = |ep: usize| {
+            let mut spec = common::spec(config.clone(), GptShape::TINY_MOE, 6, 3, 7);
+            spec.ep_size = ep;
+            common::train(4, &spec)
+        };
+        let (whole, cut) = (run(1), run(2));
+        let diff = max_rel_diff(&whole.losses, &cut.losses);
+        println!("{section}: ep 2 vs ep 1 max rel loss diff {diff:.2e}");
+        assert!(
+            diff <= 5e-4,
+            "{section}: {:?} vs {:?}",
+            cut.losses,
+            whole.losses
+        );
+        assert!(cut.dtype != "fp32");
+    }
+}

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
+use burn::tensor::FloatDType;
 use burn_deepspeed_strategies::comm::Communicator;
 
 use super::{
@@ -37,8 +38,8 @@ pub struct ExpertSync {
 }
 
 /// The regime for `model`, whose MoE layers were cut over `ep` (and recorded their experts
-/// there), on the data-parallel group `data`: ZeRO stages 0-2 with Adam, AdamW or LAMB in
-/// fp32 on the host. The dense parameters are made rank 0's over `data`, the experts the
+/// there), on the data-parallel group `data`: ZeRO stages 0-2 with Adam, AdamW or LAMB on
+/// the host, in fp32 or in fp16/bf16 with fp32 masters (fp32 gradient buffers). The dense parameters are made rank 0's over `data`, the experts the
 /// first holder's over their expert-data group. Collective over `data`.
 pub fn build_expert_parallel<M: Module>(
     model: M,
@@ -68,13 +69,6 @@ pub fn build_expert_parallel<M: Module>(
             "ZeRO stages 0-2 partition the experts in their own groups (as DeepSpeed-MoE); \
              stage 3 is not supported",
         );
-    }
-    if config.fp16.enabled || config.bf16.enabled {
-        let key = match config.fp16.enabled {
-            true => "fp16.enabled",
-            false => "bf16.enabled",
-        };
-        return refuse(key, "mixed precision is not supported yet; train in fp32");
     }
     if config.optimizer_kind().is_one_bit() {
         return refuse("optimizer.type", "1-bit compression is not supported");
@@ -108,12 +102,10 @@ pub fn build_expert_parallel<M: Module>(
     let clip = std::mem::take(&mut options.clip);
     let regime = |layout: ParamLayout, comm: Arc<dyn Communicator>| -> Result<Regime> {
         Ok(match options.stage {
-            ZeroStage::Disabled => Regime::Replicated(ReplicatedSync::new(
-                layout,
-                comm,
-                &options,
-                Some(build_optimizer(optimizer)?),
-            )),
+            ZeroStage::Disabled => Regime::Replicated(
+                ReplicatedSync::new(layout, comm, &options, Some(build_optimizer(optimizer)?))
+                    .with_flat_kind(partitioned_kind(optimizer).ok()),
+            ),
             _ => Regime::Partitioned(PartitionedSync::new(
                 layout,
                 comm,
@@ -226,6 +218,14 @@ impl<M: Module> GradSync<M> for ExpertSync {
     /// The sum of the two regimes' peaks (at most that: their peaks may not coincide).
     fn peak(&self) -> u64 {
         self.dense.view::<M>().peak() + self.experts.view::<M>().peak()
+    }
+
+    /// Both sides keep fp32 masters of their parameters, taken from the f32 `model`; the
+    /// model becomes its working copy in `dtype`.
+    fn keep_masters(&mut self, model: M, dtype: FloatDType) -> Result<M> {
+        let working = self.dense.get::<M>().keep_masters(model.clone(), dtype)?;
+        self.experts.get::<M>().keep_masters(model, dtype)?;
+        Ok(working)
     }
 
     fn save(&self, _: bool) -> Result<SavedState> {

@@ -367,36 +367,68 @@ pub struct Gpt {
     head: GptHead,
     /// Whether each block is an activation checkpoint.
     checkpoint_blocks: bool,
-    /// The MoE blocks' routing in each forward, oldest first.
+    /// The MoE blocks' routing summed since the log was last drained.
     #[module(skip)]
     moe_log: MoeLog,
 }
 
-/// The MoE layers' figures of the forwards run since the log was last drained: one entry per
-/// MoE block per forward.
+/// The MoE blocks' figures summed over their forwards since the log was last drained (a
+/// bounded tally, whether or not anyone drains it; the `l_aux` values stay on the device
+/// until then).
 #[derive(Debug, Clone, Default)]
-pub struct MoeLog(Arc<Mutex<Vec<MoeRecord>>>);
+pub struct MoeLog(Arc<Mutex<Pending>>);
 
-/// One MoE block's forward on this rank.
-#[derive(Debug, Clone, PartialEq)]
-pub struct MoeRecord {
-    /// Its load-balancing loss.
-    pub l_aux: f32,
-    /// Its routing.
-    pub stats: MoeStats,
+/// The log's running sums; `l_aux` as a detached tensor, read once per drain.
+#[derive(Debug, Default)]
+struct Pending {
+    l_aux: Option<Tensor<1>>,
+    tally: MoeTally,
+}
+
+/// MoE block forwards on this rank, summed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MoeTally {
+    /// MoE block forwards.
+    pub forwards: usize,
+    /// Their load-balancing losses, summed.
+    pub l_aux_sum: f64,
+    /// Tokens routed.
+    pub tokens: usize,
+    /// Tokens dropped by every choice.
+    pub dropped: usize,
+    /// Tokens each expert was chosen by, before drops.
+    pub counts: Vec<usize>,
 }
 
 impl MoeLog {
-    fn push(&self, record: MoeRecord) {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(record);
+    fn add(&self, l_aux: Tensor<1>, stats: MoeStats) {
+        let mut pending = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let l_aux = l_aux.detach().cast(FloatDType::F32);
+        pending.l_aux = Some(match pending.l_aux.take() {
+            Some(sum) => sum + l_aux,
+            None => l_aux,
+        });
+        let tally = &mut pending.tally;
+        tally.forwards += 1;
+        tally.tokens += stats.tokens;
+        tally.dropped += stats.dropped;
+        tally
+            .counts
+            .resize(tally.counts.len().max(stats.counts.len()), 0);
+        for (c, n) in tally.counts.iter_mut().zip(&stats.counts) {
+            *c += n;
+        }
     }
 
-    /// The records since the last drain.
-    pub fn drain(&self) -> Vec<MoeRecord> {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    /// The tally since the last drain, and a fresh one from here.
+    pub fn drain(&self) -> MoeTally {
+        let pending = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+        MoeTally {
+            l_aux_sum: pending
+                .l_aux
+                .map_or(0.0, |sum| sum.into_scalar::<f32>() as f64),
+            ..pending.tally
+        }
     }
 }
 
@@ -624,11 +656,7 @@ impl Gpt {
         }
         let (y, aux) = block.forward_moe(x, causal.clone(), scale);
         let aux = aux.map(|(l_aux, stats)| {
-            let value = l_aux.clone().detach().into_scalar::<f32>();
-            self.moe_log.push(MoeRecord {
-                l_aux: value,
-                stats,
-            });
+            self.moe_log.add(l_aux.clone(), stats);
             l_aux
         });
         (y, aux)

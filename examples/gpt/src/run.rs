@@ -310,23 +310,13 @@ pub struct MoeReport {
 }
 
 impl MoeReport {
-    fn record(&mut self, records: &[crate::model::MoeRecord], exchanged: u64) {
-        let n = records.len().max(1) as f64;
+    fn record(&mut self, step: crate::model::MoeTally, exchanged: u64) {
         self.l_aux
-            .push(records.iter().map(|r| r.l_aux as f64).sum::<f64>() / n);
-        let sum =
-            |f: fn(&crate::model::MoeRecord) -> usize| records.iter().map(f).sum::<usize>() as u64;
-        self.tokens_dropped.push(sum(|r| r.stats.dropped));
-        self.tokens_routed.push(sum(|r| r.stats.tokens));
-        let experts = records.first().map_or(0, |r| r.stats.counts.len());
-        let mut counts = vec![0usize; experts];
-        for r in records {
-            for (c, n) in counts.iter_mut().zip(&r.stats.counts) {
-                *c += n;
-            }
-        }
-        let mean = counts.iter().sum::<usize>() as f64 / experts.max(1) as f64;
-        let most = counts.iter().copied().max().unwrap_or(0) as f64;
+            .push(step.l_aux_sum / step.forwards.max(1) as f64);
+        self.tokens_dropped.push(step.dropped as u64);
+        self.tokens_routed.push(step.tokens as u64);
+        let mean = step.counts.iter().sum::<usize>() as f64 / step.counts.len().max(1) as f64;
+        let most = step.counts.iter().copied().max().unwrap_or(0) as f64;
         self.load_balance
             .push(if mean > 0.0 { most / mean } else { 1.0 });
         self.all_to_all_bytes.push(exchanged);
@@ -517,7 +507,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         let report = train_step(&mut engine, spec, step, &inner)?;
         // ANCHOR_END: engine_loop
         if let Some(moe) = &mut moe {
-            moe.record(&moe_log.drain(), all_to_all() - exchanged);
+            moe.record(moe_log.drain(), all_to_all() - exchanged);
         }
         host_device.push(host_device_bytes() - copied);
         staged.push(staged_collective_bytes() - staged_before);

@@ -46,7 +46,8 @@ fn build_with<M: Module, G: GradElem>(
         .as_ref()
         .ok_or_else(|| DeepSpeedError::Data("the config was not resolved".into()))?;
     let options = SyncOptions::of(config);
-    refuse_experts(&model)?;
+    let layout = ParamLayout::of(&model);
+    agreed(comm.as_ref(), "expert parameters", refuse_experts(&layout))?;
     // The I/O engine is chosen per process (a node may lack io_uring): the ranks agree on
     // every one's choice before the first collective. The config, and so the branch, is the
     // same on every rank.
@@ -58,7 +59,6 @@ fn build_with<M: Module, G: GradElem>(
         true => agreed(comm.as_ref(), "parameter offload", ParamOffload::of(config))?,
         false => None,
     };
-    let layout = ParamLayout::of(&model);
     let model = broadcast_params(comm.as_ref(), &layout, model)?;
     // The device regimes' collectives (NCCL on CUDA where every rank can load it; host
     // staging otherwise): chosen together by the ranks before the regime's first collective.
@@ -119,10 +119,9 @@ fn build_with<M: Module, G: GradElem>(
     })
 }
 
-/// Refuses a model with expert-parallel MoE layers: its experts differ from rank to rank, and
+/// Refuses a model (laid out as `layout`) with expert-parallel MoE layers: its experts differ from rank to rank, and
 /// only [`super::build_expert_parallel`] reduces them in their own groups.
-pub(crate) fn refuse_experts<M: Module>(model: &M) -> Result<()> {
-    let layout = ParamLayout::of(model);
+pub(crate) fn refuse_experts(layout: &ParamLayout) -> Result<()> {
     match layout
         .slots
         .iter()

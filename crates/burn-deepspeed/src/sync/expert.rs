@@ -24,7 +24,7 @@ use crate::engine::flat::ParamLayout;
 use crate::engine::memory::ModelStateBytes;
 use crate::engine::{build_optimizer, partitioned_kind};
 use crate::moe::ExpertParallel;
-use crate::{DeepSpeedError, Result};
+use crate::{DeepSpeedError, Result, agreed};
 
 /// The dense and the expert regimes of one model (see the module docs).
 pub struct ExpertSync {
@@ -39,20 +39,15 @@ pub struct ExpertSync {
 
 /// The regime for `model`, whose MoE layers were cut over `ep` (and recorded their experts
 /// there), on the data-parallel group `data`: ZeRO stages 0-2 with Adam, AdamW or LAMB on
-/// the host, in fp32 or in fp16/bf16 with fp32 masters (fp32 gradient buffers). The dense parameters are made rank 0's over `data`, the experts the
-/// first holder's over their expert-data group. Collective over `data`.
+/// the host, in fp32 or in fp16/bf16 with fp32 masters (fp32 gradient buffers). The dense
+/// parameters are made rank 0's over `data`, the experts the first holder's over their
+/// expert-data group. Collective over `data`.
 pub fn build_expert_parallel<M: Module>(
     model: M,
     config: &DeepSpeedConfig,
     data: Arc<dyn Communicator>,
     ep: &ExpertParallel,
 ) -> Result<(M, Box<dyn GradSync<M>>)> {
-    let refuse = |key: &str, reason: &str| {
-        Err(DeepSpeedError::Unsupported {
-            key: key.into(),
-            reason: format!("with expert parallelism (ep_size {}): {reason}", ep.size()),
-        })
-    };
     let (Some(ep_group), Some(expert_data)) = (ep.ep_group(), ep.expert_data_group()) else {
         return Err(DeepSpeedError::Strategy(
             "expert parallelism of one rank has no groups".into(),
@@ -62,37 +57,12 @@ pub fn build_expert_parallel<M: Module>(
         .optimizer
         .as_ref()
         .ok_or_else(|| DeepSpeedError::Data("the config was not resolved".into()))?;
-    let zero = &config.zero_optimization;
-    if zero.stage == ZeroStage::Parameters {
-        return refuse(
-            "zero_optimization.stage",
-            "ZeRO stages 0-2 partition the experts in their own groups (as DeepSpeed-MoE); \
-             stage 3 is not supported",
-        );
-    }
-    if config.optimizer_kind().is_one_bit() {
-        return refuse("optimizer.type", "1-bit compression is not supported");
-    }
-    if zero.optimizer_offload() != OffloadDevice::None || zero.offload_param.is_some() {
-        return refuse(
-            "zero_optimization.offload_optimizer",
-            "offload is not supported",
-        );
-    }
-    if module_device(&model).is_some_and(|d| !burn_deepspeed_strategies::device::host_resident(&d))
-    {
-        return refuse(
-            "moe.ep_size",
-            "the expert regime steps on the host; train on Flex",
-        );
-    }
-    if ep.recorded() == 0 {
-        return Err(DeepSpeedError::Data(
-            "the grid has expert parallelism but no MoE layer recorded experts in it: cut \
-             the model's layers with `MoE::expert_parallel(grid.expert_parallel())`"
-                .into(),
-        ));
-    }
+    // The ranks agree on what runs before the first broadcast.
+    agreed(
+        data.as_ref(),
+        "expert parallelism",
+        check(&model, config, ep),
+    )?;
     let layout = ParamLayout::of(&model);
     let dense_layout = layout.subset(|id| !ep.is_expert(id));
     let expert_layout = layout.subset(|id| ep.is_expert(id));
@@ -127,6 +97,48 @@ pub fn build_expert_parallel<M: Module>(
         clip,
     };
     Ok((model, Box::new(sync)))
+}
+
+/// What the expert regime cannot run, refused by key (the same verdict on every rank of a
+/// symmetric program; the caller agrees on it all the same).
+fn check<M: Module>(model: &M, config: &DeepSpeedConfig, ep: &ExpertParallel) -> Result<()> {
+    let refuse = |key: &str, reason: &str| {
+        Err(DeepSpeedError::Unsupported {
+            key: key.into(),
+            reason: format!("with expert parallelism (ep_size {}): {reason}", ep.size()),
+        })
+    };
+    let zero = &config.zero_optimization;
+    if zero.stage == ZeroStage::Parameters {
+        return refuse(
+            "zero_optimization.stage",
+            "ZeRO stages 0-2 partition the experts in their own groups (as DeepSpeed-MoE); \
+             stage 3 is not supported",
+        );
+    }
+    if config.optimizer_kind().is_one_bit() {
+        return refuse("optimizer.type", "1-bit compression is not supported");
+    }
+    if zero.optimizer_offload() != OffloadDevice::None || zero.offload_param.is_some() {
+        return refuse(
+            "zero_optimization.offload_optimizer",
+            "offload is not supported",
+        );
+    }
+    if module_device(model).is_some_and(|d| !burn_deepspeed_strategies::device::host_resident(&d)) {
+        return refuse(
+            "moe.ep_size",
+            "the expert regime steps on the host; train on Flex",
+        );
+    }
+    if ep.recorded() == 0 {
+        return Err(DeepSpeedError::Data(
+            "the grid has expert parallelism but no MoE layer recorded experts in it: cut \
+             the model's layers with `MoE::expert_parallel(grid.expert_parallel())`"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// One side's regime: stage 0, or stages 1-2.

@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use burn::tensor::Device;
+use burn_deepspeed::engine::checkpoint::consolidate;
 use burn_deepspeed::grid::Grid;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
@@ -187,5 +188,69 @@ fn mixed_precision_expert_parallel_runs_follow_ep_1() {
             whole.losses
         );
         assert!(cut.dtype != "fp32");
+    }
+}
+
+/// Checkpoints hold the whole model, every expert with its optimizer state, in the order of
+/// the model that holds every expert. Saved at ep 2 (ZeRO stage 1) after 6 steps, training
+/// continues at ep 4, at ep 1 (the plain regime, no experts cut) and at ep 2 with stage 2 on
+/// the uninterrupted run's losses and parameters; the files consolidate into the whole model.
+/// Saved at stage 0 (the flat state of fp32 masters) it continues at ep 4, and an fp32
+/// stage-0 run at ep 1 (Burn's optimizer record) refuses it with the reason.
+#[test]
+fn checkpoints_hold_every_expert_and_reload_at_another_ep_size() {
+    const SAVED_AT: u64 = 6;
+    const STEPS: u64 = 12;
+    let short = |stage: u8, ep: usize, steps: u64| {
+        let mut spec = common::spec(config(stage), GptShape::TINY_MOE, steps, 3, 7);
+        spec.ep_size = ep;
+        spec
+    };
+    for (stage, resumes) in [
+        (1u8, vec![(1u8, 4usize), (1, 1), (2, 2)]),
+        (0, vec![(0, 4)]),
+    ] {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let uninterrupted = common::train(4, &short(stage, 2, STEPS));
+        let mut first = short(stage, 2, SAVED_AT);
+        first.save_dir = Some(dir.path().to_path_buf());
+        let saved = common::train(4, &first);
+        assert_eq!(saved.losses, uninterrupted.losses[..SAVED_AT as usize]);
+        let whole = consolidate(dir.path(), None, &dir.path().join("whole.safetensors"))
+            .expect("consolidates");
+        assert_eq!(
+            whole.values, saved.params,
+            "every expert of the whole model"
+        );
+        assert_eq!(whole.values, saved.final_params.0.len());
+        for (at_stage, ep) in resumes {
+            let mut resumed = short(at_stage, ep, STEPS);
+            resumed.resume_from = Some(dir.path().to_path_buf());
+            let run = common::train(4, &resumed);
+            assert_eq!(run.first_step, SAVED_AT);
+            let want = &uninterrupted.losses[SAVED_AT as usize..];
+            let diff = max_rel_diff(want, &run.losses);
+            let params = max_abs_diff(&uninterrupted.final_params, &run.final_params);
+            println!(
+                "saved at ep 2 stage {stage}, resumed at ep {ep} stage {at_stage}: max rel \
+                 loss diff {diff:.2e}, max param diff {params:.2e}"
+            );
+            assert!(
+                diff <= 1e-4,
+                "ep {ep} stage {at_stage}: losses differ by {diff}"
+            );
+            assert!(
+                params <= 1e-3,
+                "ep {ep} stage {at_stage}: params differ by {params}"
+            );
+        }
+        if stage == 0 {
+            let mut plain = short(0, 1, STEPS);
+            plain.resume_from = Some(dir.path().to_path_buf());
+            let err = launch(4, Duration::from_secs(60), |comm| run_rank(&plain, comm))
+                .expect_err("Burn's optimizer cannot read flat state")
+                .to_string();
+            assert!(err.contains("expert parallelism (ep_size 2)"), "{err}");
+        }
     }
 }

@@ -535,11 +535,22 @@ impl Gpt {
     pub fn with_experts(mut self, ep: &ExpertParallel, seed: u64) -> burn_deepspeed::Result<Self> {
         for (l, block) in self.blocks.iter_mut().enumerate() {
             if let Some(moe) = block.moe.take() {
-                let mix = seed ^ (l as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                block.moe = Some(moe.expert_parallel(ep)?.with_seed(mix));
+                block.moe = Some(moe.expert_parallel(ep)?.with_seed(layer_seed(seed, l)));
             }
         }
         Ok(self)
+    }
+
+    /// Restarts the MoE layers' draws (random token selection, gate noise) for optimizer
+    /// step `step` from `seed` (this rank's, as given to [`with_experts`](Self::with_experts)):
+    /// a step draws the same whether the run started at step 0 or resumed from a checkpoint.
+    pub fn reseed_experts(&self, seed: u64, step: u64) {
+        let step = step.wrapping_mul(0xD1B5_4A32_D192_ED03);
+        for (l, block) in self.blocks.iter().enumerate() {
+            if let Some(moe) = &block.moe {
+                moe.reseed(layer_seed(seed, l) ^ step);
+            }
+        }
     }
 
     /// The MoE blocks' figures of every forward since the last call (shared by the model's
@@ -958,4 +969,9 @@ impl SplitMix64 {
         let u2 = self.uniform();
         (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
     }
+}
+
+/// MoE block `l`'s draws' seed from the rank's `seed`.
+fn layer_seed(seed: u64, l: usize) -> u64 {
+    seed ^ (l as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }

@@ -463,7 +463,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let model = Gpt::new(spec.shape, spec.seed, &device)
         .with_activation_checkpointing(spec.config.activation_checkpointing.is_some())
         .sliced(grid.tensor_parallel())
-        .with_experts(grid.expert_parallel(), spec.seed ^ (rank as u64) << 40)?;
+        .with_experts(grid.expert_parallel(), moe_seed(spec, rank))?;
     let moe_log = model.moe_log().clone();
     let mut engine = DeepSpeedEngine::with_grid(model, spec.config.clone(), &grid)?;
     if let Some(dir) = &spec.resume_from {
@@ -644,6 +644,10 @@ pub fn train_step(
     // Progressive layer dropping: θ(t) travels in the batch, as DeepSpeed passes it to the
     // model's forward.
     let theta = engine.pld_theta();
+    // The MoE layers draw from (seed, step): a resumed run draws as an uninterrupted one.
+    engine
+        .model()
+        .reseed_experts(moe_seed(spec, rank as usize), step);
     // Global sequence index of (micro-step k, rank r, row i) = (k·world + r)·micro + i: the
     // ranks hold disjoint shards of each global batch.
     let micro_batches = (0..batch.gradient_accumulation_steps).map(|k| {
@@ -662,6 +666,12 @@ pub fn train_step(
     engine.train_batch(micro_batches)
 }
 // ANCHOR_END: train_step
+
+/// Data-parallel rank `rank`'s seed of the MoE layers' draws (each rank routes with its own,
+/// as each DeepSpeed rank has its own generator).
+fn moe_seed(spec: &RunSpec, rank: usize) -> u64 {
+    spec.seed ^ (rank as u64) << 40
+}
 
 fn check_corpus(spec: &RunSpec) -> Result<()> {
     let seq = spec.shape.seq_len;

@@ -450,6 +450,8 @@ where
     /// This engine's checkpoint metadata (no files yet).
     fn meta(&self) -> CheckpointMeta {
         let layout = self.sync.layout();
+        // Expert parallelism stores the whole model, every expert.
+        let stored = self.sync.stored_layout();
         CheckpointMeta {
             format: CHECKPOINT_FORMAT.into(),
             version: CHECKPOINT_VERSION,
@@ -459,14 +461,24 @@ where
             zero_stage: self.config.zero_optimization.stage.into(),
             optimizer: format!("{:?}", self.config.optimizer_kind()),
             compressing: self.sync.one_bit().map(|o| o.compressing()),
-            param_ids: layout.slots.iter().map(|s| s.id.val()).collect(),
-            shapes: layout.slots.iter().map(|s| s.shape.clone()).collect(),
-            paths: param_paths(&self.model, layout),
+            param_ids: match stored {
+                Some(w) => w.ids.clone(),
+                None => layout.slots.iter().map(|s| s.id.val()).collect(),
+            },
+            shapes: match stored {
+                Some(w) => w.shapes.clone(),
+                None => layout.slots.iter().map(|s| s.shape.clone()).collect(),
+            },
+            paths: match stored {
+                Some(w) => w.paths.clone(),
+                None => param_paths(&self.model, layout),
+            },
             loss_scaler: self.scaler.as_ref().map(DynamicLossScaler::state),
             dtype: self
                 .config
                 .working_dtype()
                 .map(|_| self.config.precision_name().into()),
+            ep_size: Some(self.grid.expert_parallel().size()).filter(|&n| n > 1),
             files: Vec::new(),
         }
     }

@@ -78,6 +78,23 @@ impl ParamLayout {
         layout
     }
 
+    /// A layout of tensors of the given ids and shapes, in this order (plain data).
+    pub fn from_shapes(params: impl IntoIterator<Item = (ParamId, Vec<usize>)>) -> Self {
+        let mut layout = ParamLayout::default();
+        for (id, shape) in params {
+            let numel = shape.iter().product();
+            layout.slots.push(ParamSlot {
+                id,
+                shape,
+                offset: layout.numel,
+                numel,
+            });
+            layout.numel += numel;
+        }
+        layout.reindex();
+        layout
+    }
+
     /// The layout of the parameters `keep` selects, in the same order, packed from offset 0
     /// (a regime over part of a model: expert parallelism reduces the experts and the rest
     /// in different groups).

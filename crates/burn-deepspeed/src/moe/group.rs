@@ -32,6 +32,21 @@ pub struct ExpertParallel {
     expert_data: Option<Arc<dyn Communicator>>,
     /// The ids of this rank's expert parameters, recorded by the layers.
     experts: Arc<Mutex<HashSet<ParamId>>>,
+    /// Each cut layer's gate and local experts, in the order the layers were cut.
+    layers: Arc<Mutex<Vec<ExpertLayer>>>,
+}
+
+/// One MoE layer cut over an expert-parallel group, as its rank holds it: what a checkpoint
+/// needs to store every expert of the whole layer in the order of the uncut model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertLayer {
+    /// The gate's weight (its module path names the layer).
+    pub gate: ParamId,
+    /// Experts in the whole layer.
+    pub num_experts: usize,
+    /// The parameter ids of each local expert, in visiting order: local expert `j` is the
+    /// whole layer's expert `rank · local + j`.
+    pub experts: Vec<Vec<ParamId>>,
 }
 
 impl std::fmt::Debug for ExpertParallel {
@@ -77,6 +92,7 @@ impl ExpertParallel {
             ep: Some(ep),
             expert_data: Some(expert_data),
             experts: Arc::default(),
+            layers: Arc::default(),
         })
     }
 
@@ -112,6 +128,19 @@ impl ExpertParallel {
     pub fn record(&self, id: ParamId) {
         lock(&self.experts).insert(id);
         lock(&EVERY_EXPERT).insert(id);
+    }
+
+    /// Records a layer cut over this group (its experts' ids are recorded one by one too).
+    pub fn record_layer(&self, layer: ExpertLayer) {
+        for id in layer.experts.iter().flatten() {
+            self.record(*id);
+        }
+        lock(&self.layers).push(layer);
+    }
+
+    /// The layers recorded by [`record_layer`](Self::record_layer).
+    pub fn layers(&self) -> Vec<ExpertLayer> {
+        lock(&self.layers).clone()
     }
 
     /// Whether `id` is an expert parameter of this rank.

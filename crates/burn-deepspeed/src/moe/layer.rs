@@ -16,7 +16,7 @@ use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use super::gating::{Choices, top1_choices, top2_choices};
-use super::group::ExpertParallel;
+use super::group::{ExpertLayer, ExpertParallel};
 use super::routing::RouteOptions;
 use crate::DeepSpeedError;
 use crate::inference::splitmix_uniform;
@@ -243,15 +243,15 @@ impl<E: Expert> MoE<E> {
             .take(local)
             .collect();
         if size > 1 {
-            for expert in &self.experts {
-                for id in crate::engine::flat::ParamLayout::of(expert)
-                    .slots
-                    .iter()
-                    .map(|s| s.id)
-                {
-                    ep.record(id);
-                }
-            }
+            let ids = |e: &E| {
+                let layout = crate::engine::flat::ParamLayout::of(e);
+                layout.slots.iter().map(|s| s.id).collect()
+            };
+            ep.record_layer(ExpertLayer {
+                gate: self.gate.weight.id,
+                num_experts: n,
+                experts: self.experts.iter().map(ids).collect(),
+            });
         }
         self.ep = ep.clone();
         Ok(self)
@@ -262,6 +262,13 @@ impl<E: Expert> MoE<E> {
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.rng = Arc::new(Mutex::new(seed));
         self
+    }
+
+    /// Restarts the layer's draws (RTS, noise) from `seed`, in this layer and every clone of
+    /// it (the engine's copy included): a training loop that reseeds from its step number
+    /// draws the same tokens after resuming from a checkpoint as without the interruption.
+    pub fn reseed(&self, seed: u64) {
+        *self.rng.lock().unwrap_or_else(|e| e.into_inner()) = seed;
     }
 
     /// The layer's settings.

@@ -10,8 +10,8 @@ mod op;
 pub mod routing;
 
 pub use gating::{Gating, top1_gating, top2_gating};
-pub use group::ExpertParallel;
 pub(crate) use group::is_expert_anywhere;
+pub use group::{ExpertLayer, ExpertParallel};
 pub use layer::*;
 pub use op::ExpertParallelOps;
 pub use routing::{RouteOptions, Routing, capacity};

@@ -146,6 +146,7 @@ where
                 .config
                 .working_dtype()
                 .map(|_| self.config.precision_name().into()),
+            ep_size: None,
             files: Vec::new(),
         }
     }
@@ -209,6 +210,7 @@ where
                 param_ids: layout.slots.iter().map(|s| s.id.val()).collect(),
                 shapes: layout.slots.iter().map(|s| s.shape.clone()).collect(),
                 paths: Vec::new(),
+                ep_size: None,
                 files: Vec::new(),
                 ..loaded.meta.clone()
             },

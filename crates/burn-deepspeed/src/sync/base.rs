@@ -135,6 +135,13 @@ pub trait GradSync<M: Module> {
         Ok(model)
     }
 
+    /// The layout a checkpoint stores, where it is not [`layout`](Self::layout): expert
+    /// parallelism stores the whole model with every expert (see
+    /// [`WholeLayout`](super::WholeLayout)).
+    fn stored_layout(&self) -> Option<&super::WholeLayout> {
+        None
+    }
+
     /// This rank's optimizer state for a checkpoint (`root`: this rank writes replicated
     /// state).
     fn save(&self, root: bool) -> Result<SavedState>;

@@ -6,6 +6,11 @@
 //! sums the tokens of every rank of its expert-parallel group, so it is divided by the whole
 //! data-parallel size, not by its own group's, which gives the gradient of `ep_size` 1. One
 //! global norm over both clips both.
+//!
+//! Checkpoints hold the whole model, every expert in its layer's order, with the optimizer
+//! state of every tensor ([`WholeLayout`]): they reload at another `ep_size` (1 included,
+//! where the plain regimes read them) and at another world size. Both sides step flat
+//! optimizer state for that, at stage 0 too (fp32 masters of the host parameters).
 
 use std::sync::Arc;
 
@@ -13,14 +18,18 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::FloatDType;
 use burn_deepspeed_strategies::comm::Communicator;
+use burn_deepspeed_strategies::zero::PartitionState;
 
 use super::{
     GradSync, ModelParallelNorm, PartitionedSync, Reduced, ReplicatedSync, SavedState, SyncOptions,
-    broadcast_params, module_device,
+    WholeLayout, broadcast_params, module_device,
 };
 use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
-use crate::engine::checkpoint::Loaded;
-use crate::engine::flat::ParamLayout;
+use crate::engine::checkpoint::{
+    Loaded, all_gather_bytes, f32_bytes, f32_values, partition_state_bytes,
+    partition_state_from_bytes,
+};
+use crate::engine::flat::{ParamLayout, param_paths};
 use crate::engine::memory::ModelStateBytes;
 use crate::engine::{build_optimizer, partitioned_kind};
 use crate::moe::ExpertParallel;
@@ -29,6 +38,12 @@ use crate::{DeepSpeedError, Result, agreed};
 /// The dense and the expert regimes of one model (see the module docs).
 pub struct ExpertSync {
     layout: ParamLayout,
+    /// The whole model's layout, which checkpoints store.
+    whole: WholeLayout,
+    /// The expert-parallel group: where every rank's experts are joined for a checkpoint.
+    ep_group: Arc<dyn Communicator>,
+    /// ZeRO stages 1-2 (else stage 0).
+    partitioned: bool,
     dense: Regime,
     experts: Regime,
     /// `ep_size`: the experts' mean divides by it beside their group's size.
@@ -84,19 +99,60 @@ pub fn build_expert_parallel<M: Module>(
             )),
         })
     };
-    let dense = regime(dense_layout, data)?;
+    let whole = whole_layout(&model, &layout, &expert_layout, data.as_ref(), ep, ep_group)?;
+    let mut dense = regime(dense_layout, data)?;
     let mut experts = regime(expert_layout, expert_data.clone())?;
+    // Stage 0 steps fp32 masters too (flat state that a checkpoint can cut by expert).
+    if options.stage == ZeroStage::Disabled {
+        dense
+            .get::<M>()
+            .keep_masters(model.clone(), FloatDType::F32)?;
+        experts
+            .get::<M>()
+            .keep_masters(model.clone(), FloatDType::F32)?;
+    }
     // The experts' norm: this group's experts, then every group's over the exchange group.
     let norm = ModelParallelNorm::none().with_group(ep_group.clone(), []);
     experts.get::<M>().model_parallel_norm(norm)?;
     let sync = ExpertSync {
         layout,
+        whole,
+        ep_group: ep_group.clone(),
+        partitioned: options.stage != ZeroStage::Disabled,
         dense,
         experts,
         ep_size: ep.size(),
         clip,
     };
     Ok((model, Box::new(sync)))
+}
+
+/// The whole model's layout (every rank of the expert-parallel group tells the others its
+/// experts' ids), agreed over `data`.
+fn whole_layout<M: Module>(
+    model: &M,
+    layout: &ParamLayout,
+    expert_layout: &ParamLayout,
+    data: &dyn Communicator,
+    ep: &ExpertParallel,
+    ep_group: &Arc<dyn Communicator>,
+) -> Result<WholeLayout> {
+    let ids: Vec<u8> = expert_layout
+        .slots
+        .iter()
+        .flat_map(|s| s.id.val().to_le_bytes())
+        .collect();
+    let peer_ids: Vec<Vec<u64>> = all_gather_bytes(ep_group.as_ref(), &ids)?
+        .iter()
+        .map(|b| {
+            b.chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect()
+        })
+        .collect();
+    let paths = param_paths(model, layout);
+    let whole = WholeLayout::new(layout, &paths, &ep.layers(), ep.rank(), &peer_ids);
+    agreed(data, "expert layout", whole)
 }
 
 /// What the expert regime cannot run, refused by key (the same verdict on every rank of a
@@ -148,6 +204,19 @@ enum Regime {
 }
 
 impl Regime {
+    /// The whole parameters and optimizer state of this side's tensors restored.
+    fn restore_whole<M: Module>(
+        &mut self,
+        model: M,
+        params: &[f32],
+        state: PartitionState,
+    ) -> Result<M> {
+        match self {
+            Regime::Replicated(s) => s.restore_whole(model, params, state),
+            Regime::Partitioned(s) => s.restore_whole(model, params, &state),
+        }
+    }
+
     fn get<M: Module>(&mut self) -> &mut dyn GradSync<M> {
         match self {
             Regime::Replicated(s) => s,
@@ -240,18 +309,109 @@ impl<M: Module> GradSync<M> for ExpertSync {
         Ok(working)
     }
 
-    fn save(&self, _: bool) -> Result<SavedState> {
-        Err(not_yet("save"))
+    /// Every rank's experts joined into the whole model (a collective over the data and the
+    /// expert-parallel groups; the fp32 masters in a 16-bit run).
+    fn whole_params(&self, model: &M, wanted: bool) -> Result<Option<Vec<f32>>> {
+        let dense = self.dense.view::<M>().whole_params(model, true)?;
+        let mine = self.experts.view::<M>().whole_params(model, true)?;
+        let peers = all_gather_bytes(
+            self.ep_group.as_ref(),
+            &f32_bytes(&mine.unwrap_or_default()),
+        )?
+        .iter()
+        .map(|b| f32_values(b, "an expert-parallel rank's experts"))
+        .collect::<Result<Vec<_>>>()?;
+        match wanted {
+            true => self
+                .whole
+                .join(&dense.unwrap_or_default(), &peers)
+                .map(Some),
+            false => Ok(None),
+        }
     }
 
-    fn load(&mut self, _: M, _: &Loaded) -> Result<M> {
-        Err(not_yet("load"))
+    /// The whole model's optimizer state, every expert's included (a collective over the
+    /// data and the expert-parallel groups).
+    fn whole_moments(&self) -> Result<Option<PartitionState>> {
+        let dense = self.dense.view::<M>().whole_moments()?;
+        let mine = self.experts.view::<M>().whole_moments()?;
+        let (Some(dense), Some(mine)) = (dense, mine) else {
+            return Ok(None);
+        };
+        let peers = all_gather_bytes(self.ep_group.as_ref(), &partition_state_bytes(&mine))?
+            .iter()
+            .map(|b| partition_state_from_bytes(b, "an expert-parallel rank's state"))
+            .collect::<Result<Vec<_>>>()?;
+        let part = |f: fn(&PartitionState) -> &Vec<f32>| -> Vec<Vec<f32>> {
+            peers.iter().map(|p| f(p).clone()).collect()
+        };
+        let steps: Vec<Vec<u32>> = peers.iter().map(|p| p.steps.clone()).collect();
+        Ok(Some(PartitionState {
+            steps: self.whole.join_tensors(&dense.steps, &steps)?,
+            m: self.whole.join(&dense.m, &part(|p| &p.m))?,
+            v: self.whole.join(&dense.v, &part(|p| &p.v))?,
+        }))
     }
-}
 
-fn not_yet(what: &str) -> DeepSpeedError {
-    DeepSpeedError::Unsupported {
-        key: "moe.ep_size".into(),
-        reason: format!("checkpoints of expert-parallel models cannot {what} yet"),
+    fn stored_layout(&self) -> Option<&WholeLayout> {
+        Some(&self.whole)
+    }
+
+    /// The whole model's state, written by rank 0: at stage 0 as `optim.bin`, at stages 1-2
+    /// as rank 0's slice with every element (the other ranks' slices hold none), so that a
+    /// plain engine of any world size joins them as it joins its own.
+    fn save(&self, root: bool) -> Result<SavedState> {
+        let state = GradSync::<M>::whole_moments(self)?.ok_or_else(|| {
+            DeepSpeedError::Checkpoint(
+                "this optimizer keeps no flat state; expert-parallel checkpoints need Adam, \
+                 AdamW or LAMB"
+                    .into(),
+            )
+        })?;
+        Ok(match (self.partitioned, root) {
+            (false, _) => SavedState::Replicated(root.then(|| partition_state_bytes(&state))),
+            (true, true) => SavedState::Slice(partition_state_bytes(&state)),
+            (true, false) => SavedState::Slice(partition_state_bytes(&PartitionState {
+                steps: state.steps,
+                m: Vec::new(),
+                v: Vec::new(),
+            })),
+        })
+    }
+
+    /// The whole model's parameters and state (written at any `ep_size` and world size, by
+    /// this regime or a plain one with flat state) cut to this rank's dense tensors and
+    /// experts. Every read happens before anything is restored.
+    fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
+        let state = match loaded.meta.zero_stage {
+            0 => partition_state_from_bytes(loaded.replicated_state()?, "optim.bin")?,
+            _ => {
+                let all = 0..self.whole.numel();
+                loaded.slice_state(self.whole.numels(), std::slice::from_ref(&all))?
+            }
+        };
+        if loaded.params.len() != self.whole.numel() {
+            return Err(DeepSpeedError::Checkpoint(format!(
+                "model.bin holds {} values; the whole model has {}",
+                loaded.params.len(),
+                self.whole.numel()
+            )));
+        }
+        let (dense_params, mine_params) = self.whole.split(&loaded.params);
+        let (dense_steps, mine_steps) = self.whole.split_tensors(&state.steps);
+        let (dense_m, mine_m) = self.whole.split(&state.m);
+        let (dense_v, mine_v) = self.whole.split(&state.v);
+        let dense = PartitionState {
+            steps: dense_steps,
+            m: dense_m,
+            v: dense_v,
+        };
+        let mine = PartitionState {
+            steps: mine_steps,
+            m: mine_m,
+            v: mine_v,
+        };
+        let model = self.dense.restore_whole(model, &dense_params, dense)?;
+        self.experts.restore_whole(model, &mine_params, mine)
     }
 }

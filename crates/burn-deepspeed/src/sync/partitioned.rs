@@ -21,7 +21,9 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, FloatDType};
 use burn_deepspeed_strategies::bucket::bucket_ranges;
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
-use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, PartitionedOptimizer};
+use burn_deepspeed_strategies::zero::{
+    FlatPartition, PartitionState, PartitionedKind, PartitionedOptimizer,
+};
 
 use super::ModelParallelNorm;
 use super::bucket::Bucket;
@@ -32,7 +34,7 @@ use super::{
     GradSync, NvmeOffload, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters,
 };
 use crate::config::ZeroStage;
-use crate::engine::checkpoint::{Loaded, save_slice};
+use crate::engine::checkpoint::{Loaded, cut_state, save_slice};
 use crate::engine::flat::{
     ParamLayout, for_each_grad, grads_from_flat, params_from_flat, params_range, params_to_flat,
     restore_params,
@@ -237,6 +239,59 @@ impl<G: GradElem> PartitionedSync<G> {
         self.slice.iter_mut().for_each(|g| *g = G::default());
         self.micro_steps = 0;
     }
+}
+
+impl<G: GradElem> PartitionedSync<G> {
+    /// This rank's part of the optimizer state `own` and of the whole parameters `params`
+    /// (flat in this regime's layout) restored; the gradient buffers cleared.
+    fn restore_own(&mut self, own: PartitionState, params: &[f32]) -> Result<()> {
+        match &mut self.optim {
+            Some(o) => {
+                let masters = o.is_offloaded().then(|| &params[self.own.clone()]);
+                o.restore(own, masters)?
+            }
+            None => return Err(crate::engine::checkpoint::no_state_to_restore()),
+        }
+        if self.master.is_some() {
+            self.master = Some(params[self.own.clone()].to_vec());
+        }
+        self.reset();
+        self.present.iter_mut().for_each(|p| *p = 0);
+        Ok(())
+    }
+
+    /// Restores the whole parameters `params` and optimizer `state` of this regime's tensors
+    /// (flat in its layout) into `model` and this rank's slice, keeping the parameters' ids:
+    /// a regime over part of a model (expert parallelism's) loads a checkpoint this way.
+    pub fn restore_whole<M: Module>(
+        &mut self,
+        model: M,
+        params: &[f32],
+        state: &PartitionState,
+    ) -> Result<M> {
+        check_whole(&self.layout, params, state)?;
+        self.restore_own(cut_state(state, std::slice::from_ref(&self.own)), params)?;
+        Ok(params_from_flat(model, &self.layout, params))
+    }
+}
+
+/// Refuses whole parameters or state that do not fit `layout`.
+pub(crate) fn check_whole(
+    layout: &ParamLayout,
+    params: &[f32],
+    state: &PartitionState,
+) -> Result<()> {
+    let (n, t) = (layout.numel, layout.slots.len());
+    if params.len() != n || state.m.len() != n || state.v.len() != n || state.steps.len() != t {
+        return Err(DeepSpeedError::Checkpoint(format!(
+            "a regime of {t} tensors and {n} elements got {} parameters and a state of {} \
+             tensors and {} elements",
+            params.len(),
+            state.steps.len(),
+            state.m.len()
+        )));
+    }
+    Ok(())
 }
 
 impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
@@ -492,19 +547,8 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
         let layout = ParamLayout::of(&model);
         let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
         let state = loaded.slice_state(&sizes, std::slice::from_ref(&self.own))?;
-        match &mut self.optim {
-            Some(o) => {
-                let masters = o.is_offloaded().then(|| &loaded.params[self.own.clone()]);
-                o.restore(state, masters)?
-            }
-            None => return Err(crate::engine::checkpoint::no_state_to_restore()),
-        }
-        if self.master.is_some() {
-            self.master = Some(loaded.params[self.own.clone()].to_vec());
-        }
+        self.restore_own(state, &loaded.params)?;
         self.layout = layout;
-        self.reset();
-        self.present.iter_mut().for_each(|p| *p = 0);
         Ok(model)
     }
 

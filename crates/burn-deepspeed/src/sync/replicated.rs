@@ -16,11 +16,14 @@ use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Bytes, FloatDType};
 use burn_deepspeed_strategies::comm::Communicator;
-use burn_deepspeed_strategies::zero::{FlatPartition, PartitionedKind, PartitionedOptimizer};
+use burn_deepspeed_strategies::zero::{
+    FlatPartition, PartitionState, PartitionedKind, PartitionedOptimizer,
+};
 
 use super::ModelParallelNorm;
 use super::buffer::GradBuffer;
 use super::elem::GradElem;
+use super::partitioned::check_whole;
 use super::scale::{clip_local, clip_to, scale};
 use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
 use crate::engine::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
@@ -335,6 +338,41 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
 
     fn burn_optimizer(&self) -> Option<&ModuleOptimizer> {
         self.optim.as_ref()
+    }
+
+    /// With fp32 masters, their flat optimizer's state (the same on every rank).
+    fn whole_moments(&self) -> Result<Option<PartitionState>> {
+        let state = self
+            .masters
+            .as_ref()
+            .map(|m| m.optim.export())
+            .transpose()?;
+        Ok(state.map(|s| s.into_owned()))
+    }
+}
+
+impl<G: GradElem> ReplicatedSync<G> {
+    /// Restores the whole parameters `params` and the masters' optimizer `state` (flat in
+    /// this regime's layout) into `model` and the masters, keeping the parameters' ids: a
+    /// regime over part of a model (expert parallelism's) loads a checkpoint this way.
+    /// Refused without masters (Burn's optimizer keeps its state by parameter id).
+    pub fn restore_whole<M: Module>(
+        &mut self,
+        model: M,
+        params: &[f32],
+        state: PartitionState,
+    ) -> Result<M> {
+        check_whole(self.buffer.layout(), params, &state)?;
+        let Some(masters) = self.masters.as_mut() else {
+            return Err(DeepSpeedError::Checkpoint(
+                "this stage-0 regime steps Burn's optimizer, whose state is not flat".into(),
+            ));
+        };
+        masters.optim.restore(state, None)?;
+        masters.values = params.to_vec();
+        self.buffer.reset();
+        self.buffer.clear_marks();
+        Ok(params_from_flat(model, self.buffer.layout(), params))
     }
 }
 

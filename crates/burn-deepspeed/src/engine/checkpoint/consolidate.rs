@@ -181,6 +181,7 @@ mod tests {
             paths: paths.iter().map(|p| p.to_string()).collect(),
             loss_scaler: None,
             dtype: None,
+            ep_size: None,
             files: Vec::new(),
         }
     }

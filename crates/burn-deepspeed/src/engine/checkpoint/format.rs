@@ -98,6 +98,10 @@ pub struct CheckpointMeta {
     /// always holds fp32 values: the masters of a 16-bit run.
     #[serde(default)]
     pub dtype: Option<String>,
+    /// Expert parallelism's `ep_size` when it wrote (absent at 1). Its files hold the whole
+    /// model all the same, every expert with its optimizer state, flat at every stage.
+    #[serde(default)]
+    pub ep_size: Option<usize>,
     /// The state files.
     pub files: Vec<CheckpointFile>,
 }
@@ -590,6 +594,7 @@ mod tests {
             paths: vec!["layer.weight".into(), "layer.bias".into()],
             loss_scaler: None,
             dtype: None,
+            ep_size: None,
             files: Vec::new(),
         }
     }

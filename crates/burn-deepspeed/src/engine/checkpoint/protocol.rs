@@ -203,18 +203,24 @@ fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta) -> Result<Lo
             meta.zero_stage
         ));
     }
-    // At stage 0 an fp32 run keeps Burn's optimizer record and a 16-bit run the flat state
-    // of its fp32 masters: neither reads the other's. The partitioned stages share one format.
-    // (1-bit optimizers step flat buffers in both, so theirs load either way.)
-    if stage == 0 && meta.compressing.is_none() && meta.dtype.is_some() != expected.dtype.is_some()
-    {
-        let name = |d: &Option<String>| d.clone().unwrap_or_else(|| "fp32".into());
+    // At stage 0 an fp32 run keeps Burn's optimizer record, and a 16-bit or an
+    // expert-parallel run the flat state of its fp32 masters: neither reads the other's. The
+    // partitioned stages share one format. (1-bit optimizers step flat buffers in both, so
+    // theirs load either way.)
+    let flat = |m: &CheckpointMeta| m.dtype.is_some() || m.ep_size.is_some_and(|n| n > 1);
+    if stage == 0 && meta.compressing.is_none() && flat(&meta) != flat(expected) {
+        let name = |m: &CheckpointMeta| match (&m.dtype, m.ep_size) {
+            (Some(d), _) => d.clone(),
+            (None, Some(ep)) if ep > 1 => format!("fp32 with expert parallelism (ep_size {ep})"),
+            (None, _) => "fp32".into(),
+        };
         return refuse(format!(
             "written at ZeRO stage 0 by a run in {}; this engine trains in {}, and at stage 0 \
-             the two keep different optimizer states (load it at ZeRO stage 1, 2 or 3, where \
-             fp32 and 16-bit checkpoints load into each other)",
-            name(&meta.dtype),
-            name(&expected.dtype)
+             the two keep different optimizer states (Burn's optimizer record, or the flat \
+             state of fp32 masters; load it at ZeRO stage 1, 2 or 3, where all of them load \
+             into each other)",
+            name(&meta),
+            name(expected)
         ));
     }
     if meta.optimizer != expected.optimizer {
@@ -389,7 +395,7 @@ pub fn join_slices(
 }
 
 /// The state of a rank that owns the flat element `ranges` (back to back) of the whole state.
-fn cut_state(whole: &PartitionState, ranges: &[Range<usize>]) -> PartitionState {
+pub fn cut_state(whole: &PartitionState, ranges: &[Range<usize>]) -> PartitionState {
     let len = ranges.iter().map(|r| r.len()).sum();
     let (mut m, mut v) = (Vec::with_capacity(len), Vec::with_capacity(len));
     for r in ranges {

@@ -116,6 +116,8 @@ fn unsupported_settings_are_refused_with_the_key() {
         keep_final_state: true,
         device: Default::default(),
         ep_size: 1,
+        teacher: None,
+        heldout: None,
     };
     let err = launch(1, Duration::from_secs(30), |comm| run_rank(&spec, comm))
         .expect_err("MiCS is refused")
@@ -145,6 +147,8 @@ fn a_failing_rank_fails_the_run_instead_of_hanging() {
         keep_final_state: true,
         device: Default::default(),
         ep_size: 1,
+        teacher: None,
+        heldout: None,
     };
     let start = std::time::Instant::now();
     let result = launch(2, Duration::from_secs(60), |comm| {

@@ -254,3 +254,32 @@ fn checkpoints_hold_every_expert_and_reload_at_another_ep_size() {
         }
     }
 }
+
+/// PR-MoE (a residual MLP beside the experts, 2 experts in the first MoE block and 4 in the
+/// last: the pyramid) at ep 2 follows ep 1: the same losses and, through the whole-model
+/// layout that checkpoints use, the same parameters.
+#[test]
+fn a_pr_moe_pyramid_splits_over_expert_parallel_ranks() {
+    let run = |ep: usize| {
+        let mut spec = common::spec(config(1), GptShape::TINY_PR_MOE, 6, 3, 7);
+        spec.ep_size = ep;
+        common::train(2, &spec)
+    };
+    let (whole, cut) = (run(1), run(2));
+    let dense = run_params(GptShape::TINY);
+    // Two MoE blocks replace two dense MLPs (4d² + 4d + 4d² + d each) with 2 + 4 experts and
+    // a residual MLP of that size, plus their gates (d·E) and coefficients (2d + 2).
+    let (d, mlp) = (128usize, 8 * 128 * 128 + 5 * 128);
+    let want = dense - 2 * mlp + (2 + 4 + 2) * mlp + d * (2 + 4) + 2 * (2 * d + 2);
+    assert_eq!(whole.params, want, "the pyramid's experts");
+    assert_eq!(cut.params, whole.params);
+    let diff = max_rel_diff(&whole.losses, &cut.losses);
+    let params = max_abs_diff(&whole.final_params, &cut.final_params);
+    println!("tiny-pr-moe ep 2 vs ep 1: max rel loss diff {diff:.2e}, max param diff {params:.2e}");
+    assert!(diff <= 1e-4, "losses differ by {diff}");
+    assert!(params <= 1e-4, "parameters differ by {params}");
+}
+
+fn run_params(shape: GptShape) -> usize {
+    burn::module::Module::num_params(&Gpt::new(shape, 1, &Device::flex()))
+}

@@ -13,6 +13,7 @@
 
 pub mod activation;
 pub mod config;
+pub mod distill;
 pub mod engine;
 mod error;
 pub mod grid;

@@ -2,7 +2,7 @@
 //! ranks (threads; under mpirun the MPI world), from key/value caches.
 //!
 //! ```text
-//! cargo run --release --example generate -- --checkpoint DIR [--model tiny|small|medium]
+//! cargo run --release --example generate -- --checkpoint DIR [--model PRESET]
 //!     [--prompt TEXT]... [--max-new-tokens N] [--tp N]
 //!     [--temperature T [--top-k K] [--top-p P] [--seed S]] [--compare-recompute] [--json]
 //!     [--dtype fp32|fp16|bf16|int8|int4 [--quant-group G]] [--eval HELDOUT_FILE]
@@ -29,7 +29,7 @@ struct Args {
     #[arg(long)]
     checkpoint: Option<std::path::PathBuf>,
     /// The model size the checkpoint was trained with.
-    #[arg(long, default_value = "tiny", value_parser = ["tiny", "small", "medium"])]
+    #[arg(long, default_value = "tiny", value_parser = GptShape::PRESETS)]
     model: String,
     /// A prompt (repeat for a batch; lengths may differ).
     #[arg(long, default_values_t = vec!["The ".to_string()])]

@@ -1,21 +1,26 @@
 //! Trains the byte-level GPT with burn-deepspeed.
 //!
 //! ```text
-//! cargo run --release --example gpt -- [--config FILE] [--model tiny|small|medium|xl] [--layers N]
-//!     [--device flex|wgpu|cuda] [--ranks N]
-//!     [--steps N] [--data PATH] [--seed S] [--json]
+//! cargo run --release --example gpt -- [--config FILE] [--model PRESET] [--layers N]
+//!     [--device flex|wgpu|cuda] [--ranks N] [--ep-size N]
+//!     [--steps N] [--data PATH] [--heldout-bytes N] [--seed S] [--json]
+//!     [--teacher DIR --teacher-model PRESET [--kd-stop-step N] [--kd-temperature T]]
 //! mpirun -n N target/release/examples/gpt ...        # built with --features mpi
 //! ```
 
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed::distill::DistillationConfig;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::DEFAULT_CONFIG;
 use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::GptShape;
-use burn_deepspeed_example_gpt::run::{DiskBaselineReport, ModelDevice, RunSpec, run_rank};
+use burn_deepspeed_example_gpt::run::{
+    DiskBaselineReport, ModelDevice, RunSpec, Teacher, run_rank,
+};
 use clap::Parser;
 
 /// Counts the heap, so that the report's `peak_activation_bytes` is measured.
@@ -30,11 +35,7 @@ struct Args {
     #[arg(long)]
     config: Option<std::path::PathBuf>,
     /// Model size.
-    #[arg(
-        long,
-        default_value = "tiny",
-        value_parser = ["tiny", "small", "medium", "xl", "tiny-moe", "small-moe"]
-    )]
+    #[arg(long, default_value = "tiny", value_parser = GptShape::PRESETS)]
     model: String,
     /// Expert parallelism of a GPT-MoE (`tiny-moe`, `small-moe`): ranks that split each MoE
     /// layer's experts; it must divide the data-parallel ranks and the experts.
@@ -77,6 +78,32 @@ struct Args {
     /// report's swap throughput is judged against.
     #[arg(long)]
     measure_disk_gb: Option<f64>,
+    /// Hold out the last N bytes of the training data: train on the rest and report the
+    /// held-out loss on them after the last step.
+    #[arg(long)]
+    heldout_bytes: Option<usize>,
+    /// Mixture-of-Students: distil from the teacher in this checkpoint directory (its
+    /// latest), a GPT of `--teacher-model`.
+    #[arg(long, requires = "teacher_model")]
+    teacher: Option<std::path::PathBuf>,
+    /// The teacher's preset.
+    #[arg(long, value_parser = GptShape::PRESETS)]
+    teacher_model: Option<String>,
+    /// Layers of the teacher, when it was trained with `--layers`.
+    #[arg(long)]
+    teacher_layers: Option<usize>,
+    /// Staged distillation: the teacher's term stops at this step (absent: never).
+    #[arg(long)]
+    kd_stop_step: Option<u64>,
+    /// Softmax temperature of the distillation.
+    #[arg(long, default_value_t = 1.0)]
+    kd_temperature: f64,
+    /// Weight of the cross-entropy with the labels.
+    #[arg(long, default_value_t = 1.0)]
+    kd_alpha_ce: f64,
+    /// Weight of the teacher's term.
+    #[arg(long, default_value_t = 1.0)]
+    kd_beta: f64,
     /// Seconds a rank waits for the others before failing.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -121,6 +148,34 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         }
         shape.layers = layers;
     }
+    let (bytes, heldout) = match args.heldout_bytes {
+        Some(n) if n >= bytes.len() => {
+            return Err(burn_deepspeed::DeepSpeedError::Data(format!(
+                "--heldout-bytes {n} leaves nothing to train on in {} bytes",
+                bytes.len()
+            )));
+        }
+        Some(n) => {
+            let cut = bytes.len() - n;
+            (bytes[..cut].to_vec(), Some(Arc::new(bytes[cut..].to_vec())))
+        }
+        None => (bytes, None),
+    };
+    let teacher = match (&args.teacher, &args.teacher_model) {
+        (Some(dir), Some(model)) => {
+            let mut shape = GptShape::preset(model).expect("clap checked the preset");
+            if let Some(layers) = args.teacher_layers {
+                shape.layers = layers;
+            }
+            let distill = DistillationConfig::new()
+                .with_alpha_ce(args.kd_alpha_ce)
+                .with_beta_kd(args.kd_beta)
+                .with_temperature(args.kd_temperature)
+                .with_stop_step(args.kd_stop_step);
+            Some(Teacher::from_checkpoint(dir, shape, distill)?)
+        }
+        _ => None,
+    };
     let spec = RunSpec {
         config,
         shape,
@@ -133,6 +188,8 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         keep_final_state: false,
         device,
         ep_size: args.ep_size,
+        teacher,
+        heldout,
     };
     // ANCHOR: launch
     let (_, reports) = launch(args.ranks, Duration::from_secs(args.timeout), |comm| {
@@ -158,6 +215,9 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
             report.losses.last().copied().unwrap_or(f64::NAN),
             report.tokens_per_s
         );
+        if let (Some(loss), Some(tokens)) = (report.heldout_loss, report.heldout_tokens) {
+            eprintln!("held-out loss {loss:.4} over {tokens} tokens");
+        }
         if args.json {
             println!(
                 "{}",

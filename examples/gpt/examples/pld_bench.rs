@@ -92,6 +92,8 @@ fn main() -> ExitCode {
         keep_final_state: true,
         device: Default::default(),
         ep_size: 1,
+        teacher: None,
+        heldout: None,
     });
     let outcome = launch(1, Duration::from_secs(3600), |comm| {
         let device = Device::flex().autodiff();

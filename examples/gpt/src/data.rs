@@ -81,6 +81,7 @@ fn batch_of_windows<'a>(
     let make = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [n, seq_len]), device);
     GptBatch {
         layer_drop: None,
+        soft_targets: None,
         vocab_group: TensorParallel::none(),
         inputs: make(inputs),
         targets: make(targets),

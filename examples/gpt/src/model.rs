@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_deepspeed::activation::checkpoint;
+use burn_deepspeed::distill::{DistillationConfig, distillation_loss};
 use burn_deepspeed::engine::memory::param_bytes;
 use burn_deepspeed::inference::{CausalLm, KvCache, WeightQuantization};
 use burn_deepspeed::moe::{ExpertMlp, ExpertParallel, MoE, MoeConfig, MoeStats};
@@ -49,6 +50,28 @@ pub struct MoeShape {
     pub k: usize,
     /// PR-MoE's residual: a dense MLP beside the experts.
     pub residual: bool,
+    /// PR-MoE's pyramid: more experts in the last MoE layers.
+    pub pyramid: Option<Pyramid>,
+}
+
+/// PR-MoE's pyramid (arXiv 2201.05596 §4.1: experts help the deeper layers more): the last
+/// `layers` MoE layers hold `experts` experts each, the earlier ones [`MoeShape::experts`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pyramid {
+    /// MoE layers at the end of the model with more experts.
+    pub layers: usize,
+    /// Experts in each of them.
+    pub experts: usize,
+}
+
+impl MoeShape {
+    /// Experts of MoE layer `index` of `count` (0-based, in model order).
+    pub fn experts_at(&self, index: usize, count: usize) -> usize {
+        match self.pyramid {
+            Some(p) if index + p.layers >= count => p.experts,
+            _ => self.experts,
+        }
+    }
 }
 
 /// The load-balancing loss's coefficient in the training loss (Megatron-DeepSpeed's
@@ -100,6 +123,7 @@ impl GptShape {
             experts: 4,
             k: 1,
             residual: false,
+            pyramid: None,
         }),
         ..Self::TINY
     };
@@ -111,11 +135,55 @@ impl GptShape {
             experts: 8,
             k: 1,
             residual: false,
+            pyramid: None,
         }),
         ..Self::SMALL
     };
 
-    /// A preset by name (`tiny`, `small`, `medium`, `xl`, `tiny-moe`, `small-moe`).
+    /// `tiny-moe` as PR-MoE: a dense MLP beside the experts of each MoE block, 2 experts in
+    /// block 2 and 4 in block 4 (the pyramid).
+    pub const TINY_PR_MOE: GptShape = GptShape {
+        moe: Some(MoeShape {
+            experts: 2,
+            k: 1,
+            residual: true,
+            pyramid: Some(Pyramid {
+                layers: 1,
+                experts: 4,
+            }),
+        }),
+        ..Self::TINY
+    };
+
+    /// `small-moe` as PR-MoE: a dense MLP beside the experts of each MoE block, 2 experts in
+    /// the first two MoE blocks and 4 in the last two (the pyramid): half the experts'
+    /// parameters of `small-moe`, with the residual MLPs.
+    pub const SMALL_PR_MOE: GptShape = GptShape {
+        moe: Some(MoeShape {
+            experts: 2,
+            k: 1,
+            residual: true,
+            pyramid: Some(Pyramid {
+                layers: 2,
+                experts: 4,
+            }),
+        }),
+        ..Self::SMALL
+    };
+
+    /// The preset names [`preset`](Self::preset) knows.
+    pub const PRESETS: [&'static str; 8] = [
+        "tiny",
+        "small",
+        "medium",
+        "xl",
+        "tiny-moe",
+        "small-moe",
+        "tiny-pr-moe",
+        "small-pr-moe",
+    ];
+
+    /// A preset by name (one of [`PRESETS`](Self::PRESETS)).
     pub fn preset(name: &str) -> Option<GptShape> {
         match name {
             "tiny" => Some(Self::TINY),
@@ -124,6 +192,8 @@ impl GptShape {
             "xl" => Some(Self::XL),
             "tiny-moe" => Some(Self::TINY_MOE),
             "small-moe" => Some(Self::SMALL_MOE),
+            "tiny-pr-moe" => Some(Self::TINY_PR_MOE),
+            "small-pr-moe" => Some(Self::SMALL_PR_MOE),
             _ => None,
         }
     }
@@ -161,14 +231,12 @@ pub struct Block {
 
 impl Block {
     /// A block whose MLP is dense, or with `moe` an MoE layer of experts shaped like it.
-    fn new(d: usize, heads: usize, moe: Option<MoeShape>, device: &Device) -> Self {
+    fn new(d: usize, heads: usize, moe: Option<(MoeShape, usize)>, device: &Device) -> Self {
         let dense = moe.is_none();
-        let moe = moe.map(|m| {
-            let experts = (0..m.experts)
-                .map(|_| ExpertMlp::new(d, 4 * d, device))
-                .collect();
+        let moe = moe.map(|(m, n)| {
+            let experts = (0..n).map(|_| ExpertMlp::new(d, 4 * d, device)).collect();
             let residual = m.residual.then(|| ExpertMlp::new(d, 4 * d, device));
-            MoeConfig::new(d, m.experts)
+            MoeConfig::new(d, n)
                 .with_k(m.k)
                 .with_use_residual(m.residual)
                 .init(experts, residual, device)
@@ -396,8 +464,11 @@ pub struct MoeTally {
     pub tokens: usize,
     /// Tokens dropped by every choice.
     pub dropped: usize,
-    /// Tokens each expert was chosen by, before drops.
+    /// Tokens each expert was chosen by, before drops, summed by expert index.
     pub counts: Vec<usize>,
+    /// Each forward's busiest expert's count over its mean count (1 is even), summed: layers
+    /// of different numbers of experts (a pyramid) are each judged on their own.
+    pub balance_sum: f64,
 }
 
 impl MoeLog {
@@ -418,6 +489,9 @@ impl MoeLog {
         for (c, n) in tally.counts.iter_mut().zip(&stats.counts) {
             *c += n;
         }
+        let mean = stats.counts.iter().sum::<usize>() as f64 / stats.counts.len().max(1) as f64;
+        let most = stats.counts.iter().copied().max().unwrap_or(0) as f64;
+        tally.balance_sum += if mean > 0.0 { most / mean } else { 1.0 };
     }
 
     /// The tally since the last drain, and a fresh one from here.
@@ -444,6 +518,19 @@ pub struct GptBatch {
     /// The group the head's vocabulary is cut over, for the pipelined loss (whose last
     /// stage sees only the logits); [`TensorParallel::none`] without slicing.
     pub vocab_group: TensorParallel,
+    /// A teacher's logits for these inputs and how to learn from them (knowledge
+    /// distillation, Mixture-of-Students), if it teaches this step.
+    pub soft_targets: Option<SoftTargets>,
+}
+
+/// A teacher's next-token logits `[batch, seq, 256]` for a batch (constants: no gradient
+/// flows into the teacher) and the distillation's weights and temperature.
+#[derive(Debug, Clone)]
+pub struct SoftTargets {
+    /// The teacher's logits.
+    pub logits: Tensor<3>,
+    /// How the student learns from them.
+    pub distill: Arc<DistillationConfig>,
 }
 
 /// Progressive layer dropping (arXiv 2010.13369) for one training micro-batch: the engine's
@@ -471,6 +558,12 @@ impl GptBatch {
     /// The batch with progressive layer dropping at `layer_drop`.
     pub fn with_layer_drop(mut self, layer_drop: Option<LayerDrop>) -> Self {
         self.layer_drop = layer_drop;
+        self
+    }
+
+    /// The batch with a teacher's logits for its inputs.
+    pub fn with_soft_targets(mut self, soft_targets: Option<SoftTargets>) -> Self {
+        self.soft_targets = soft_targets;
         self
     }
 }
@@ -512,9 +605,14 @@ impl Gpt {
                 ),
                 seq_len: shape.seq_len,
             },
-            // GPT-MoE: the second, fourth, ... blocks are MoE blocks.
+            // GPT-MoE: the second, fourth, ... blocks are MoE blocks (MoE layer l / 2 of
+            // layers / 2, which a pyramid gives more experts near the end).
             blocks: (0..shape.layers)
-                .map(|l| Block::new(d, shape.heads, shape.moe.filter(|_| l % 2 == 1), device))
+                .map(|l| {
+                    let moe = shape.moe.filter(|_| l % 2 == 1);
+                    let moe = moe.map(|m| (m, m.experts_at(l / 2, shape.layers / 2)));
+                    Block::new(d, shape.heads, moe, device)
+                })
                 .collect(),
             head: GptHead {
                 ln_f: LayerNormConfig::new(d).init(device),
@@ -747,6 +845,17 @@ impl Gpt {
     fn forward_losses(&self, batch: GptBatch) -> (ClassificationOutput, Option<Tensor<1>>) {
         let (logits, aux) = self.forward_aux(batch.inputs.clone(), batch.layer_drop);
         let (loss, logits, targets) = batch.cross_entropy(logits, &self.head.head.tp);
+        // With a teacher: its term beside the cross-entropy (the whole vocabulary is here:
+        // a run with a teacher does not slice the head).
+        let loss = match &batch.soft_targets {
+            Some(soft) => {
+                let [b, t, v] = soft.logits.dims();
+                let teacher = soft.logits.clone().reshape([b * t, v]);
+                let kd = distillation_loss(logits.clone(), teacher, soft.distill.temperature);
+                soft.distill.loss(loss, Some(kd))
+            }
+            None => loss,
+        };
         (ClassificationOutput::new(loss, logits, targets), aux)
     }
 

@@ -1,11 +1,13 @@
 //! The training driver of the example: one call per rank (SPMD).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use burn::tensor::Device;
+use burn::tensor::{Device, Int, Tensor};
 use burn_deepspeed::comm::{Communicator, CommunicatorExt};
+use burn_deepspeed::distill::DistillationConfig;
+use burn_deepspeed::engine::flat::{ParamLayout, params_from_flat};
 use burn_deepspeed::engine::transfer::{host_device_bytes, staged_collective_bytes};
 use burn_deepspeed::grid::{AxisBytes, Grid};
 use burn_deepspeed::launch::launch;
@@ -15,7 +17,8 @@ use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine, DeepSpeedError, Result, S
 use serde::Serialize;
 
 use crate::data::ByteCorpus;
-use crate::model::{Gpt, GptShape, LayerDrop, SplitMix64};
+use crate::generate::GenerateSpec;
+use crate::model::{Gpt, GptShape, LayerDrop, SoftTargets, SplitMix64};
 
 /// What one run trains.
 #[derive(Debug, Clone)]
@@ -46,6 +49,53 @@ pub struct RunSpec {
     /// Expert parallelism of a GPT-MoE: ranks that split each MoE layer's experts (1: every
     /// rank holds every expert).
     pub ep_size: usize,
+    /// Knowledge distillation from a trained teacher (Mixture-of-Students), if any.
+    pub teacher: Option<Teacher>,
+    /// Held-out bytes: the report's held-out loss after the last step, over their
+    /// non-overlapping windows.
+    pub heldout: Option<Arc<Vec<u8>>>,
+}
+
+/// A trained teacher and how a student learns from it (DeepSpeed-MoE's Mixture-of-Students,
+/// arXiv 2201.05596 §5; see [`burn_deepspeed::distill`]). The teacher runs whole on every
+/// rank, in evaluation mode on the host, beside the engine: the engine never sees it.
+#[derive(Debug, Clone)]
+pub struct Teacher {
+    /// The teacher, on plain Flex (no autodiff).
+    pub model: Gpt,
+    /// How the student learns from it.
+    pub distill: Arc<DistillationConfig>,
+}
+
+impl Teacher {
+    /// The GPT of `shape` in checkpoint `dir` (its latest, written at any world size, ZeRO
+    /// stage or `ep_size`) as a teacher, refused with the reason when the checkpoint holds
+    /// another model or `distill` is invalid.
+    pub fn from_checkpoint(
+        dir: &Path,
+        shape: GptShape,
+        distill: DistillationConfig,
+    ) -> Result<Self> {
+        distill.validate()?;
+        let params = GenerateSpec::params_from_checkpoint(dir, shape)?;
+        let whole = Gpt::new(shape, 0, &Device::flex());
+        let layout = ParamLayout::of(&whole);
+        Ok(Self {
+            model: params_from_flat(whole, &layout, &params),
+            distill: Arc::new(distill),
+        })
+    }
+
+    /// The teacher's logits for `inputs`, on `device` (constants for the student's loss).
+    fn soft_targets(&self, inputs: &Tensor<2, Int>, device: &Device) -> SoftTargets {
+        let logits = self
+            .model
+            .forward(inputs.clone().to_device(&Device::flex()));
+        SoftTargets {
+            logits: logits.to_device(device),
+            distill: self.distill.clone(),
+        }
+    }
 }
 
 /// The device a rank's model trains on.
@@ -135,6 +185,8 @@ impl RunSpec {
             keep_final_state: true,
             device: ModelDevice::Flex,
             ep_size: 1,
+            teacher: None,
+            heldout: None,
         }
     }
 }
@@ -286,6 +338,13 @@ pub struct RunReport {
     pub final_moments: Option<(FlatParams, FlatParams)>,
     /// Ranks that split each MoE layer's experts (1 for a dense GPT).
     pub ep_size: usize,
+    /// Mean next-byte cross-entropy over the held-out bytes after the last step (with
+    /// `RunSpec::heldout`).
+    pub heldout_loss: Option<f64>,
+    /// Tokens the held-out loss averages over.
+    pub heldout_tokens: Option<usize>,
+    /// Steps that learned from the teacher (with `RunSpec::teacher`).
+    pub distilled_steps: u64,
     /// A GPT-MoE's routing figures (rank 0's), `None` for a dense GPT.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeReport>,
@@ -302,7 +361,7 @@ pub struct MoeReport {
     /// Tokens routed in each step, summed over the MoE blocks.
     pub tokens_routed: Vec<u64>,
     /// Load balance of each step: the busiest expert's count over the mean count (1 is
-    /// even), over the MoE blocks' counts summed.
+    /// even), averaged over the MoE blocks' forwards.
     pub load_balance: Vec<f64>,
     /// Bytes rank 0 sent over its expert-parallel group in each step: the all-to-alls of
     /// forward and backward (measured by the communicator; 0 at `ep_size` 1).
@@ -315,10 +374,8 @@ impl MoeReport {
             .push(step.l_aux_sum / step.forwards.max(1) as f64);
         self.tokens_dropped.push(step.dropped as u64);
         self.tokens_routed.push(step.tokens as u64);
-        let mean = step.counts.iter().sum::<usize>() as f64 / step.counts.len().max(1) as f64;
-        let most = step.counts.iter().copied().max().unwrap_or(0) as f64;
         self.load_balance
-            .push(if mean > 0.0 { most / mean } else { 1.0 });
+            .push(step.balance_sum / step.forwards.max(1) as f64);
         self.all_to_all_bytes.push(exchanged);
     }
 }
@@ -460,6 +517,14 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         .with_expert_parallel(spec.ep_size, &device)?;
     // A GPT-MoE keeps its experts of the expert-parallel group; each data-parallel rank
     // routes with its own draws.
+    if spec.teacher.is_some() && grid.topology().tensor > 1 {
+        return Err(DeepSpeedError::Unsupported {
+            key: "tensor_parallel.tp_size".into(),
+            reason: "a student learns from its teacher over the whole vocabulary: train it \
+                     without tensor slicing"
+                .into(),
+        });
+    }
     let model = Gpt::new(spec.shape, spec.seed, &device)
         .with_activation_checkpointing(spec.config.activation_checkpointing.is_some())
         .sliced(grid.tensor_parallel())
@@ -551,7 +616,17 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
             live_activations: 0,
         },
     )?;
-    // Collectives for the tests' comparisons, after the traffic figures were taken.
+    // Collectives for the held-out loss and the tests' comparisons, after the traffic
+    // figures were taken.
+    let heldout = match &spec.heldout {
+        Some(bytes) => Some(crate::generate::heldout(
+            &burn::module::Module::valid(engine.model()),
+            None,
+            bytes,
+            spec.shape.seq_len,
+        )?),
+        None => None,
+    };
     let moments = match spec.keep_final_state {
         true => engine
             .optimizer_moments()?
@@ -622,6 +697,13 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         },
         final_moments: moments,
         ep_size: grid.expert_parallel().size(),
+        heldout_loss: heldout.map(|h| h.loss),
+        heldout_tokens: heldout.map(|h| h.tokens),
+        distilled_steps: spec.teacher.as_ref().map_or(0, |t| {
+            (first_step..spec.steps)
+                .filter(|&s| t.distill.teaches_at(s))
+                .count() as u64
+        }),
         moe,
     })
 }
@@ -659,9 +741,17 @@ pub fn train_step(
             theta,
             seed: SplitMix64::new(spec.seed ^ (step << 32) ^ k).next_u64(),
         });
-        spec.corpus
+        let batch = spec
+            .corpus
             .batch(step, first, micro as usize, spec.shape.seq_len, device)
-            .with_layer_drop(layer_drop)
+            .with_layer_drop(layer_drop);
+        // Mixture-of-Students: the teacher's logits for this micro-batch while it teaches.
+        let soft = spec
+            .teacher
+            .as_ref()
+            .filter(|t| t.distill.teaches_at(step))
+            .map(|t| t.soft_targets(&batch.inputs, device));
+        batch.with_soft_targets(soft)
     });
     engine.train_batch(micro_batches)
 }
@@ -691,6 +781,14 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         return Err(DeepSpeedError::Unsupported {
             key: "pipeline.stages".into(),
             reason: "the GPT-MoE presets train without pipeline parallelism".into(),
+        });
+    }
+    if spec.teacher.is_some() || spec.heldout.is_some() {
+        return Err(DeepSpeedError::Unsupported {
+            key: "pipeline.stages".into(),
+            reason: "a teacher and a held-out loss need the whole model's logits on every \
+                     rank: train without pipeline parallelism"
+                .into(),
         });
     }
     let device = spec.device.device(comm.rank());
@@ -841,6 +939,9 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         final_params: FlatParams::default(),
         final_moments: None,
         ep_size: 1,
+        heldout_loss: None,
+        heldout_tokens: None,
+        distilled_steps: 0,
         moe: None,
     })
 }

@@ -13,6 +13,7 @@ use burn_deepspeed::grid::Grid;
 use burn_deepspeed::inference::{GenerateOptions, Sampling, generate};
 use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::data::EMBEDDED_CORPUS;
+use burn_deepspeed_example_gpt::generate::{GenerateSpec, heldout};
 use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
 
 const SHAPE: GptShape = GptShape {
@@ -258,5 +259,66 @@ fn quantized_weights_on_wgpu_score_as_on_flex() {
             gpu.loss,
             flex.loss
         );
+    }
+}
+
+/// MoE inference: a GPT-MoE trained at `ep_size` 2 and saved (the checkpoint holds every
+/// expert) is served whole, and sliced over 2 and 4 ranks with its experts cut over the
+/// group as well (each rank runs its share on the tokens every rank sees): the same greedy
+/// tokens and the same held-out loss, each rank holding a quarter of the experts at tp 4.
+#[test]
+fn a_gpt_moe_trained_at_ep_2_serves_with_its_experts_sliced() {
+    let shape = GptShape {
+        moe: GptShape::TINY_MOE.moe,
+        ..SHAPE
+    };
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let config = DeepSpeedConfig::from_json_str(
+        r#"{"train_batch_size": 8, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}}"#,
+    )
+    .expect("valid")
+    .0;
+    let mut spec = common::spec(config, shape, 40, 5, 3);
+    spec.ep_size = 2;
+    spec.save_dir = Some(dir.path().to_path_buf());
+    common::train(2, &spec);
+    let params = GenerateSpec::params_from_checkpoint(dir.path(), shape).expect("the whole model");
+    let load = || {
+        let whole = Gpt::new(shape, 3, &Device::flex());
+        let layout = ParamLayout::of(&whole);
+        params_from_flat(whole, &layout, &params)
+    };
+    let gpt = load();
+    let prompts = prompts();
+    let heldout_bytes = &EMBEDDED_CORPUS[60_000..64_000];
+    let want = generate(&gpt, &prompts, &GREEDY, &Device::flex()).expect("generates");
+    let loss = heldout(&gpt, None, heldout_bytes, shape.seq_len).expect("held out");
+    for tp in [2usize, 4] {
+        let config = tp_config(tp);
+        let (_, ranks) = launch(tp, Duration::from_secs(120), |comm| {
+            let grid = Grid::from_config(&config, comm, &Device::flex())?;
+            let sliced = load()
+                .sliced(grid.tensor_parallel())
+                .with_sliced_experts(grid.tensor_parallel())?;
+            let experts = burn::module::Module::num_params(&sliced);
+            let tokens = generate(&sliced, &prompts, &GREEDY, &Device::flex())?.tokens;
+            let loss = heldout(&sliced, None, heldout_bytes, shape.seq_len)?;
+            Ok((tokens, loss, experts))
+        })
+        .expect("the ranks serve");
+        for (tokens, got, held) in ranks {
+            assert_eq!(tokens, want.tokens, "tp {tp}");
+            let diff = (got.loss - loss.loss).abs();
+            println!(
+                "tp {tp}: held-out loss {:.6} vs {:.6}, {held} parameters held",
+                got.loss, loss.loss
+            );
+            assert!(diff < 1e-5, "tp {tp}: {diff}");
+            assert!(
+                held < params.len() / tp + params.len() / 4,
+                "tp {tp}: {held}"
+            );
+        }
     }
 }

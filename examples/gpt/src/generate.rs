@@ -151,7 +151,10 @@ pub fn generate_rank(spec: &GenerateSpec, comm: Arc<dyn Communicator>) -> Result
             layout.numel
         )));
     }
-    let model = params_from_flat(whole, &layout, &spec.params).sliced(grid.tensor_parallel());
+    // A GPT-MoE's experts are cut over the group too: each rank runs its share of them.
+    let model = params_from_flat(whole, &layout, &spec.params)
+        .sliced(grid.tensor_parallel())
+        .with_sliced_experts(grid.tensor_parallel())?;
     let (served, quant_group) = serving(model.clone(), spec)?;
     let heldout = match &spec.eval {
         Some(bytes) => {

@@ -639,6 +639,20 @@ impl Gpt {
         Ok(self)
     }
 
+    /// For serving a sliced model: each MoE block's experts split over the tensor-parallel
+    /// group `tp` as well (each rank runs `experts / tp` of them on the tokens every rank
+    /// sees, and the outputs are summed over the group; see `MoE::expert_sliced`). Refused
+    /// when `tp` does not divide a block's experts. Not for training: a sliced block's gate
+    /// gradient would be partial on each rank.
+    pub fn with_sliced_experts(mut self, tp: &TensorParallel) -> burn_deepspeed::Result<Self> {
+        for block in &mut self.blocks {
+            if let Some(moe) = block.moe.take() {
+                block.moe = Some(moe.expert_sliced(tp)?);
+            }
+        }
+        Ok(self)
+    }
+
     /// Restarts the MoE layers' draws (random token selection, gate noise) for optimizer
     /// step `step` from `seed` (this rank's, as given to [`with_experts`](Self::with_experts)):
     /// a step draws the same whether the run started at step 0 or resumed from a checkpoint.

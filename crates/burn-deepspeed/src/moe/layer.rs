@@ -20,6 +20,7 @@ use super::group::{ExpertLayer, ExpertParallel};
 use super::routing::RouteOptions;
 use crate::DeepSpeedError;
 use crate::inference::splitmix_uniform;
+use crate::tensor_parallel::TensorParallel;
 
 /// An expert of an [`MoE`] layer: any module from tokens `[n, d]` to `[n, d]` (DeepSpeed
 /// takes any `nn.Module`; the usual one is the transformer's MLP, [`ExpertMlp`]).
@@ -154,6 +155,7 @@ impl MoeConfig {
             residual,
             settings: self.clone(),
             ep: ExpertParallel::none(),
+            slices: TensorParallel::none(),
             rng: Arc::new(Mutex::new(self.seed)),
         })
     }
@@ -211,6 +213,10 @@ pub struct MoE<E: Expert> {
     settings: MoeConfig,
     #[module(skip)]
     ep: ExpertParallel,
+    /// Expert slicing: the group of ranks that see the same tokens, each running its share
+    /// of the experts ([`TensorParallel::none`] when the layer is not sliced).
+    #[module(skip)]
+    slices: TensorParallel,
     /// The state of the layer's draws.
     #[module(skip)]
     rng: Arc<Mutex<u64>>,
@@ -222,26 +228,8 @@ impl<E: Expert> MoE<E> {
     /// engine reduces their gradients over the ranks that hold them). The gate and the
     /// residual branch stay whole.
     pub fn expert_parallel(mut self, ep: &ExpertParallel) -> crate::Result<Self> {
-        let (n, size, rank) = (self.settings.num_experts, ep.size(), ep.rank());
-        if self.experts.len() != n {
-            return Err(DeepSpeedError::Unsupported {
-                key: "moe.ep_size".into(),
-                reason: "the layer is already cut over an expert-parallel group".into(),
-            });
-        }
-        if !n.is_multiple_of(size) {
-            return Err(DeepSpeedError::Unsupported {
-                key: "moe.ep_size".into(),
-                reason: format!("ep_size {size} must divide num_experts {n}"),
-            });
-        }
-        let local = n / size;
-        self.experts = self
-            .experts
-            .into_iter()
-            .skip(rank * local)
-            .take(local)
-            .collect();
+        let (n, size) = (self.settings.num_experts, ep.size());
+        self.keep_share(size, ep.rank(), "moe.ep_size", "ep_size")?;
         if size > 1 {
             let ids = |e: &E| {
                 let layout = crate::engine::flat::ParamLayout::of(e);
@@ -255,6 +243,41 @@ impl<E: Expert> MoE<E> {
         }
         self.ep = ep.clone();
         Ok(self)
+    }
+
+    /// This rank's share of the whole layer over `tp`, a group whose ranks all see the same
+    /// tokens (a tensor-parallel group serving a model: DeepSpeed-MoE inference's expert
+    /// slicing). Each rank keeps experts `[rank · n / tp, (rank + 1) · n / tp)` and runs them
+    /// on their slots; their outputs are summed over the group (Megatron's `g`: an all-reduce
+    /// forward, the identity backward), then the whole residual branch is mixed in. The gate
+    /// and the residual stay whole. For serving: training a sliced layer would leave each
+    /// rank with a partial gate gradient, which no gradient regime sums.
+    pub fn expert_sliced(mut self, tp: &TensorParallel) -> crate::Result<Self> {
+        self.keep_share(tp.size(), tp.rank(), "tensor_parallel.tp_size", "tp_size")?;
+        self.slices = tp.clone();
+        Ok(self)
+    }
+
+    /// Keeps share `rank` of `size` of the whole layer's experts, refused (by `key`) when
+    /// the layer is already cut or `size` does not divide its experts.
+    fn keep_share(&mut self, size: usize, rank: usize, key: &str, name: &str) -> crate::Result<()> {
+        let n = self.settings.num_experts;
+        let refuse = |reason: String| {
+            Err(DeepSpeedError::Unsupported {
+                key: key.into(),
+                reason,
+            })
+        };
+        if self.experts.len() != n {
+            return refuse("the layer's experts are already cut over a group".into());
+        }
+        if !n.is_multiple_of(size) {
+            return refuse(format!("{name} {size} must divide num_experts {n}"));
+        }
+        let local = n / size;
+        let whole = std::mem::take(&mut self.experts);
+        self.experts = whole.into_iter().skip(rank * local).take(local).collect();
+        Ok(())
     }
 
     /// The layer with its draws (RTS, noise) started from `seed` (give each data-parallel
@@ -317,6 +340,10 @@ impl<E: Expert> MoE<E> {
                 .collect();
             let weight = weight.clone().cast(dtype);
             output = output + padded.clone().select(0, index(at)) * weight;
+        }
+        // Expert slicing: each rank combined its own experts' outputs.
+        if self.slices.size() > 1 {
+            output = self.slices.reduce(output);
         }
         if let Some(residual) = &self.residual {
             let mixed = softmax(residual.coefficient.forward(tokens.clone()), 1);
@@ -389,6 +416,9 @@ impl<E: Expert> MoE<E> {
     /// buffers exchanged so that this rank holds its experts' slots from every rank of the
     /// group, each expert run on its `ep · capacity` rows, and the results exchanged back.
     fn run_experts(&self, dispatched: Tensor<2>, capacity: usize, d: usize) -> Tensor<2> {
+        if self.slices.size() > 1 {
+            return self.run_sliced_experts(dispatched, capacity);
+        }
         let (ep, local) = (self.ep.size(), self.experts.len());
         let mine = self
             .ep
@@ -405,6 +435,36 @@ impl<E: Expert> MoE<E> {
             .swap_dims(0, 1)
             .reshape([ep * local * capacity, d]);
         self.ep.all_to_all(back)
+    }
+}
+
+impl<E: Expert> MoE<E> {
+    /// Expert slicing: this rank's experts on their slots of the dispatched buffers
+    /// `[experts · capacity, d]` (the same on every rank of the group), zeros in the other
+    /// experts' slots.
+    fn run_sliced_experts(&self, dispatched: Tensor<2>, capacity: usize) -> Tensor<2> {
+        let (n, local, rank) = (
+            self.settings.num_experts,
+            self.experts.len(),
+            self.slices.rank(),
+        );
+        let [_, d] = dispatched.dims();
+        let zeros = |experts: usize| {
+            (experts > 0).then(|| {
+                Tensor::<2>::zeros([experts * capacity, d], &dispatched.device())
+                    .cast(dispatched.dtype())
+            })
+        };
+        let before = zeros(rank * local);
+        let after = zeros(n - (rank + 1) * local);
+        let mine = self.experts.iter().enumerate().map(|(j, expert)| {
+            let rows = dispatched
+                .clone()
+                .narrow(0, (rank * local + j) * capacity, capacity);
+            expert.forward(rows)
+        });
+        let parts: Vec<Tensor<2>> = before.into_iter().chain(mine).chain(after).collect();
+        Tensor::cat(parts, 0)
     }
 }
 
@@ -552,6 +612,41 @@ mod tests {
             let what = format!("k {k}, residual {residual}");
             close(&read(out.output), &by_hand(&moe, &x, 10, &device), &what);
         }
+    }
+
+    /// Expert slicing for serving: at tp 2 and 4 (ranks that all see the same tokens), each
+    /// rank's output, summed over the group, equals the whole layer's, top-1 with the
+    /// residual branch and top-2; each rank holds `4 / tp` experts.
+    #[test]
+    fn sliced_experts_serve_the_whole_layers_output() {
+        let device = Device::flex();
+        let x = values(10 * D, 9);
+        let input =
+            |device: &Device| Tensor::<3>::from_data(TensorData::new(x.clone(), [2, 5, D]), device);
+        for (k, residual) in [(1, true), (2, false)] {
+            let want = read(layer(k, residual, &device).forward(input(&device)).output);
+            for tp in [2, 4] {
+                let (_, ranks) = launch(tp, Duration::from_secs(60), |comm| {
+                    let group = TensorParallel::new(
+                        burn_deepspeed_strategies::device::device_collectives(comm, &device)?,
+                    );
+                    let moe = layer(k, residual, &device).expert_sliced(&group)?;
+                    assert_eq!(moe.experts.len(), EXPERTS / tp);
+                    let out = moe.forward(input(&device));
+                    assert!(group.take_error().is_none(), "the reductions ran");
+                    Ok(read(out.output))
+                })
+                .expect("every rank runs");
+                for (rank, got) in ranks.iter().enumerate() {
+                    close(got, &want, &format!("k {k}, tp {tp}, rank {rank}"));
+                }
+            }
+        }
+        let group = TensorParallel::none();
+        let cut = layer(1, false, &device)
+            .expert_sliced(&group)
+            .expect("tp 1");
+        assert_eq!(cut.experts.len(), EXPERTS, "tp 1 keeps every expert");
     }
 
     /// Four ranks with their own tokens, at ep 2 and ep 4: every rank's output and input

@@ -497,7 +497,9 @@ impl<M: Module> DeepSpeedEngine<M> {
     ///
     /// With tensor slicing the slices are joined over the tensor-parallel group (a
     /// collective), so that every rank returns the whole model's parameters, in the layout
-    /// of the same model unsliced.
+    /// of the same model unsliced. With expert parallelism every rank's experts are joined
+    /// the same way (a collective over the expert-parallel group), in the layout of the model
+    /// that holds every expert.
     pub fn flat_params(&self) -> Result<Vec<f32>> {
         let local = self
             .sync

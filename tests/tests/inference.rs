@@ -284,11 +284,7 @@ fn a_gpt_moe_trained_at_ep_2_serves_with_its_experts_sliced() {
     spec.save_dir = Some(dir.path().to_path_buf());
     common::train(2, &spec);
     let params = GenerateSpec::params_from_checkpoint(dir.path(), shape).expect("the whole model");
-    let load = || {
-        let whole = Gpt::new(shape, 3, &Device::flex());
-        let layout = ParamLayout::of(&whole);
-        params_from_flat(whole, &layout, &params)
-    };
+    let load = || Gpt::from_params(shape, &params, &Device::flex()).expect("the whole model");
     let gpt = load();
     let prompts = prompts();
     let heldout_bytes = &EMBEDDED_CORPUS[60_000..64_000];

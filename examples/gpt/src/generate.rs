@@ -11,7 +11,7 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use burn_deepspeed::comm::Communicator;
 use burn_deepspeed::engine::checkpoint::read_model;
-use burn_deepspeed::engine::flat::{ParamLayout, params_from_flat};
+use burn_deepspeed::engine::flat::ParamLayout;
 use burn_deepspeed::grid::Grid;
 use burn_deepspeed::inference::{
     CausalLm, GenerateOptions, InferenceDtype, Sampler, Sampling, generate, next_tokens,
@@ -142,17 +142,8 @@ pub fn generate_rank(spec: &GenerateSpec, comm: Arc<dyn Communicator>) -> Result
     let device = Device::flex();
     let (tp, backend) = (comm.world_size(), comm.backend().to_string());
     let grid = Grid::new(comm, 1, tp, &device)?;
-    let whole = Gpt::new(spec.shape, 0, &device);
-    let layout = ParamLayout::of(&whole);
-    if layout.numel != spec.params.len() {
-        return Err(DeepSpeedError::Data(format!(
-            "{} parameters for a model of {}",
-            spec.params.len(),
-            layout.numel
-        )));
-    }
     // A GPT-MoE's experts are cut over the group too: each rank runs its share of them.
-    let model = params_from_flat(whole, &layout, &spec.params)
+    let model = Gpt::from_params(spec.shape, &spec.params, &device)?
         .sliced(grid.tensor_parallel())
         .with_sliced_experts(grid.tensor_parallel())?;
     let (served, quant_group) = serving(model.clone(), spec)?;
@@ -182,7 +173,7 @@ pub fn generate_rank(spec: &GenerateSpec, comm: Arc<dyn Communicator>) -> Result
         backend,
         dtype: spec.dtype.to_string(),
         quant_group,
-        parameters: layout.numel as u64,
+        parameters: spec.params.len() as u64,
         text: generation
             .tokens
             .iter()

@@ -12,6 +12,7 @@ use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_deepspeed::activation::checkpoint;
 use burn_deepspeed::distill::{DistillationConfig, distillation_loss};
+use burn_deepspeed::engine::flat::{ParamLayout, params_from_flat};
 use burn_deepspeed::engine::memory::param_bytes;
 use burn_deepspeed::inference::{CausalLm, KvCache, WeightQuantization};
 use burn_deepspeed::moe::{ExpertMlp, ExpertParallel, MoE, MoeConfig, MoeStats};
@@ -625,6 +626,25 @@ impl Gpt {
             moe_log: MoeLog::default(),
         };
         model.map(&mut GptInit::new(seed, shape.layers))
+    }
+
+    /// A whole GPT of `shape` on `device` with the flat parameters `params` (in its layout
+    /// order: a checkpoint's `model.bin`), refused when their count is another model's.
+    pub fn from_params(
+        shape: GptShape,
+        params: &[f32],
+        device: &Device,
+    ) -> burn_deepspeed::Result<Self> {
+        let whole = Self::new(shape, 0, device);
+        let layout = ParamLayout::of(&whole);
+        if layout.numel != params.len() {
+            return Err(burn_deepspeed::DeepSpeedError::Data(format!(
+                "{} parameters for a model of {}",
+                params.len(),
+                layout.numel
+            )));
+        }
+        Ok(params_from_flat(whole, &layout, params))
     }
 
     /// This rank's part of the (whole) GPT-MoE over `ep`: each MoE block keeps its

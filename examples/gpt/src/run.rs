@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 use burn::tensor::{Device, Int, Tensor};
 use burn_deepspeed::comm::{Communicator, CommunicatorExt};
 use burn_deepspeed::distill::DistillationConfig;
-use burn_deepspeed::engine::flat::{ParamLayout, params_from_flat};
 use burn_deepspeed::engine::transfer::{host_device_bytes, staged_collective_bytes};
 use burn_deepspeed::grid::{AxisBytes, Grid};
 use burn_deepspeed::launch::launch;
@@ -78,10 +77,8 @@ impl Teacher {
     ) -> Result<Self> {
         distill.validate()?;
         let params = GenerateSpec::params_from_checkpoint(dir, shape)?;
-        let whole = Gpt::new(shape, 0, &Device::flex());
-        let layout = ParamLayout::of(&whole);
         Ok(Self {
-            model: params_from_flat(whole, &layout, &params),
+            model: Gpt::from_params(shape, &params, &Device::flex())?,
             distill: Arc::new(distill),
         })
     }

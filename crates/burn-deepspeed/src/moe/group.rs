@@ -42,8 +42,6 @@ pub struct ExpertParallel {
 pub struct ExpertLayer {
     /// The gate's weight (its module path names the layer).
     pub gate: ParamId,
-    /// Experts in the whole layer.
-    pub num_experts: usize,
     /// The parameter ids of each local expert, in visiting order: local expert `j` is the
     /// whole layer's expert `rank · local + j`.
     pub experts: Vec<Vec<ParamId>>,

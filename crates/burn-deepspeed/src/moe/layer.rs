@@ -228,7 +228,7 @@ impl<E: Expert> MoE<E> {
     /// engine reduces their gradients over the ranks that hold them). The gate and the
     /// residual branch stay whole.
     pub fn expert_parallel(mut self, ep: &ExpertParallel) -> crate::Result<Self> {
-        let (n, size) = (self.settings.num_experts, ep.size());
+        let size = ep.size();
         self.keep_share(size, ep.rank(), "moe.ep_size", "ep_size")?;
         if size > 1 {
             let ids = |e: &E| {
@@ -237,7 +237,6 @@ impl<E: Expert> MoE<E> {
             };
             ep.record_layer(ExpertLayer {
                 gate: self.gate.weight.id,
-                num_experts: n,
                 experts: self.experts.iter().map(ids).collect(),
             });
         }

@@ -342,14 +342,13 @@ impl<M: Module> GradSync<M> for ExpertSync {
             .iter()
             .map(|b| partition_state_from_bytes(b, "an expert-parallel rank's state"))
             .collect::<Result<Vec<_>>>()?;
-        let part = |f: fn(&PartitionState) -> &Vec<f32>| -> Vec<Vec<f32>> {
-            peers.iter().map(|p| f(p).clone()).collect()
-        };
-        let steps: Vec<Vec<u32>> = peers.iter().map(|p| p.steps.clone()).collect();
+        let steps: Vec<&[u32]> = peers.iter().map(|p| p.steps.as_slice()).collect();
+        let m: Vec<&[f32]> = peers.iter().map(|p| p.m.as_slice()).collect();
+        let v: Vec<&[f32]> = peers.iter().map(|p| p.v.as_slice()).collect();
         Ok(Some(PartitionState {
             steps: self.whole.join_tensors(&dense.steps, &steps)?,
-            m: self.whole.join(&dense.m, &part(|p| &p.m))?,
-            v: self.whole.join(&dense.v, &part(|p| &p.v))?,
+            m: self.whole.join(&dense.m, &m)?,
+            v: self.whole.join(&dense.v, &v)?,
         }))
     }
 

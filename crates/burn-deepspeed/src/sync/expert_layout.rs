@@ -197,13 +197,17 @@ impl WholeLayout {
 
     /// The whole model's flat values from the dense ones and each expert-parallel rank's
     /// experts' (every rank's, in rank order).
-    pub fn join<T: Copy>(&self, dense: &[T], experts: &[Vec<T>]) -> Result<Vec<T>> {
+    pub fn join<T: Copy>(&self, dense: &[T], experts: &[impl AsRef<[T]>]) -> Result<Vec<T>> {
         self.join_by(dense, experts, Unit::Elements)
     }
 
     /// The whole model's per-tensor values (an optimizer's step counts) from the dense
     /// tensors' and each rank's experts'.
-    pub fn join_tensors<T: Copy>(&self, dense: &[T], experts: &[Vec<T>]) -> Result<Vec<T>> {
+    pub fn join_tensors<T: Copy>(
+        &self,
+        dense: &[T],
+        experts: &[impl AsRef<[T]>],
+    ) -> Result<Vec<T>> {
         self.join_by(dense, experts, Unit::Tensors)
     }
 
@@ -217,16 +221,21 @@ impl WholeLayout {
         self.split_by(whole, Unit::Tensors)
     }
 
-    fn join_by<T: Copy>(&self, dense: &[T], experts: &[Vec<T>], unit: Unit) -> Result<Vec<T>> {
+    fn join_by<T: Copy>(
+        &self,
+        dense: &[T],
+        experts: &[impl AsRef<[T]>],
+        unit: Unit,
+    ) -> Result<Vec<T>> {
         let (d, e) = match unit {
             Unit::Elements => (self.dense.1, self.experts.1),
             Unit::Tensors => (self.dense.0, self.experts.0),
         };
-        if dense.len() != d || experts.iter().any(|x| x.len() != e) {
+        if dense.len() != d || experts.iter().any(|x| x.as_ref().len() != e) {
             return Err(DeepSpeedError::Strategy(format!(
                 "the whole model joins {d} dense and {e} expert values per rank; got {} and {:?}",
                 dense.len(),
-                experts.iter().map(Vec::len).collect::<Vec<_>>()
+                experts.iter().map(|x| x.as_ref().len()).collect::<Vec<_>>()
             )));
         }
         let mut out = Vec::with_capacity(match unit {
@@ -240,7 +249,7 @@ impl WholeLayout {
                     owner,
                     slot,
                     offset,
-                } => (&experts[owner], unit.pick(slot, offset)),
+                } => (experts[owner].as_ref(), unit.pick(slot, offset)),
             };
             let len = unit.pick(1, numel);
             out.extend_from_slice(&from[at..at + len]);
@@ -303,7 +312,6 @@ mod tests {
         let paths = names(2);
         let layer = ExpertLayer {
             gate: id(1),
-            num_experts: 4,
             experts: vec![vec![id(2), id(3)], vec![id(4), id(5)]],
         };
         (layout, paths, vec![layer])

@@ -163,13 +163,48 @@ print("checkpoint consolidate: 1 passed, 0 failed" if ok else "checkpoint consol
 sys.exit(0 if ok else 1)
 PY
 
+# The monitor's files from an MPI run (issue 23): TensorBoard itself reads the event file
+# (in a virtual environment of its own), and the CSV has one row per step.
+venv="$target_dir/tensorboard-venv"
+"$venv/bin/python" -c "import tensorboard" 2>/dev/null \
+    || { python3 -m venv "$venv" && "$venv/bin/pip" install -q tensorboard; }
+cat > "$out/monitor.json" <<EOF
+{"train_batch_size": 16, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+ "tensorboard": {"enabled": true, "output_path": "$out/monitor", "job_name": "tb"},
+ "csv_monitor": {"enabled": true, "output_path": "$out/monitor", "job_name": "csv"}}
+EOF
+mpirun -n 2 "$gpt" --config "$out/monitor.json" --steps 5 --seed 7 > /dev/null
+"$venv/bin/python" - "$out/monitor" <<'PY'
+import csv, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+events = EventAccumulator(f"{sys.argv[1]}/tb")
+events.Reload()
+tags = events.Tags()["scalars"]
+loss = events.Scalars("Train/Samples/train_loss")
+rows = list(csv.DictReader(open(f"{sys.argv[1]}/csv/metrics.csv")))
+print(f"tensorboard read {len(tags)} tags, train_loss at steps {[e.step for e in loss]}; csv {len(rows)} rows")
+ok = [e.step for e in loss] == [16, 32, 48, 64, 80] and len(rows) == 5 and all(
+    abs(float(r["train_loss"]) - e.value) <= 1e-6 * e.value for r, e in zip(rows, loss))
+print("monitor files: 1 passed, 0 failed" if ok else "monitor files: 0 passed, 1 failed")
+sys.exit(0 if ok else 1)
+PY
+
 # The pipelined GPT ((pp, dp) = (2, 2)) under mpirun -n 4 prints the same losses as in threads.
 args=(--config examples/gpt/configs/pipeline.json --steps 3 --seed 7 --json)
 "$gpt" --ranks 4 "${args[@]}" | tail -n 1 > "$out/pipe-threads.json"
-mpirun -n 4 "$gpt" "${args[@]}" | tail -n 1 > "$out/pipe-mpi.json"
-python3 - "$out/pipe-threads.json" "$out/pipe-mpi.json" <<'PY'
+# The MPI run also writes its timeline: one Chrome trace per process (issue 23).
+mpirun -n 4 "$gpt" "${args[@]}" --trace "$out/pipe-trace.json" | tail -n 1 > "$out/pipe-mpi.json"
+python3 - "$out/pipe-threads.json" "$out/pipe-mpi.json" "$out/pipe-trace.json" <<'PY'
 import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
+need = {"ForwardPass", "BackwardPass", "ReduceGrads", "OptimizerStep"}
+traced = 0
+for rank in range(4):
+    events = json.load(open(f"{sys.argv[3]}.rank{rank}"))
+    names = {e.get("name") for e in events if e.get("ph") in ("B", "X")}
+    traced += need <= names
+print(f"mpi trace: {traced} of 4 rank files hold every instruction of {sorted(need)}")
+assert traced == 4, traced
 assert a["backend"] == "threads" and b["backend"] == "mpi", (a["backend"], b["backend"])
 grid = [(r["pipeline_stages"], r["data_parallel"]) for r in (a, b)]
 assert grid == [(2, 2), (2, 2)], grid

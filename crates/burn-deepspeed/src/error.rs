@@ -66,6 +66,24 @@ pub enum DeepSpeedError {
     /// scaler state is not valid.
     #[error("loss scale: {0}")]
     LossScale(String),
+    /// A file the monitor, the trace or the profiler writes (or a tool reads back) failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or folder.
+        path: String,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
+}
+
+impl DeepSpeedError {
+    /// [`DeepSpeedError::Io`] on `path`.
+    pub(crate) fn io(path: &std::path::Path, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    }
 }
 
 /// Result type of the burn-deepspeed crate.

@@ -5,7 +5,9 @@
 use std::sync::Arc;
 
 use burn::tensor::Device;
-use burn_deepspeed_strategies::comm::{Communicator, ThreadWorld, ThreadWorldOptions};
+use burn_deepspeed_strategies::comm::{
+    CommStats, CommsLogger, Communicator, ThreadWorld, ThreadWorldOptions,
+};
 use burn_deepspeed_strategies::device::device_collectives;
 use burn_deepspeed_strategies::pipe::{GridAxis, GridCoord, GridTopology};
 
@@ -106,12 +108,18 @@ impl Grid {
     }
 
     /// The grid a config names: `tensor_parallel.tp_size` slices and `pipeline.stages`
-    /// stages. A collective.
+    /// stages. With `comms_logger` enabled, `world` is wrapped in a
+    /// [`CommsLogger`](burn_deepspeed_strategies::comm::CommsLogger) first, so that every
+    /// group's traffic is logged ([`Communicator::comms_log`] on any of them). A collective.
     pub fn from_config(
         config: &DeepSpeedConfig,
         world: Arc<dyn Communicator>,
         device: &Device,
     ) -> Result<Self> {
+        let world = match config.comms_logger.enabled {
+            true => CommsLogger::wrap(world, config.comms_logger.options()?),
+            false => world,
+        };
         Self::new(world, config.pipeline_stages(), config.tp_size(), device)
     }
 
@@ -169,6 +177,20 @@ impl Grid {
                 false => sent(&self.world),
             },
         }
+    }
+
+    /// This rank's counters summed over the world and its distinct groups (pipe, data,
+    /// tensor; a group that is the world counted once): every byte the grid's
+    /// communicators moved for it.
+    pub fn traffic(&self) -> CommStats {
+        let mut seen: Vec<&Arc<dyn Communicator>> = Vec::new();
+        for c in [&self.world, &self.pipe, &self.data, &self.tensor] {
+            if !seen.iter().any(|s| Arc::ptr_eq(s, c)) {
+                seen.push(c);
+            }
+        }
+        seen.iter()
+            .fold(CommStats::default(), |sum, c| sum.plus(&c.stats()))
     }
 
     /// The grid with expert parallelism of `ep_size` over its data-parallel group

@@ -21,6 +21,13 @@ pub fn launched_by_mpirun() -> bool {
     std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
 }
 
+/// This process's rank in the job `mpirun` started, when it is one of its processes.
+pub fn mpirun_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.parse().ok())
+}
+
 /// The number of processes `mpirun` started, when this process is one of them.
 pub fn mpirun_world_size() -> Option<usize> {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]

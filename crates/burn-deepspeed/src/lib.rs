@@ -20,6 +20,7 @@ pub mod grid;
 pub mod inference;
 pub mod launch;
 pub mod moe;
+pub mod monitor;
 pub mod moq;
 pub mod pipe;
 pub mod precision;
@@ -27,6 +28,7 @@ pub mod progress;
 pub mod strategy;
 pub mod sync;
 pub mod tensor_parallel;
+pub mod trace;
 pub mod zero3;
 
 pub use burn_deepspeed_compress::pld;

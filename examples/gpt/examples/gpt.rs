@@ -5,16 +5,19 @@
 //!     [--device flex|wgpu|cuda] [--ranks N] [--ep-size N]
 //!     [--steps N] [--data PATH] [--heldout-bytes N] [--seed S] [--json]
 //!     [--teacher DIR --teacher-model PRESET [--kd-stop-step N] [--kd-temperature T]]
+//!     [--trace FILE]
 //! mpirun -n N target/release/examples/gpt ...        # built with --features mpi
 //! ```
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::distill::DistillationConfig;
-use burn_deepspeed::launch::launch;
+use burn_deepspeed::launch::{launch, mpirun_rank};
+use burn_deepspeed::trace::ChromeTrace;
 use burn_deepspeed_example_gpt::DEFAULT_CONFIG;
 use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::GptShape;
@@ -107,6 +110,10 @@ struct Args {
     /// Seconds a rank waits for the others before failing.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
+    /// Write a Chrome/Perfetto timeline of the run here (one track per rank; under
+    /// `mpirun`, each process writes FILE.rank<r>).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -176,13 +183,28 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         }
         _ => None,
     };
+    // Before any rank starts, so that every span of the run is recorded.
+    let trace = match &args.trace {
+        Some(path) => {
+            let path = match mpirun_rank() {
+                Some(rank) => {
+                    let mut name = path.clone().into_os_string();
+                    name.push(format!(".rank{rank}"));
+                    PathBuf::from(name)
+                }
+                None => path.clone(),
+            };
+            Some(ChromeTrace::start(&path)?)
+        }
+        None => None,
+    };
     let spec = RunSpec {
         config,
         shape,
         steps: args.steps,
         corpus: ByteCorpus::new(bytes, args.seed),
         seed: args.seed,
-        progress: true,
+        progress: !args.json,
         save_dir: args.save_dir.clone(),
         resume_from: args.resume.clone(),
         keep_final_state: false,
@@ -202,6 +224,9 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         run_rank(&spec, comm).map(|r| (rank, r))
     })?;
     // ANCHOR_END: launch
+    if let Some(trace) = trace {
+        eprintln!("trace written to {}", trace.finish().display());
+    }
     // Every rank's report is the same; rank 0 (in this process) prints it.
     if let Some((_, mut report)) = reports.into_iter().find(|(rank, _)| *rank == 0) {
         report.disk_baseline = baseline;
@@ -217,6 +242,9 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         );
         if let (Some(loss), Some(tokens)) = (report.heldout_loss, report.heldout_tokens) {
             eprintln!("held-out loss {loss:.4} over {tokens} tokens");
+        }
+        if let Some(comms) = &report.comms {
+            eprint!("communication of rank 0:\n{}", comms.summary);
         }
         if args.json {
             println!(

@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed::progress::TaskProgress;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_in_threads};
 use clap::Parser;
@@ -80,14 +81,18 @@ fn main() -> ExitCode {
         .collect();
     let mut speeds = vec![Vec::new(); grids.len()];
     let mut last = Vec::new();
-    for _ in 0..args.rounds {
+    let bar = TaskProgress::items("grid_bench", (args.rounds * grids.len()) as u64, !args.json);
+    for round in 0..args.rounds {
         last.clear();
         for (i, &(tp, pp)) in grids.iter().enumerate() {
+            bar.set_message(format!("round {round}: tp {tp} pp {pp}"));
             let report = run(shape, tp, pp, args.steps);
+            bar.inc(1);
             speeds[i].push(report.tokens_per_s);
             last.push(report);
         }
     }
+    bar.finish();
     let base = median(speeds[0].clone());
     let mut rows = Vec::new();
     println!(

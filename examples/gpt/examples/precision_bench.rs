@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::engine::heap::CountingAllocator;
+use burn_deepspeed::progress::TaskProgress;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_in_threads};
 use clap::Parser;
@@ -109,16 +110,21 @@ fn interleaved(
 ) -> Result<Vec<(f64, RunReport)>, String> {
     let mut speeds = vec![Vec::new(); variants.len()];
     let mut last = vec![None; variants.len()];
+    let runs = (args.rounds * variants.len()) as u64;
+    let bar = TaskProgress::items("precision_bench", runs, !args.json);
     for round in 0..args.rounds {
         for (i, (name, config)) in variants.iter().enumerate() {
+            bar.set_message(format!("round {round} {name}"));
             let report = run(world, shape, config.clone(), args.steps)
                 .map_err(|e| format!("{name}: {e}"))?;
             let tps = report.timed_tokens_per_s(shape.seq_len);
-            eprintln!("round {round} {name}: {tps:.0} tokens/s");
+            bar.println(format!("round {round} {name}: {tps:.0} tokens/s"));
+            bar.inc(1);
             speeds[i].push(tps);
             last[i] = Some(report);
         }
     }
+    bar.finish();
     Ok(speeds
         .iter()
         .zip(last)

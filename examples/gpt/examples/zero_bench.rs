@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed::progress::TaskProgress;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_in_threads};
 use clap::Parser;
@@ -80,11 +81,14 @@ fn main() -> ExitCode {
         stages.insert(0, 0);
     }
     let mut rows = Vec::new();
+    let runs = args.worlds.len() * args.rounds * stages.len();
+    let bar = TaskProgress::items("zero_bench", runs as u64, !args.json);
     for &world in &args.worlds {
         let mut speeds = vec![Vec::new(); stages.len()];
         let mut last = vec![None; stages.len()];
         for round in 0..args.rounds {
             for (i, &stage) in stages.iter().enumerate() {
+                bar.set_message(format!("world {world} round {round} stage {stage}"));
                 let report = match run(world, shape, stage, &args) {
                     Ok(r) => r,
                     Err(e) => {
@@ -93,7 +97,10 @@ fn main() -> ExitCode {
                     }
                 };
                 let tps = report.timed_tokens_per_s(shape.seq_len);
-                eprintln!("world {world} round {round} stage {stage}: {tps:.0} tokens/s");
+                bar.println(format!(
+                    "world {world} round {round} stage {stage}: {tps:.0} tokens/s"
+                ));
+                bar.inc(1);
                 speeds[i].push(tps);
                 last[i] = Some(report);
             }
@@ -127,6 +134,7 @@ fn main() -> ExitCode {
             }));
         }
     }
+    bar.finish();
     let out = json!({
         "model": args.model,
         "steps": args.steps,

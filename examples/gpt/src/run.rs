@@ -1,11 +1,12 @@
 //! The training driver of the example: one call per rank (SPMD).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::tensor::{Device, Int, Tensor};
-use burn_deepspeed::comm::{Communicator, CommunicatorExt};
+use burn_deepspeed::comm::{Communicator, CommunicatorExt, OpKind};
 use burn_deepspeed::distill::DistillationConfig;
 use burn_deepspeed::engine::transfer::{host_device_bytes, staged_collective_bytes};
 use burn_deepspeed::grid::{AxisBytes, Grid};
@@ -197,6 +198,51 @@ pub fn run_in_threads(world: usize, spec: &RunSpec, timeout: Duration) -> Result
         .ok_or_else(|| DeepSpeedError::Data("no rank reported".into()))
 }
 
+/// A run's communication log (`comms_logger`), taken after the last step.
+#[derive(Debug, Clone, Serialize)]
+pub struct CommsReport {
+    /// The logger's table.
+    pub summary: String,
+    /// Per kind of operation, `[calls, bytes sent, bytes received]` as the logger filed them.
+    pub logged: BTreeMap<String, [u64; 3]>,
+    /// The same from the counters of the grid's communicators (world and groups).
+    pub measured: BTreeMap<String, [u64; 3]>,
+}
+
+impl CommsReport {
+    /// The report of `grid`'s log, `None` when its world does not log.
+    pub fn of(grid: &Grid) -> Option<Self> {
+        let log = grid.world().comms_log()?;
+        let traffic = grid.traffic();
+        let logged = log
+            .totals()
+            .into_iter()
+            .map(|(op, e)| {
+                (
+                    op.name().to_string(),
+                    [e.count, e.bytes_sent, e.bytes_received],
+                )
+            })
+            .collect();
+        let measured = OpKind::ALL
+            .into_iter()
+            .map(|op| (op, traffic.get(op)))
+            .filter(|(_, s)| s.calls > 0)
+            .map(|(op, s)| {
+                (
+                    op.name().to_string(),
+                    [s.calls, s.bytes_sent, s.bytes_received],
+                )
+            })
+            .collect();
+        Some(Self {
+            summary: log.summary(),
+            logged,
+            measured,
+        })
+    }
+}
+
 /// The JSON summary of a run.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunReport {
@@ -324,6 +370,10 @@ pub struct RunReport {
     /// (`--measure-disk-gb`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk_baseline: Option<DiskBaselineReport>,
+    /// `comms_logger`: rank 0's communication log, and its totals beside the
+    /// communicators' own counters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comms: Option<CommsReport>,
     /// Data-parallel runs: the parameters after the last step, flat in layout order (for
     /// comparisons in tests; not serialized).
     #[serde(skip)]
@@ -533,6 +583,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     }
     let batch = engine.batch();
     let seq = spec.shape.seq_len;
+    engine.set_tokens_per_sample(seq as u64);
     let gas = batch.gradient_accumulation_steps;
     let progress = TrainProgress::new(if spec.progress { rank } else { usize::MAX }, spec.steps);
     let inner = device.clone().inner();
@@ -598,7 +649,8 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     }
     let elapsed = start.elapsed().as_secs_f64();
     progress.finish();
-
+    // Before the figures' own collective, which runs on the world beneath the logger.
+    let comms = CommsReport::of(&grid);
     let figures = gather_figures(
         comm.as_ref(),
         RankFigures {
@@ -702,6 +754,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
                 .count() as u64
         }),
         moe,
+        comms,
     })
 }
 
@@ -814,6 +867,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
     let batch = engine.batch();
     let topo = engine.topology();
     let replica = engine.replica();
+    engine.set_tokens_per_sample(spec.shape.seq_len as u64);
     let seq = spec.shape.seq_len;
     let micro = batch.train_micro_batch_size_per_gpu as usize;
     let progress = TrainProgress::new(if spec.progress { rank } else { usize::MAX }, spec.steps);
@@ -856,6 +910,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
     progress.finish();
     let state = engine.model_state_bytes().total();
     let (sent, model_sent) = engine.bytes_sent();
+    let comms = CommsReport::of(&grid);
     let figures = gather_figures(
         comm.as_ref(),
         RankFigures {
@@ -940,6 +995,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         heldout_tokens: None,
         distilled_steps: 0,
         moe: None,
+        comms,
     })
 }
 
@@ -1003,13 +1059,5 @@ fn gather_figures(comm: &dyn Communicator, mine: RankFigures) -> Result<Vec<Rank
 
 /// The process's peak resident set size (`VmHWM`), or 0 where `/proc` is unavailable.
 pub fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
+    burn_deepspeed::monitor::peak_rss_bytes().unwrap_or(0)
 }

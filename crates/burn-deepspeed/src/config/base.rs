@@ -13,10 +13,10 @@ use serde_json::Value;
 
 use super::serde_util::{count, opt_count};
 use super::{
-    ActivationCheckpointingConfig, AioConfig, BatchSizes, Bf16Config, CompressionTrainingConfig,
-    FlopsProfilerConfig, Fp16Config, OptimizerConfig, OptimizerKind, PipelineConfig, PldConfig,
-    QuantizeTrainingConfig, SchedulerConfig, TensorParallelConfig, ZeroConfig, ZeroStage,
-    resolve_batch,
+    ActivationCheckpointingConfig, AioConfig, BatchSizes, Bf16Config, CommsLoggerConfig,
+    CompressionTrainingConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, OptimizerConfig,
+    OptimizerKind, PipelineConfig, PldConfig, QuantizeTrainingConfig, SchedulerConfig,
+    TensorParallelConfig, ZeroConfig, ZeroStage, resolve_batch,
 };
 use crate::{DeepSpeedError, Result};
 
@@ -84,6 +84,12 @@ pub struct DeepSpeedConfig {
     pub steps_per_print: u64,
     /// Print the time spent in forward, backward, reduction and step.
     pub wall_clock_breakdown: bool,
+    /// Time and size every collective.
+    pub comms_logger: CommsLoggerConfig,
+    /// Write the step's scalars as TensorBoard event files.
+    pub tensorboard: MonitorConfig,
+    /// Write the step's scalars as CSV.
+    pub csv_monitor: MonitorConfig,
     /// MoQ, the older form (the MoQ tutorial's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub quantize_training: Option<QuantizeTrainingConfig>,
@@ -114,6 +120,9 @@ impl Default for DeepSpeedConfig {
             aio: AioConfig::default(),
             steps_per_print: 10,
             wall_clock_breakdown: false,
+            comms_logger: CommsLoggerConfig::default(),
+            tensorboard: MonitorConfig::default(),
+            csv_monitor: MonitorConfig::default(),
             quantize_training: None,
             compression_training: None,
         }
@@ -142,10 +151,8 @@ const UNIMPLEMENTED_KEYS: &[&str] = &[
     "amp",
     "autotuning",
     "checkpoint",
-    "comms_logger",
     "communication_data_type",
     "compile",
-    "csv_monitor",
     "curriculum_learning",
     "data_efficiency",
     "data_types",
@@ -161,7 +168,6 @@ const UNIMPLEMENTED_KEYS: &[&str] = &[
     "seq_parallel_communication_data_type",
     "sparse_attention",
     "sparse_gradients",
-    "tensorboard",
     "timers",
     "torch_autocast",
     "use_data_before_expert_parallel_",
@@ -345,6 +351,9 @@ impl DeepSpeedConfig {
                 ),
             });
         }
+        self.comms_logger.options()?;
+        self.tensorboard.validate("tensorboard")?;
+        self.csv_monitor.validate("csv_monitor")?;
         if self.fp16.enabled && self.bf16.enabled {
             return Err(DeepSpeedError::InvalidValue {
                 path: "fp16.enabled".into(),
@@ -527,13 +536,16 @@ mod tests {
     #[test]
     fn unimplemented_deepspeed_keys_warn() {
         let (_, w) = DeepSpeedConfig::from_json_str(
-            r#"{"tensorboard": {"enabled": true}, "fp16": {"enabled": true}}"#,
+            r#"{"wandb": {"enabled": true}, "tensorboard": {"enabled": true},
+                "fp16": {"enabled": true}}"#,
         )
         .unwrap();
         let keys: Vec<&str> = w.iter().map(|w| w.key.as_str()).collect();
-        // fp16 trains now; the monitor does not exist yet.
+        // fp16 and the TensorBoard monitor work; Weights & Biases does not.
         assert!(
-            keys.contains(&"tensorboard") && !keys.contains(&"fp16.enabled"),
+            keys.contains(&"wandb")
+                && !keys.contains(&"tensorboard")
+                && !keys.contains(&"fp16.enabled"),
             "{keys:?}"
         );
     }

@@ -2,6 +2,7 @@
 
 mod base;
 mod batch;
+mod monitor;
 mod optimizer;
 mod quantize;
 mod scheduler;
@@ -12,6 +13,7 @@ mod zero;
 
 pub use base::*;
 pub use batch::*;
+pub use monitor::*;
 pub use optimizer::*;
 pub use quantize::*;
 pub use scheduler::*;

@@ -9,7 +9,9 @@ use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::train::TrainStep;
 use burn_deepspeed_compress::pld::ProgressiveLayerDrop;
-use burn_deepspeed_strategies::comm::{CommStats, Communicator, CommunicatorExt, ReduceOp};
+use burn_deepspeed_strategies::comm::{
+    CommStats, CommsLogger, Communicator, CommunicatorExt, ReduceOp,
+};
 use burn_deepspeed_strategies::onebit::OneBitOptimizer;
 use burn_deepspeed_strategies::zero::PartitionState;
 
@@ -18,13 +20,15 @@ use super::estimate::{StatePrecision, estimate_model_states};
 use super::flat::param_paths;
 use super::heap::HeapWindow;
 use super::memory::ModelStateBytes;
-use super::{StepLoss, StepReport};
+use super::{BreakdownWindow, StepLoss, StepReport};
 use crate::activation::{CheckpointStats, take_stats, with_config_options};
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
 use crate::grid::Grid;
+use crate::monitor::{Monitor, MonitorRecord};
 use crate::moq::Moq;
 use crate::precision::{
-    DynamicLossScaler, LossScalerState, unscaled_backward_message, with_loss_scale,
+    DynamicLossScaler, LossScalerState, take_backward_time, unscaled_backward_message,
+    with_loss_scale,
 };
 use crate::sync::{self, GradSync, ModelParallelNorm};
 use crate::tensor_parallel::join_flat;
@@ -61,6 +65,23 @@ pub struct DeepSpeedEngine<M: Module> {
     /// Steps skipped because the gradient norm was not finite (DeepSpeed's `skipped_steps`).
     skipped_steps: u64,
     fb_time: Duration,
+    /// Time in `TrainStep::step` this step (forward and backward).
+    train_step_time: Duration,
+    /// Time handing gradients to the regime this step.
+    accumulate_time: Duration,
+    /// Time in [`precision::backward`](crate::precision::backward) this step; `None` once a
+    /// micro-batch ran its backward without it.
+    bwd_time: Option<Duration>,
+    /// When this step's first micro-batch started.
+    step_start: Option<Instant>,
+    /// `wall_clock_breakdown`: the phases' sums since the last print.
+    breakdown: BreakdownWindow,
+    /// `tensorboard` / `csv_monitor` (global rank 0).
+    monitor: Option<Monitor>,
+    /// A monitor write that failed, refused at the next step on every rank.
+    monitor_failure: Option<String>,
+    /// Tokens per sample, for the monitor's tokens/s.
+    tokens_per_sample: Option<u64>,
     /// Counters before this step's first micro-batch (stages 2-3 communicate in backward).
     stats_at_step_start: Option<CommStats>,
     /// fp16: the loss scaler (`None` in fp32 and bf16).
@@ -95,6 +116,10 @@ where
                 ),
             });
         }
+        let comm = match config.comms_logger.enabled {
+            true => CommsLogger::wrap(comm, config.comms_logger.options()?),
+            false => comm,
+        };
         Self::with_grid(model, config, &Grid::data_parallel(comm)?)
     }
 
@@ -153,6 +178,7 @@ where
                 theta: config.progressive_layer_drop.theta,
                 gamma: config.progressive_layer_drop.gamma,
             });
+        let monitor = Monitor::agreed(&config, grid.world().as_ref())?;
         Ok(Self {
             model,
             sync,
@@ -165,6 +191,14 @@ where
             global_step: 0,
             skipped_steps: 0,
             fb_time: Duration::ZERO,
+            train_step_time: Duration::ZERO,
+            accumulate_time: Duration::ZERO,
+            bwd_time: Some(Duration::ZERO),
+            step_start: None,
+            breakdown: BreakdownWindow::default(),
+            monitor,
+            monitor_failure: None,
+            tokens_per_sample: None,
             stats_at_step_start: None,
             scaler,
             unscaled: false,
@@ -182,10 +216,13 @@ where
     /// backward; a step that does not is refused at the next [`step`](Self::step).
     pub fn forward_backward(&mut self, input: M::Input) -> M::Output {
         let start = Instant::now();
+        self.step_start.get_or_insert(start);
         self.stats_at_step_start
             .get_or_insert_with(|| self.comm.stats());
+        take_backward_time();
         let scale = self.scaler.as_ref().map(DynamicLossScaler::scale);
         let window = HeapWindow::open();
+        let train_step = Instant::now();
         let (out, scaled) = {
             let _span = tracing::debug_span!("forward_backward", rank = self.comm.rank()).entered();
             let model = &self.model;
@@ -193,13 +230,23 @@ where
                 with_loss_scale(scale, || TrainStep::step(model, input))
             })
         };
+        self.train_step_time += train_step.elapsed();
         if let Some(window) = window {
             let peak = window.peak_above_start();
             self.activation_peak = Some(self.activation_peak.map_or(peak, |p| p.max(peak)));
         }
         self.unscaled |= !scaled;
+        self.bwd_time = match (self.bwd_time, take_backward_time()) {
+            (Some(sum), Some(took)) => Some(sum + took),
+            _ => None,
+        };
         self.loss_sum += out.item.loss();
-        self.sync.accumulate(&self.model, &out.grads);
+        let accumulate = Instant::now();
+        {
+            let _span = tracing::debug_span!("accumulate", rank = self.comm.rank()).entered();
+            self.sync.accumulate(&self.model, &out.grads);
+        }
+        self.accumulate_time += accumulate.elapsed();
         self.fb_time += start.elapsed();
         out.item
     }
@@ -247,6 +294,10 @@ where
             Some(e) => Some(format!("an expert-parallel all-to-all failed: {e}")),
             None => failure,
         };
+        let failure = match self.monitor_failure.take() {
+            Some(e) => Some(format!("the monitor could not write the last step: {e}")),
+            None => failure,
+        };
         let local = failure.map_or(Ok(()), |f| Err(DeepSpeedError::Data(f)));
         if let Err(e) = agreed(self.grid.world().as_ref(), "step", local) {
             self.sync.discard();
@@ -254,6 +305,11 @@ where
             self.stats_at_step_start = None;
             self.unscaled = false;
             self.activation_peak = None;
+            self.fb_time = Duration::ZERO;
+            self.train_step_time = Duration::ZERO;
+            self.accumulate_time = Duration::ZERO;
+            self.bwd_time = Some(Duration::ZERO);
+            self.step_start = None;
             return Err(e);
         }
         let before = self
@@ -263,7 +319,10 @@ where
         let lr = self.lr_at(self.global_step - self.skipped_steps);
         let start = Instant::now();
         let loss_scale = self.scaler.as_ref().map(DynamicLossScaler::scale);
-        let reduced = self.sync.reduce(loss_scale.unwrap_or(1.0))?;
+        let reduced = {
+            let _span = tracing::debug_span!("reduce", rank = self.comm.rank()).entered();
+            self.sync.reduce(loss_scale.unwrap_or(1.0))?
+        };
         let reduce = start.elapsed();
         // Ranks that clipped their own gradients (1-bit compression) learn of another rank's
         // overflow here; a global norm is the same on every rank already.
@@ -312,6 +371,14 @@ where
         let pld_theta = self.pld_theta();
         self.global_step += 1;
         let moved = self.comm.stats().since(&before);
+        let forward_backward = std::mem::take(&mut self.fb_time);
+        let train_step = std::mem::take(&mut self.train_step_time);
+        let accumulate = std::mem::take(&mut self.accumulate_time);
+        let backward = self.bwd_time.replace(Duration::ZERO);
+        let step_time = self
+            .step_start
+            .take()
+            .map_or(Duration::ZERO, |t| t.elapsed());
         let report = StepReport {
             step: self.global_step,
             loss: scalars[0] as f64,
@@ -326,19 +393,71 @@ where
             loss_scale,
             activation_checkpoints: self.checkpoint_stats(),
             peak_activation_bytes: self.activation_peak.take(),
-            forward_backward: std::mem::take(&mut self.fb_time),
+            forward_backward,
+            forward: backward.map(|b| train_step.saturating_sub(b)),
+            backward,
+            accumulate,
             reduce,
             optimizer,
+            step_time,
         };
         self.loss_sum = 0.0;
-        let every = self.config.steps_per_print.max(1);
-        if self.config.wall_clock_breakdown
-            && self.comm.rank() == 0
-            && self.global_step.is_multiple_of(every)
-        {
-            report.print_breakdown();
+        if self.config.wall_clock_breakdown {
+            self.breakdown.add(&report.phases());
+            let every = self.config.steps_per_print.max(1);
+            let rank = self.grid.world().rank();
+            if rank == 0 && self.global_step.is_multiple_of(every) {
+                eprintln!("{}", self.breakdown.take_line(rank, self.global_step));
+            }
         }
+        self.write_monitor(&report);
         Ok(report)
+    }
+
+    /// Writes the step's scalars to the monitor (global rank 0, when configured); a failure
+    /// is kept and refused by every rank at the next step.
+    fn write_monitor(&mut self, report: &StepReport) {
+        let Some(monitor) = &mut self.monitor else {
+            return;
+        };
+        let ms = |d: Duration| Some(d.as_secs_f64() * 1e3);
+        let batch = self.batch.train_batch_size;
+        let record = MonitorRecord {
+            train_loss: report.loss,
+            lr: report.lr,
+            loss_scale: report.loss_scale.map(f64::from),
+            grad_norm: report.grad_norm,
+            model_state_bytes: Some(self.sync.held(&self.model).total() as f64),
+            forward_ms: report.forward.and_then(ms),
+            backward_ms: report.backward.and_then(ms),
+            accumulate_ms: ms(report.accumulate),
+            reduce_ms: ms(report.reduce),
+            optimizer_ms: ms(report.optimizer),
+            ..MonitorRecord::timed(report.step, batch, report.step_time, self.tokens_per_sample)
+        };
+        if let Err(e) = monitor.write(&record) {
+            self.monitor_failure = Some(e.to_string());
+        }
+    }
+
+    /// Declares how many tokens one sample holds, so that the monitor also records
+    /// tokens per second (a sequence model's sequence length).
+    pub fn set_tokens_per_sample(&mut self, tokens: u64) {
+        self.tokens_per_sample = Some(tokens);
+    }
+
+    /// The files the monitor writes on this rank (empty when it has none).
+    pub fn monitor_paths(&self) -> Vec<PathBuf> {
+        self.monitor
+            .as_ref()
+            .map(Monitor::paths)
+            .unwrap_or_default()
+    }
+
+    /// This rank's communication log, when the config enables `comms_logger` (or the
+    /// communicator the engine was given logs).
+    pub fn comms_log(&self) -> Option<Arc<burn_deepspeed_strategies::comm::CommsLog>> {
+        self.grid.world().comms_log()
     }
 
     /// One optimizer step over `gradient_accumulation_steps` micro-batches of this rank

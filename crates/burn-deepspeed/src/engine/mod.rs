@@ -3,6 +3,7 @@
 //! of [`crate::sync`].
 
 mod base;
+mod breakdown;
 pub mod checkpoint;
 pub mod estimate;
 pub mod flat;
@@ -15,6 +16,7 @@ mod report;
 pub mod transfer;
 
 pub use base::*;
+pub use breakdown::*;
 pub use estimate::*;
 pub use memory::{MemoryMeter, ModelStateBytes};
 pub use onebit::*;

@@ -66,21 +66,43 @@ pub struct StepReport {
     pub peak_activation_bytes: Option<u64>,
     /// Time in forward and backward passes on this rank.
     pub forward_backward: Duration,
+    /// Of `forward_backward`, the time in forward passes: the time in `TrainStep::step`
+    /// less its backward passes. `None` when a micro-batch called `loss.backward()` itself
+    /// instead of [`precision::backward`](crate::precision::backward), which times them.
+    pub forward: Option<Duration>,
+    /// Of `forward_backward`, the time in backward passes (see `forward`).
+    pub backward: Option<Duration>,
+    /// Of `forward_backward`, the time handing each micro-batch's gradients to the regime:
+    /// copying them into its buffers and, at stages 2-3, the bucket reductions that run as
+    /// buckets fill.
+    pub accumulate: Duration,
     /// Time in gradient reduction (communication included).
     pub reduce: Duration,
     /// Time in the optimizer step.
     pub optimizer: Duration,
+    /// Wall-clock time of the whole step on this rank: from its first micro-batch's forward
+    /// to the end of the optimizer step (the host's time between micro-batches included).
+    pub step_time: Duration,
 }
 
 impl StepReport {
-    /// Prints DeepSpeed's `wall_clock_breakdown` line.
-    pub(crate) fn print_breakdown(&self) {
-        eprintln!(
-            "[step {}] forward+backward {:.1} ms | reduce {:.1} ms | optimizer {:.1} ms",
-            self.step,
-            self.forward_backward.as_secs_f64() * 1e3,
-            self.reduce.as_secs_f64() * 1e3,
-            self.optimizer.as_secs_f64() * 1e3
-        );
+    /// The step's phases for `wall_clock_breakdown`: forward and backward apart when both
+    /// were timed, then the gradients' accumulation, the reduction, the optimizer step and
+    /// the whole step.
+    pub fn phases(&self) -> Vec<(&'static str, Duration)> {
+        let mut phases = match (self.forward, self.backward) {
+            (Some(f), Some(b)) => vec![("forward", f), ("backward", b)],
+            _ => vec![(
+                "forward+backward",
+                self.forward_backward.saturating_sub(self.accumulate),
+            )],
+        };
+        phases.extend([
+            ("accumulate", self.accumulate),
+            ("reduce", self.reduce),
+            ("optimizer", self.optimizer),
+            ("step", self.step_time),
+        ]);
+        phases
     }
 }

@@ -22,12 +22,13 @@ use super::wire::{self, TAG_ACTIVATION, TAG_GRADIENT};
 use crate::activation::{checkpoint, with_config_options};
 use crate::config::ZeroStage;
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
-use crate::engine::build_optimizer;
 use crate::engine::estimate::{StatePrecision, estimate_model_states};
 use crate::engine::flat::{ParamLayout, param_paths, params_from_flat, params_to_flat};
 use crate::engine::memory::{ModelStateBytes, burn_state_bytes_per_elem, param_bytes};
 use crate::engine::partitioned_kind;
+use crate::engine::{BreakdownWindow, build_optimizer};
 use crate::grid::Grid;
+use crate::monitor::{Monitor, MonitorRecord};
 use crate::precision::{DynamicLossScaler, cast_module};
 use crate::sync::scale::clip_to;
 use crate::sync::{
@@ -35,7 +36,7 @@ use crate::sync::{
     broadcast_params,
 };
 use crate::tensor_parallel::TensorParallel;
-use crate::{DeepSpeedError, Result};
+use crate::{DeepSpeedError, Result, agreed};
 
 /// The result of one pipelined optimizer step.
 #[derive(Debug, Clone, Serialize)]
@@ -64,6 +65,47 @@ pub struct PipeStepReport {
     pub schedule_time: Duration,
     /// Time of this stage in forward and backward passes.
     pub compute_time: Duration,
+    /// This stage's time per phase of the step (`wall_clock_breakdown`): forward and
+    /// backward passes, activation and gradient sends and receives (waiting for the
+    /// neighbour included), gradient reductions, the optimizer step, and the whole step.
+    pub phases: Vec<(&'static str, Duration)>,
+}
+
+/// The `wall_clock_breakdown` phase an instruction's time counts in.
+fn phase_of(inst: PipeInstruction) -> &'static str {
+    match inst {
+        PipeInstruction::LoadMicroBatch { .. } => "load",
+        PipeInstruction::ForwardPass { .. } => "forward",
+        PipeInstruction::BackwardPass { .. } => "backward",
+        PipeInstruction::SendActivation { .. }
+        | PipeInstruction::RecvActivation { .. }
+        | PipeInstruction::SendGrad { .. }
+        | PipeInstruction::RecvGrad { .. } => "send/recv",
+        PipeInstruction::ReduceTiedGrads | PipeInstruction::ReduceGrads => "reduce",
+        PipeInstruction::OptimizerStep => "optimizer",
+    }
+}
+
+/// A `tracing` span named after the instruction (a timeline shows each one by name).
+fn instruction_span(inst: PipeInstruction, stage: usize) -> tracing::Span {
+    let buffer = inst.buffer();
+    macro_rules! span {
+        ($name:literal) => {
+            tracing::trace_span!($name, stage, buffer)
+        };
+    }
+    match inst {
+        PipeInstruction::LoadMicroBatch { .. } => span!("LoadMicroBatch"),
+        PipeInstruction::ForwardPass { .. } => span!("ForwardPass"),
+        PipeInstruction::BackwardPass { .. } => span!("BackwardPass"),
+        PipeInstruction::SendActivation { .. } => span!("SendActivation"),
+        PipeInstruction::RecvActivation { .. } => span!("RecvActivation"),
+        PipeInstruction::SendGrad { .. } => span!("SendGrad"),
+        PipeInstruction::RecvGrad { .. } => span!("RecvGrad"),
+        PipeInstruction::ReduceTiedGrads => span!("ReduceTiedGrads"),
+        PipeInstruction::ReduceGrads => span!("ReduceGrads"),
+        PipeInstruction::OptimizerStep => span!("OptimizerStep"),
+    }
 }
 
 /// Pipeline-parallel training of a model given as a sequence of [`PipeLayer`]s.
@@ -111,6 +153,14 @@ pub struct PipelineEngine<L, B> {
     device: Device,
     total_params: usize,
     pub(super) global_step: u64,
+    /// `wall_clock_breakdown`: the phases' sums since the last print.
+    pub(super) breakdown: BreakdownWindow,
+    /// `tensorboard` / `csv_monitor` (global rank 0).
+    monitor: Option<Monitor>,
+    /// A monitor write that failed, refused at the next step on every rank.
+    monitor_failure: Option<String>,
+    /// Tokens per sample, for the monitor's tokens/s.
+    tokens_per_sample: Option<u64>,
     /// Steps skipped because the gradient norm was not finite.
     pub(super) skipped_steps: u64,
     /// Mixed precision: the fp32 masters of this stage's layers, which the optimizer steps
@@ -381,10 +431,14 @@ where
             true => Some(DynamicLossScaler::new(&config.fp16)?),
             false => None,
         };
+        let monitor = Monitor::agreed(&config, grid.world().as_ref())?;
         Ok(Self {
             layers,
             masters,
             scaler,
+            monitor,
+            monitor_failure: None,
+            tokens_per_sample: None,
             skipped_steps: 0,
             parts,
             topo,
@@ -407,8 +461,44 @@ where
             device,
             total_params,
             global_step: 0,
+            breakdown: BreakdownWindow::default(),
             _batch: PhantomData,
         })
+    }
+
+    /// Declares how many tokens one sample holds, so that the monitor also records
+    /// tokens per second.
+    pub fn set_tokens_per_sample(&mut self, tokens: u64) {
+        self.tokens_per_sample = Some(tokens);
+    }
+
+    /// Writes the step's scalars to the monitor (global rank 0, when configured).
+    fn write_monitor(&mut self, report: &PipeStepReport) {
+        if self.monitor.is_none() {
+            return;
+        }
+        let phase = |name: &str| {
+            let t = report.phases.iter().find(|(p, _)| *p == name);
+            t.map(|(_, d)| d.as_secs_f64() * 1e3)
+        };
+        let step_time = report.phases.iter().find(|(p, _)| *p == "step");
+        let step_time = step_time.map_or(Duration::ZERO, |(_, d)| *d);
+        let batch = self.batch.train_batch_size;
+        let record = MonitorRecord {
+            train_loss: report.loss,
+            lr: report.lr,
+            loss_scale: report.loss_scale.map(f64::from),
+            grad_norm: report.grad_norm,
+            model_state_bytes: Some(self.model_state_bytes().total() as f64),
+            forward_ms: phase("forward"),
+            backward_ms: phase("backward"),
+            reduce_ms: phase("reduce"),
+            optimizer_ms: phase("optimizer"),
+            ..MonitorRecord::timed(report.step, batch, step_time, self.tokens_per_sample)
+        };
+        if let Some(Err(e)) = self.monitor.as_mut().map(|m| m.write(&record)) {
+            self.monitor_failure = Some(e.to_string());
+        }
     }
 
     /// Runs `kind` instead of 1F1B (GPipe, for comparison).
@@ -421,6 +511,16 @@ where
     /// (DeepSpeed's `PipelineEngine.train_batch`). `load(i)` returns micro-batch `i` of this
     /// replica's share of the step; only the first and the last stage call it.
     pub fn train_batch(&mut self, mut load: impl FnMut(usize) -> B) -> Result<PipeStepReport> {
+        if self.config.tensorboard.enabled || self.config.csv_monitor.enabled {
+            // Rank 0's failed write of the last step fails this one everywhere.
+            let failure = self.monitor_failure.take();
+            let local = failure.map_or(Ok(()), |e| {
+                Err(DeepSpeedError::Data(format!(
+                    "the monitor could not write the last step: {e}"
+                )))
+            });
+            agreed(self.grid.world().as_ref(), "monitor", local)?;
+        }
         let stages = self.topo.stages;
         let micro = self.batch.gradient_accumulation_steps as usize;
         let schedule = self.kind.schedule(micro, stages, self.stage);
@@ -431,9 +531,25 @@ where
         let lr = self.lr_at(self.global_step - self.skipped_steps);
         let mut overflow = false;
         let start = Instant::now();
+        let mut phases: Vec<(&'static str, Duration)> = [
+            "load",
+            "forward",
+            "backward",
+            "send/recv",
+            "reduce",
+            "optimizer",
+        ]
+        .map(|p| (p, Duration::ZERO))
+        .to_vec();
         for step in schedule.steps() {
             for inst in step {
-                let _span = tracing::trace_span!("pipe", stage = self.stage, %inst).entered();
+                let _span = instruction_span(inst, self.stage).entered();
+                let t0 = Instant::now();
+                let _timer = PhaseTimer {
+                    phases: &mut phases,
+                    phase: phase_of(inst),
+                    t0,
+                };
                 if self.data_instruction(inst, &mut run, &mut load)? {
                     continue;
                 }
@@ -525,7 +641,18 @@ where
             self.grid.world().all_reduce(&mut bubble, ReduceOp::Mean)?;
         }
         self.global_step += 1;
-        Ok(PipeStepReport {
+        phases.push(("step", start.elapsed()));
+        if self.config.wall_clock_breakdown {
+            self.breakdown.add(&phases);
+            let every = self.config.steps_per_print.max(1);
+            // One line per stage: its first replica's.
+            if self.replica == 0 && self.global_step.is_multiple_of(every) {
+                let rank = self.grid.world().rank();
+                let line = self.breakdown.take_line(rank, self.global_step);
+                eprintln!("{line} (stage {})", self.stage);
+            }
+        }
+        let report = PipeStepReport {
             step: self.global_step,
             loss,
             lr,
@@ -537,7 +664,10 @@ where
             peak_live_activations: run.peak,
             schedule_time: run.schedule_time,
             compute_time: run.compute,
-        })
+            phases,
+        };
+        self.write_monitor(&report);
+        Ok(report)
     }
 
     /// Mean loss of `gradient_accumulation_steps` micro-batches per replica without training
@@ -925,5 +1055,21 @@ where
         comms.iter().map(|c| c.stats()).fold((0, 0), |(m, r), s| {
             (m + s.total_sent(), r + s.total_model_sent())
         })
+    }
+}
+
+/// Adds the time since `t0` to `phase` when dropped (after the instruction, whichever way
+/// its arm leaves the loop body).
+struct PhaseTimer<'a> {
+    phases: &'a mut Vec<(&'static str, Duration)>,
+    phase: &'static str,
+    t0: Instant,
+}
+
+impl Drop for PhaseTimer<'_> {
+    fn drop(&mut self) {
+        if let Some((_, sum)) = self.phases.iter_mut().find(|(p, _)| *p == self.phase) {
+            *sum += self.t0.elapsed();
+        }
     }
 }

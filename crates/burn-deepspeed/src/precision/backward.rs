@@ -14,6 +14,7 @@
 //! `loss.backward()`.
 
 use std::cell::Cell;
+use std::time::{Duration, Instant};
 
 use burn::tensor::{Gradients, Tensor};
 
@@ -22,20 +23,34 @@ thread_local! {
     static SCALE: Cell<Option<f32>> = const { Cell::new(None) };
     /// Whether [`backward`] ran since the scale was set.
     static USED: Cell<bool> = const { Cell::new(false) };
+    /// Time spent in [`backward`] on this thread since the engine last took it.
+    static BACKWARD_TIME: Cell<Option<Duration>> = const { Cell::new(None) };
 }
 
 /// Backward of `loss` times the current loss scale: what a [`TrainStep`] calls instead of
 /// `loss.backward()` so that it trains under `fp16` (and unchanged otherwise).
 ///
 /// [`TrainStep`]: burn::train::TrainStep
+///
+/// It also times the backward pass, which is how the engines split a step's time between
+/// forward and backward (`wall_clock_breakdown`, the monitor).
 pub fn backward<const D: usize>(loss: &Tensor<D>) -> Gradients {
-    match SCALE.with(Cell::get) {
+    let start = Instant::now();
+    let grads = match SCALE.with(Cell::get) {
         Some(scale) => {
             USED.with(|u| u.set(true));
             (loss.clone() * scale).backward()
         }
         None => loss.backward(),
-    }
+    };
+    let took = start.elapsed();
+    BACKWARD_TIME.with(|t| t.set(Some(t.get().unwrap_or_default() + took)));
+    grads
+}
+
+/// The time [`backward`] took on this thread since the last call (`None`: it did not run).
+pub(crate) fn take_backward_time() -> Option<Duration> {
+    BACKWARD_TIME.with(Cell::take)
 }
 
 /// The loss scale [`backward`] applies on this thread now (`None`: none, as outside fp16).

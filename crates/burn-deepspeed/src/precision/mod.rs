@@ -7,6 +7,6 @@ mod cast;
 mod loss_scaler;
 
 pub use backward::{backward, current_loss_scale};
-pub(crate) use backward::{unscaled_backward_message, with_loss_scale};
+pub(crate) use backward::{take_backward_time, unscaled_backward_message, with_loss_scale};
 pub use cast::*;
 pub use loss_scaler::*;

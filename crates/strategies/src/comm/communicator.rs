@@ -3,7 +3,7 @@
 use std::fmt::Debug;
 use std::sync::Arc;
 
-use super::{Buf, BufMut, CommElement, CommStats, even_split};
+use super::{Buf, BufMut, CommElement, CommStats, CommsLog, even_split};
 use crate::Result;
 
 /// How a reduction combines the ranks' values.
@@ -81,6 +81,11 @@ pub trait Communicator: Send + Sync + Debug {
     /// `color` form one new communicator, ranked in the order of their rank here. Every
     /// rank must call it (a collective); the groups' traffic is counted in their own stats.
     fn split(&self, color: usize) -> Result<Arc<dyn Communicator>>;
+    /// The communication log this communicator records into, when it is (or was split
+    /// from) a [`CommsLogger`](super::CommsLogger); `None` otherwise.
+    fn comms_log(&self) -> Option<Arc<CommsLog>> {
+        None
+    }
 }
 
 macro_rules! comm_span {

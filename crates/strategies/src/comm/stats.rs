@@ -121,6 +121,18 @@ impl CommStats {
     pub fn total_model_sent(&self) -> u64 {
         self.ops.iter().map(|s| s.model_bytes_sent).sum()
     }
+    /// The sum of two sets of counters (e.g. of this rank's groups).
+    pub fn plus(&self, other: &CommStats) -> CommStats {
+        let mut out = *self;
+        for (o, e) in out.ops.iter_mut().zip(other.ops.iter()) {
+            o.calls += e.calls;
+            o.bytes_sent += e.bytes_sent;
+            o.bytes_received += e.bytes_received;
+            o.model_bytes_sent += e.model_bytes_sent;
+            o.model_bytes_received += e.model_bytes_received;
+        }
+        out
+    }
     /// Counters accumulated since `earlier` (a snapshot of the same rank).
     pub fn since(&self, earlier: &CommStats) -> CommStats {
         let mut out = *self;

@@ -24,6 +24,7 @@ pub mod monitor;
 pub mod moq;
 pub mod pipe;
 pub mod precision;
+pub mod profiler;
 pub mod progress;
 pub mod strategy;
 pub mod sync;

@@ -1,0 +1,13 @@
+//! The flops profiler (DeepSpeed's `flops_profiler` and `get_model_profile`): a module's
+//! forward flops, MACs and parameters per module, by DeepSpeed's counting rules, with the
+//! measured forward latency.
+
+mod base;
+mod graph;
+mod report;
+pub mod rules;
+mod tree;
+
+pub use base::*;
+pub use report::*;
+pub use tree::ModuleProfile;

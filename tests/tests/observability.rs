@@ -194,3 +194,33 @@ fn the_pipeline_engine_monitors_too() {
         }
     }
 }
+
+/// `flops_profiler` in the config: global rank 0 profiles the model at `profile_step` and
+/// writes the report, with the step's measured times, to `output_file`.
+#[test]
+fn the_engine_profiles_at_the_profile_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("profile.txt");
+    let c = config(&format!(
+        r#", "flops_profiler": {{"enabled": true, "profile_step": 2, "module_depth": 2,
+                                 "output_file": "{}"}}"#,
+        file.display()
+    ));
+    common::train(2, &common::spec(c, SHAPE, 3, 1, 2));
+    let text = std::fs::read_to_string(&file).expect("the profile was written");
+    // One micro-batch: 8 samples / (2 ranks x 2 micro-batches) = 2 sequences of 16.
+    let (b, t, d, l, v) = (2u64, 16u64, 32u64, 2u64, 256u64);
+    let macs = l * (12 * b * t * d * d + 2 * b * t * t * d) + b * t * d * v;
+    let line = text.lines().find(|l| l.starts_with("fwd MACs:")).unwrap();
+    let expected = burn_deepspeed::profiler::si(macs as f64, "MACs");
+    assert!(line.contains(&expected), "{line} vs {macs}\n{text}");
+    for needed in [
+        "iter latency",
+        "samples/second",
+        "bwd latency in training",
+        "depth 2:",
+    ] {
+        assert!(text.contains(needed), "`{needed}` missing:\n{text}");
+    }
+    assert!(!text.contains("depth 3:"), "module_depth 2:\n{text}");
+}

@@ -584,6 +584,11 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let batch = engine.batch();
     let seq = spec.shape.seq_len;
     engine.set_tokens_per_sample(seq as u64);
+    // `flops_profiler`: the forward of one micro-batch, for the profile at `profile_step`.
+    let micro = batch.train_micro_batch_size_per_gpu as usize;
+    engine.set_profile_forward(move |m: &Gpt, device: &Device| {
+        drop(m.forward(Tensor::<2, Int>::zeros([micro, seq], device)));
+    });
     let gas = batch.gradient_accumulation_steps;
     let progress = TrainProgress::new(if spec.progress { rank } else { usize::MAX }, spec.steps);
     let inner = device.clone().inner();

@@ -410,9 +410,6 @@ impl DeepSpeedConfig {
                 );
             }
         }
-        if self.flops_profiler.enabled {
-            add("flops_profiler.enabled", "not implemented yet; ignored");
-        }
         w
     }
 }

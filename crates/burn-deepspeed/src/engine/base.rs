@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
+use burn::tensor::Device;
 use burn::train::TrainStep;
 use burn_deepspeed_compress::pld::ProgressiveLayerDrop;
 use burn_deepspeed_strategies::comm::{
@@ -30,9 +31,13 @@ use crate::precision::{
     DynamicLossScaler, LossScalerState, take_backward_time, unscaled_backward_message,
     with_loss_scale,
 };
+use crate::profiler::{ProfileOptions, StepFigures, get_model_profile};
 use crate::sync::{self, GradSync, ModelParallelNorm};
 use crate::tensor_parallel::join_flat;
 use crate::{DeepSpeedError, Result, agreed};
+
+/// The forward [`DeepSpeedEngine::set_profile_forward`] registers.
+type ProfileForward<M> = Box<dyn Fn(&M, &Device) + Send>;
 
 /// Data-parallel training engine with ZeRO (arXiv 1910.02054) stages 0 to 3.
 ///
@@ -82,6 +87,8 @@ pub struct DeepSpeedEngine<M: Module> {
     monitor_failure: Option<String>,
     /// Tokens per sample, for the monitor's tokens/s.
     tokens_per_sample: Option<u64>,
+    /// The forward the flops profiler runs at `flops_profiler.profile_step`.
+    profile_forward: Option<ProfileForward<M>>,
     /// Counters before this step's first micro-batch (stages 2-3 communicate in backward).
     stats_at_step_start: Option<CommStats>,
     /// fp16: the loss scaler (`None` in fp32 and bf16).
@@ -199,6 +206,7 @@ where
             monitor,
             monitor_failure: None,
             tokens_per_sample: None,
+            profile_forward: None,
             stats_at_step_start: None,
             scaler,
             unscaled: false,
@@ -411,6 +419,7 @@ where
             }
         }
         self.write_monitor(&report);
+        self.profile_at_step(&report);
         Ok(report)
     }
 
@@ -437,6 +446,59 @@ where
         };
         if let Err(e) = monitor.write(&record) {
             self.monitor_failure = Some(e.to_string());
+        }
+    }
+
+    /// The forward the flops profiler runs (`flops_profiler.enabled`): given the model and a
+    /// device, build one micro-batch's input there and run the forward (DeepSpeed's profiler
+    /// hooks the engine's own forward; Burn's `TrainStep` runs forward and backward in one
+    /// call, so the engine asks for the forward alone). See
+    /// [`get_model_profile`](crate::profiler::get_model_profile).
+    pub fn set_profile_forward(&mut self, forward: impl Fn(&M, &Device) + Send + 'static) {
+        self.profile_forward = Some(Box::new(forward));
+    }
+
+    /// `flops_profiler`: at `profile_step`, global rank 0 profiles the model's forward and
+    /// prints it (or writes `output_file`) with the step's measured times. A profile that
+    /// cannot be made is reported and training goes on: it changes nothing other ranks see.
+    fn profile_at_step(&mut self, report: &StepReport) {
+        let section = &self.config.flops_profiler;
+        if !section.enabled || report.step != section.profile_step || self.grid.world().rank() != 0
+        {
+            return;
+        }
+        let Some(forward) = &self.profile_forward else {
+            eprintln!(
+                "flops profiler: step {}: no forward to profile; call \
+                 `DeepSpeedEngine::set_profile_forward` with one micro-batch's forward",
+                report.step
+            );
+            return;
+        };
+        let options = ProfileOptions::from(section);
+        let profile = get_model_profile(&self.model, |m, d| forward(m, d), &options).map(|p| {
+            p.with_step(StepFigures {
+                fwd: report.forward,
+                bwd: report.backward,
+                step: report.step_time,
+                samples: self.batch.train_batch_size,
+                micro_batches: self.batch.gradient_accumulation_steps,
+            })
+        });
+        let text = match profile {
+            Ok(p) => p.report(),
+            Err(e) => {
+                eprintln!("flops profiler: step {}: {e}", report.step);
+                return;
+            }
+        };
+        match &section.output_file {
+            Some(path) => {
+                if let Err(e) = std::fs::write(path, &text) {
+                    eprintln!("flops profiler: cannot write {path}: {e}");
+                }
+            }
+            None => print!("{text}"),
         }
     }
 

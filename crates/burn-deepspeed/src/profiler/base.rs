@@ -2,12 +2,14 @@
 //! counted by DeepSpeed's rules and attributed to a module, and the forward timed on the
 //! module's own device.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::{Duration, Instant};
 
+use burn::backend::capture::TensorId;
 use burn::module::Module;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Device;
+use burn_ir::{FloatOperationIr, NumericOperationIr, OperationIr, TensorIr};
 use serde::Serialize;
 
 use super::graph::op_cost;
@@ -71,6 +73,24 @@ pub struct ModelProfile {
     pub ops_captured: usize,
     /// The options it was made with.
     pub options: ProfileOptions,
+    /// The training step's measured times, when the engine made the profile.
+    pub step: Option<StepFigures>,
+}
+
+/// A training step's measured times, which the engine's profile reports beside the
+/// forward's (DeepSpeed's `fwd latency`, `bwd latency`, `iter latency`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepFigures {
+    /// Time in forward passes over the step's micro-batches (`None`: not told apart).
+    pub fwd: Option<Duration>,
+    /// Time in backward passes over the step's micro-batches.
+    pub bwd: Option<Duration>,
+    /// The whole step.
+    pub step: Duration,
+    /// Samples of the step, every rank's.
+    pub samples: u64,
+    /// Micro-batches per rank in the step.
+    pub micro_batches: u64,
 }
 
 impl ModelProfile {
@@ -94,6 +114,12 @@ impl ModelProfile {
     pub fn fwd_flops_per_s(&self) -> f64 {
         self.flops() as f64 / self.fwd_latency.as_secs_f64().max(1e-12)
     }
+    /// The profile with a training step's times.
+    pub fn with_step(mut self, step: StepFigures) -> Self {
+        self.step = Some(step);
+        self
+    }
+
     /// The profile as pretty JSON.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("a profile serializes")
@@ -123,14 +149,14 @@ impl ModelProfile {
 /// captured tensor has none, and the profile fails with the reason. Custom operations of
 /// this crate (ZeRO-3 gathers, tensor-parallel collectives, activation checkpoints, the MoE
 /// all-to-all) run on real devices only: profile the plain, unsharded model.
-pub fn get_model_profile<M, F, const D: usize>(
+pub fn get_model_profile<M, F, R>(
     model: &M,
     forward: F,
     options: &ProfileOptions,
 ) -> Result<ModelProfile>
 where
     M: Module,
-    F: Fn(&M, &Device) -> Tensor<D>,
+    F: Fn(&M, &Device) -> R,
 {
     let plain = model.valid();
     let device = plain
@@ -143,6 +169,7 @@ where
     let mut nodes = nodes;
     let mut by_op: BTreeMap<String, OpCost> = BTreeMap::new();
     let mut owners = owners;
+    let mut products: HashMap<TensorId, usize> = HashMap::new();
     let mut current = 0usize;
     for op in &ops {
         let owner = op.inputs().find_map(|t| owners.get(&t.id).copied());
@@ -162,37 +189,62 @@ where
             }
             None => current,
         };
+        if let OperationIr::Float(_, FloatOperationIr::Matmul(m)) = op {
+            products.insert(m.out.id, at);
+        }
+        // A module's parameter added to that module's own product is a linear layer's
+        // bias, which DeepSpeed's `linear` rule does not count (Burn's `Linear` is a
+        // matmul and an add).
+        if let OperationIr::NumericFloat(_, NumericOperationIr::Add(add)) = op {
+            let bias = |p: &TensorIr, q: &TensorIr| {
+                owners.get(&p.id) == Some(&at) && products.get(&q.id) == Some(&at)
+            };
+            if bias(&add.lhs, &add.rhs) || bias(&add.rhs, &add.lhs) {
+                continue;
+            }
+        }
         if let Some((kind, cost)) = op_cost(op) {
             nodes[at].own += cost;
             *by_op.entry(kind.to_string()).or_default() += cost;
         }
     }
+    let timed = || -> Result<Duration> {
+        let start = Instant::now();
+        // The output lives until the device is synchronised: a lazy backend could
+        // otherwise skip work whose result was dropped.
+        let out = forward(&plain, &device);
+        device
+            .sync()
+            .map_err(|e| profile_error(format!("the device failed: {e:?}")))?;
+        let took = start.elapsed();
+        drop(out);
+        Ok(took)
+    };
     for _ in 0..options.warm_up {
-        let _ = forward(&plain, &device).into_data();
+        timed()?;
     }
-    let start = Instant::now();
-    let _ = forward(&plain, &device).into_data();
-    let fwd_latency = start.elapsed();
+    let fwd_latency = timed()?;
     Ok(ModelProfile {
         root: finish(&nodes, Some(fwd_latency)),
         fwd_latency,
         by_op,
         ops_captured: ops.len(),
         options: options.clone(),
+        step: None,
     })
 }
 
 type Captured = (
     Vec<super::tree::Node>,
-    std::collections::HashMap<burn::backend::capture::TensorId, usize>,
-    Vec<burn_ir::OperationIr>,
+    HashMap<TensorId, usize>,
+    Vec<OperationIr>,
 );
 
 /// `model`'s tree and forward, recorded on a fresh capture device.
-fn capture<M, F, const D: usize>(model: &M, forward: &F) -> Result<Captured>
+fn capture<M, F, R>(model: &M, forward: &F) -> Result<Captured>
 where
     M: Module,
-    F: Fn(&M, &Device) -> Tensor<D>,
+    F: Fn(&M, &Device) -> R,
 {
     let device = Device::capture();
     let kind = std::any::type_name::<M>()

@@ -59,6 +59,34 @@ impl ModelProfile {
             ),
             si(self.bwd_flops() as f64, "FLOPs"),
         );
+        if let Some(step) = &self.step {
+            let ms = |d: std::time::Duration| format!("{:.2} ms", d.as_secs_f64() * 1e3);
+            let per_micro = |d: std::time::Duration| d / step.micro_batches.max(1) as u32;
+            if let (Some(f), Some(b)) = (step.fwd, step.bwd) {
+                let (f, b) = (per_micro(f), per_micro(b));
+                line(&mut s, "fwd latency in training (per micro-batch):", ms(f));
+                line(&mut s, "bwd latency in training (per micro-batch):", ms(b));
+                let bwd_flops = self.bwd_flops() as f64 / b.as_secs_f64().max(1e-12);
+                line(
+                    &mut s,
+                    "bwd FLOPS = bwd flops / bwd latency:",
+                    si(bwd_flops, "FLOPS"),
+                );
+            }
+            line(&mut s, "iter latency (the whole step):", ms(step.step));
+            let iter = step.step.as_secs_f64().max(1e-12);
+            let total = (self.flops() + self.bwd_flops()) as f64 * step.micro_batches as f64;
+            line(
+                &mut s,
+                "FLOPS = (fwd + bwd flops) x micro-batches / iter latency:",
+                si(total / iter, "FLOPS"),
+            );
+            line(
+                &mut s,
+                "samples/second:",
+                format!("{:.2}", step.samples as f64 / iter),
+            );
+        }
         let _ = writeln!(s, "by operation:");
         for (op, cost) in &self.by_op {
             let _ = writeln!(

@@ -3,7 +3,7 @@
 //!
 //! | operation | MACs | flops |
 //! |---|---|---|
-//! | linear | numel(x)·out_features (bias not counted) | 2·MACs |
+//! | linear | numel(x)·out_features (bias not counted: Burn's `Linear` records a matmul and an add of the bias, and that add is not counted) | 2·MACs |
 //! | matmul | numel(out)·K | 2·MACs |
 //! | convolution | numel(out)·(C_in/groups)·Πkernel | 2·MACs + numel(out) with a bias |
 //! | scaled dot-product attention | numel(q)·S + numel(q)/d·S·d_v | 2·MACs |

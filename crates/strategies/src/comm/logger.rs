@@ -122,6 +122,17 @@ impl CommsEntry {
     }
 }
 
+impl std::ops::AddAssign<&CommsEntry> for CommsEntry {
+    fn add_assign(&mut self, o: &CommsEntry) {
+        self.count += o.count;
+        self.total_latency += o.total_latency;
+        self.bytes_sent += o.bytes_sent;
+        self.bytes_received += o.bytes_received;
+        self.algbw_sum += o.algbw_sum;
+        self.busbw_sum += o.busbw_sum;
+    }
+}
+
 /// Where a [`CommsEntry`] is filed.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct CommsKey {
@@ -161,13 +172,7 @@ impl CommsLog {
     pub fn totals(&self) -> BTreeMap<OpKind, CommsEntry> {
         let mut out: BTreeMap<OpKind, CommsEntry> = BTreeMap::new();
         for (k, e) in self.lock().iter() {
-            let t = out.entry(k.op).or_default();
-            t.count += e.count;
-            t.total_latency += e.total_latency;
-            t.bytes_sent += e.bytes_sent;
-            t.bytes_received += e.bytes_received;
-            t.algbw_sum += e.algbw_sum;
-            t.busbw_sum += e.busbw_sum;
+            *out.entry(k.op).or_default() += e;
         }
         out
     }
@@ -256,14 +261,22 @@ impl CommsLog {
             msg_bytes: call.msg_bytes,
             caller: self.options.debug.then(caller_outside_comm),
         };
-        let mut entries = self.lock();
-        let e = entries.entry(key).or_default();
-        e.count += 1;
-        e.total_latency += latency;
-        e.bytes_sent += moved.0;
-        e.bytes_received += moved.1;
-        e.algbw_sum += algbw;
-        e.busbw_sum += busbw;
+        self.add(
+            key,
+            &CommsEntry {
+                count: 1,
+                total_latency: latency,
+                bytes_sent: moved.0,
+                bytes_received: moved.1,
+                algbw_sum: algbw,
+                busbw_sum: busbw,
+            },
+        );
+    }
+
+    /// Files `calls` under `key`.
+    fn add(&self, key: CommsKey, calls: &CommsEntry) {
+        *self.lock().entry(key).or_default() += calls;
     }
 }
 
@@ -511,12 +524,14 @@ impl Communicator for CommsLogger {
                 msg_bytes: (s.bytes_sent + s.bytes_received) / s.calls,
                 caller: Some("split".into()),
             };
-            let mut entries = self.log.lock();
-            let e = entries.entry(key).or_default();
-            e.count += s.calls;
-            e.total_latency += latency;
-            e.bytes_sent += s.bytes_sent;
-            e.bytes_received += s.bytes_received;
+            let calls = CommsEntry {
+                count: s.calls,
+                total_latency: latency,
+                bytes_sent: s.bytes_sent,
+                bytes_received: s.bytes_received,
+                ..CommsEntry::default()
+            };
+            self.log.add(key, &calls);
         }
         Ok(Arc::new(Self {
             inner,

@@ -5,7 +5,9 @@
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
-use burn_deepspeed::profiler::{ModelProfile, ModuleProfile, ProfileOptions, get_model_profile};
+use burn_deepspeed::profiler::{
+    ModelProfile, ModuleProfile, ProfileOptions, get_model_profile, scope,
+};
 use burn_deepspeed_example_gpt::model::{Gpt, GptShape, VOCAB};
 
 const BATCH: usize = 8;
@@ -83,6 +85,26 @@ fn the_tree_sums_up_and_the_json_parses() {
         (qkv.kind.as_str(), qkv.macs),
         ("ColumnParallelLinear", b * t * d * 3 * d)
     );
+    // Every layer's forward runs in a profiler scope: each is timed, within its parent's.
+    assert!(p.unmatched_scopes.is_empty(), "{:?}", p.unmatched_scopes);
+    let latency = |m: &ModuleProfile| m.latency.unwrap_or_else(|| panic!("{} timed", m.path));
+    let scoped = |m: &ModuleProfile| -> std::time::Duration {
+        m.children.iter().filter_map(|c| c.latency).sum()
+    };
+    let block = p.root.find("blocks.0").expect("the first block");
+    assert_eq!(block.children.len(), 6, "a dense block's six layers");
+    block.children.iter().for_each(|c| {
+        latency(c);
+    });
+    assert!(scoped(block) <= latency(block));
+    let blocks = p.root.find("blocks").expect("the blocks");
+    assert!(blocks.latency.is_none(), "the Vec itself is not scoped");
+    let top: std::time::Duration = ["embed", "head"]
+        .iter()
+        .map(|n| latency(p.root.find(n).expect("a layer")))
+        .chain(blocks.children.iter().map(latency))
+        .sum();
+    assert!(top <= p.fwd_latency);
     // The printed layout: the summary, the aggregated profile per depth, the tree.
     let report = p.report();
     println!("{report}");
@@ -93,9 +115,9 @@ fn the_tree_sums_up_and_the_json_parses() {
     assert!(lines[3].starts_with("fwd MACs:") && lines[3].ends_with(" 973.08 MMACs"));
     assert!(lines[4].starts_with("fwd flops:") && lines[4].ends_with(" 1.96 GFLOPs"));
     assert!(
-        report.contains("\ndepth 0:\n    params - Gpt: 875.26 K\n    MACs   - Gpt: 973.08 MMACs\n")
+        report.contains("\ndepth 0:\n    params      - Gpt: 875.26 K\n    MACs        - Gpt: 973.08 MMACs\n    fwd latency - Gpt: ")
     );
-    assert!(report.contains("\ndepth 3:\n    params - ColumnParallelLinear: "));
+    assert!(report.contains("\ndepth 3:\n    params      - ColumnParallelLinear: "));
     assert!(report.contains("\nGpt(875.26 K = 100.00% params, 973.08 MMACs = 100.00% MACs, "));
     assert!(report.contains(
         "\n      (qkv): ColumnParallelLinear(49.54 K = 5.66% params, 50.33 MMACs = 5.17% MACs, "
@@ -144,7 +166,10 @@ fn a_plain_burn_lenet_matches_deepspeeds_reference() {
 
     impl LeNet {
         fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-            let x = self.pool.forward(tanh(self.conv1.forward(x)));
+            let device = x.device();
+            // One scope names its field, one is misspelt (the profile lists it).
+            let x = scope("conv1", &device, || self.conv1.forward(x));
+            let x = scope("pool_1", &device, || self.pool.forward(tanh(x)));
             let x = self.pool.forward(tanh(self.conv2.forward(x)));
             let x = tanh(self.conv3.forward(x));
             let [b, c, h, w] = x.dims();
@@ -178,5 +203,11 @@ fn a_plain_burn_lenet_matches_deepspeeds_reference() {
     assert_eq!(
         (conv1.kind.as_str(), conv1.macs),
         ("Conv2d", 1024 * 6 * 28 * 28 * 25)
+    );
+    assert!(conv1.latency.is_some() && p.root.find("conv2").unwrap().latency.is_none());
+    assert_eq!(p.unmatched_scopes, ["pool_1"]);
+    assert!(
+        p.report()
+            .contains("\nscopes naming no module (not reported): pool_1\n")
     );
 }

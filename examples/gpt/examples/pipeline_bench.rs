@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed::progress::TaskProgress;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_in_threads};
 use clap::Parser;
@@ -60,15 +61,22 @@ fn main() -> ExitCode {
     // dp = 2 (each rank 8 micro-batches) and as pp = 2 (one pipeline of 16 micro-batches).
     let mut dp = Vec::new();
     let mut pp = Vec::new();
+    let bubble_runs = [4u64, 8, 16];
+    let runs = 2 * args.rounds as u64 + bubble_runs.len() as u64;
+    let bar = TaskProgress::items("pipeline_bench", runs, !args.json);
     for round in 0..args.rounds {
+        bar.set_message(format!("round {round}: dp=2"));
         let d = run(2, shape, config(2, 8, None), args.steps);
+        bar.inc(1);
+        bar.set_message(format!("round {round}: pp=2"));
         let p = run(2, shape, config(2, 16, Some(2)), args.steps);
-        eprintln!(
+        bar.inc(1);
+        bar.println(format!(
             "round {round}: dp=2 {:.0} tokens/s, pp=2 {:.0} tokens/s (bubble {:.3})",
             d.tokens_per_s,
             p.tokens_per_s,
             p.bubble_fraction.unwrap_or(0.0)
-        );
+        ));
         dp.push(d);
         pp.push(p);
     }
@@ -77,22 +85,25 @@ fn main() -> ExitCode {
 
     // Bubble: 4 stages of the tiny model, micro-batches of one sample.
     let mut bubbles = Vec::new();
-    for m in [4u64, 8, 16] {
+    for m in bubble_runs {
+        bar.set_message(format!("bubble: S=4 M={m}"));
         let r = run(4, GptShape::TINY, config(1, m, Some(4)), args.steps);
+        bar.inc(1);
         let theory = 3.0 / (m as f64 + 3.0);
         let measured = r.bubble_fraction.unwrap_or(f64::NAN);
         let live = r
             .peak_live_activations_per_stage
             .clone()
             .unwrap_or_default();
-        eprintln!(
+        bar.println(format!(
             "S=4 M={m}: bubble {measured:.3} (schedule {theory:.3}), live activations {live:?}"
-        );
+        ));
         bubbles.push(json!({
             "stages": 4, "micro_batches": m, "measured": measured, "theory": theory,
             "peak_live_activations_per_stage": live, "tokens_per_s": r.tokens_per_s,
         }));
     }
+    bar.finish();
     let report = json!({
         "model": args.model,
         "params": dp[0].params,

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::Device;
 use burn::train::InferenceStep;
 use burn_deepspeed::launch::launch;
+use burn_deepspeed::progress::TaskProgress;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine, StepLoss};
 use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
@@ -108,7 +109,10 @@ fn main() -> ExitCode {
             )?);
         }
         let mut runs = [Run::default(), Run::default()];
+        let bar = TaskProgress::items("pld_bench", args.steps, !args.json);
+        bar.set_message("baseline and PLD, alternating");
         for step in 0..args.steps {
+            bar.inc(1);
             // Alternate which run goes first, so neither always follows the other.
             let order = if step % 2 == 0 { [0, 1] } else { [1, 0] };
             for i in order {
@@ -124,6 +128,7 @@ fn main() -> ExitCode {
                 }
             }
         }
+        bar.finish();
         // The same held-out batch through both final models, with every layer (no dropping
         // in evaluation).
         let eval = specs[0]

@@ -18,6 +18,7 @@ use burn_deepspeed::inference::{CausalLm, KvCache, WeightQuantization};
 use burn_deepspeed::moe::{ExpertMlp, ExpertParallel, MoE, MoeConfig, MoeStats};
 use burn_deepspeed::pipe::{LayerInput, PipeBatch, PipeLayer};
 use burn_deepspeed::pld::ProgressiveLayerDrop;
+use burn_deepspeed::profiler::scope;
 use burn_deepspeed::tensor_parallel::{
     ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
@@ -322,7 +323,9 @@ impl Block {
         let [b, t, d] = x.dims();
         let dh = d / self.heads;
         let h = self.heads / self.qkv.tp.size();
-        let qkv = self.qkv.forward(self.ln_attn.forward(x.clone()));
+        let device = x.device();
+        let x = scope("ln_attn", &device, || self.ln_attn.forward(x.clone()));
+        let qkv = scope("qkv", &device, || self.qkv.forward(x));
         [0, 1, 2].map(|i| {
             qkv.clone()
                 .narrow(2, i * h * dh, h * dh)
@@ -337,19 +340,26 @@ impl Block {
         let [b, h, t, dh] = q.dims();
         let scores = q.matmul(k.transpose()).div_scalar((dh as f64).sqrt()) + mask;
         let att = softmax(scores, 3).matmul(v);
-        self.attn_out
-            .forward(att.swap_dims(1, 2).reshape([b, t, h * dh]))
+        let device = att.device();
+        scope("attn_out", &device, || {
+            self.attn_out
+                .forward(att.swap_dims(1, 2).reshape([b, t, h * dh]))
+        })
     }
 
     /// The MLP branch of `x`, and for an MoE block its `l_aux` and routing.
     fn mlp(&self, x: Tensor<3>) -> (Tensor<3>, Option<(Tensor<1>, MoeStats)>) {
-        let x = self.ln_mlp.forward(x);
+        let device = x.device();
+        let x = scope("ln_mlp", &device, || self.ln_mlp.forward(x));
         match (&self.moe, &self.mlp_in, &self.mlp_out) {
             (Some(moe), _, _) => {
-                let out = moe.forward(x);
+                let out = scope("moe", &device, || moe.forward(x));
                 (out.output, Some((out.l_aux, out.stats)))
             }
-            (None, Some(mlp_in), Some(mlp_out)) => (mlp_out.forward(gelu(mlp_in.forward(x))), None),
+            (None, Some(mlp_in), Some(mlp_out)) => {
+                let h = scope("mlp_in", &device, || gelu(mlp_in.forward(x)));
+                (scope("mlp_out", &device, || mlp_out.forward(h)), None)
+            }
             _ => unreachable!("a block has a dense MLP or an MoE layer"),
         }
     }
@@ -837,7 +847,9 @@ impl Gpt {
                 });
             }
         };
-        let mut x = self.embed.forward(inputs);
+        let device = inputs.device();
+        // Each layer's forward in a profiler scope: a profile times them (no cost otherwise).
+        let mut x = scope("embed", &device, || self.embed.forward(inputs));
         // In the parameters' dtype: one op may not mix f32 with f16 or bf16.
         let causal = causal_mask(x.dims()[1], &x.device()).cast(x.dtype());
         // ANCHOR: pld_forward
@@ -849,16 +861,20 @@ impl Gpt {
         });
         match keep {
             None => {
-                for block in &self.blocks {
-                    let (y, a) = self.block(block, x, &causal, 1.0);
+                for (i, block) in self.blocks.iter().enumerate() {
+                    let (y, a) = scope(format_args!("blocks.{i}"), &device, || {
+                        self.block(block, x, &causal, 1.0)
+                    });
                     add(a);
                     x = y;
                 }
             }
             Some((p, mut rng)) => {
-                for (block, p) in self.blocks.iter().zip(p) {
+                for (i, (block, p)) in self.blocks.iter().zip(p).enumerate() {
                     if rng.uniform() < p {
-                        let (y, a) = self.block(block, x, &causal, 1.0 / p);
+                        let (y, a) = scope(format_args!("blocks.{i}"), &device, || {
+                            self.block(block, x, &causal, 1.0 / p)
+                        });
                         add(a);
                         x = y;
                     }
@@ -866,7 +882,7 @@ impl Gpt {
             }
         }
         // ANCHOR_END: pld_forward
-        (self.head.forward(x), aux)
+        (scope("head", &device, || self.head.forward(x)), aux)
     }
 
     /// Mean next-token cross-entropy over the batch, with the logits and targets flattened.

@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use super::graph::op_cost;
 use super::rules::OpCost;
+use super::scope::timed_scopes;
 use super::tree::{ModuleProfile, TreeBuilder, finish};
 use crate::config::FlopsProfilerConfig;
 use crate::{DeepSpeedError, Result};
@@ -65,7 +66,8 @@ impl From<&FlopsProfilerConfig> for ProfileOptions {
 pub struct ModelProfile {
     /// The module tree.
     pub root: ModuleProfile,
-    /// Forward time on the module's device, measured (after the warm-up passes).
+    /// Forward time on the module's device, measured (after the warm-up passes), with the
+    /// [`scope`](super::scope)s synchronising the device around their modules.
     pub fwd_latency: Duration,
     /// MACs and flops per kind of operation (`linear`, `matmul`, `softmax`, …).
     pub by_op: BTreeMap<String, OpCost>,
@@ -73,6 +75,10 @@ pub struct ModelProfile {
     pub ops_captured: usize,
     /// The options it was made with.
     pub options: ProfileOptions,
+    /// Paths of [`scope`](super::scope)s run in the forward that name no module of the tree
+    /// (a misspelt field, or a module's scopes when it is profiled without its parent's);
+    /// their times are not reported.
+    pub unmatched_scopes: Vec<String>,
     /// The training step's measured times, when the engine made the profile.
     pub step: Option<StepFigures>,
 }
@@ -142,8 +148,10 @@ impl ModelProfile {
 /// attribution; which module a parameter-free operation lands in may differ from
 /// DeepSpeed's, whose hooks see each module's forward call (Burn has no such hook).
 ///
-/// Latency is measured for the whole forward; per-module latencies would need a hook on
-/// each module's forward, which Burn 0.22 does not have, so the tree reports none.
+/// Latency is measured for the whole forward, and for each module whose forward the model
+/// runs inside a [`scope`](super::scope) (Burn 0.22 has no forward hook to time every module
+/// as DeepSpeed does); a scope that names no module of the tree is listed in
+/// [`ModelProfile::unmatched_scopes`] and in the printed profile.
 ///
 /// The forward must not read tensor values (a data-dependent branch, MoE routing): a
 /// captured tensor has none, and the profile fails with the reason. Custom operations of
@@ -223,9 +231,12 @@ where
     for _ in 0..options.warm_up {
         timed()?;
     }
-    let fwd_latency = timed()?;
+    let (fwd_latency, scoped) = timed_scopes(timed);
+    let fwd_latency = fwd_latency?;
+    let (root, unmatched_scopes) = finish(&nodes, fwd_latency, &scoped);
     Ok(ModelProfile {
-        root: finish(&nodes, Some(fwd_latency)),
+        root,
+        unmatched_scopes,
         fwd_latency,
         by_op,
         ops_captured: ops.len(),

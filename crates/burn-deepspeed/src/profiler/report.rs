@@ -19,6 +19,16 @@ pub fn si(value: f64, unit: &str) -> String {
     format!("{scaled:.2} {prefix}{unit}").trim_end().to_string()
 }
 
+/// One depth's modules of one type, summed.
+#[derive(Default)]
+struct Aggregate {
+    kind: String,
+    params: u64,
+    macs: u64,
+    /// Summed over the modules measured (`None`: none was).
+    latency: Option<std::time::Duration>,
+}
+
 fn pct(part: u64, whole: u64) -> f64 {
     if whole == 0 {
         0.0
@@ -101,7 +111,7 @@ impl ModelProfile {
         let _ = writeln!(s, "{:-^80}", " aggregated profile ");
         let _ = writeln!(
             s,
-            "top {} module(s) by params and by MACs at each depth:",
+            "top {} module(s) by params, MACs and measured fwd latency at each depth:",
             self.options.top_modules
         );
         let walk = root.walk();
@@ -112,28 +122,48 @@ impl ModelProfile {
         };
         for depth in 0..=shown {
             // Modules of one depth, summed by type (DeepSpeed aggregates by class name).
-            let mut by_kind: Vec<(String, u64, u64)> = Vec::new();
+            let mut by_kind: Vec<Aggregate> = Vec::new();
             for (_, m) in walk.iter().filter(|(d, _)| *d == depth) {
-                match by_kind.iter_mut().find(|(k, _, _)| *k == m.kind) {
-                    Some(e) => {
-                        e.1 += m.params;
-                        e.2 += m.macs;
+                let i = match by_kind.iter().position(|e| e.kind == m.kind) {
+                    Some(i) => i,
+                    None => {
+                        by_kind.push(Aggregate {
+                            kind: m.kind.clone(),
+                            ..Aggregate::default()
+                        });
+                        by_kind.len() - 1
                     }
-                    None => by_kind.push((m.kind.clone(), m.params, m.macs)),
+                };
+                let e = &mut by_kind[i];
+                e.params += m.params;
+                e.macs += m.macs;
+                if let Some(l) = m.latency {
+                    e.latency = Some(e.latency.unwrap_or_default() + l);
                 }
             }
-            let top = |key: fn(&(String, u64, u64)) -> u64, unit: &str| {
-                let mut v = by_kind.clone();
-                v.sort_by_key(|e| std::cmp::Reverse(key(e)));
+            let top = |key: &dyn Fn(&Aggregate) -> Option<f64>, show: &dyn Fn(f64) -> String| {
+                let mut v: Vec<(&str, f64)> = by_kind
+                    .iter()
+                    .filter_map(|e| key(e).map(|k| (e.kind.as_str(), k)))
+                    .collect();
+                v.sort_by(|a, b| b.1.total_cmp(&a.1));
                 v.iter()
                     .take(self.options.top_modules)
-                    .map(|e| format!("{}: {}", e.0, si(key(e) as f64, unit)))
+                    .map(|(kind, k)| format!("{kind}: {}", show(*k)))
                     .collect::<Vec<_>>()
                     .join(", ")
             };
             let _ = writeln!(s, "depth {depth}:");
-            let _ = writeln!(s, "    params - {}", top(|e| e.1, ""));
-            let _ = writeln!(s, "    MACs   - {}", top(|e| e.2, "MACs"));
+            let params = top(&|e| Some(e.params as f64), &|v| si(v, ""));
+            let _ = writeln!(s, "    params      - {params}");
+            let macs = top(&|e| Some(e.macs as f64), &|v| si(v, "MACs"));
+            let _ = writeln!(s, "    MACs        - {macs}");
+            let latency = top(&|e| e.latency.map(|l| l.as_secs_f64()), &|v| {
+                format!("{:.2} ms", v * 1e3)
+            });
+            if !latency.is_empty() {
+                let _ = writeln!(s, "    fwd latency - {latency}");
+            }
         }
         if self.options.detailed {
             let _ = writeln!(s);
@@ -144,6 +174,13 @@ impl ModelProfile {
                  latency where measured"
             );
             detailed(&mut s, root, root, 0, shown);
+        }
+        if !self.unmatched_scopes.is_empty() {
+            let _ = writeln!(
+                s,
+                "scopes naming no module (not reported): {}",
+                self.unmatched_scopes.join(", ")
+            );
         }
         let _ = writeln!(s, "{:-^80}", "");
         s

@@ -144,11 +144,21 @@ impl ModuleVisitor for TreeBuilder {
     }
 }
 
-/// The finished tree: each node's figures summed over its subtree.
-pub(crate) fn finish(nodes: &[Node], root_latency: Option<Duration>) -> ModuleProfile {
-    fn build(nodes: &[Node], i: usize) -> ModuleProfile {
+/// The finished tree: each node's figures summed over its subtree; the root's latency is
+/// `root_latency`, a scoped module's its scope's (`scoped`, by path). Also returns the
+/// scopes whose path names no module of the tree.
+pub(crate) fn finish(
+    nodes: &[Node],
+    root_latency: Duration,
+    scoped: &HashMap<String, Duration>,
+) -> (ModuleProfile, Vec<String>) {
+    fn build(nodes: &[Node], i: usize, scoped: &HashMap<String, Duration>) -> ModuleProfile {
         let n = &nodes[i];
-        let children: Vec<ModuleProfile> = n.children.iter().map(|&c| build(nodes, c)).collect();
+        let children: Vec<ModuleProfile> = n
+            .children
+            .iter()
+            .map(|&c| build(nodes, c, scoped))
+            .collect();
         ModuleProfile {
             name: n.name.clone(),
             path: n.path.clone(),
@@ -156,11 +166,18 @@ pub(crate) fn finish(nodes: &[Node], root_latency: Option<Duration>) -> ModulePr
             params: n.own_params + children.iter().map(|c| c.params).sum::<u64>(),
             macs: n.own.macs + children.iter().map(|c| c.macs).sum::<u64>(),
             flops: n.own.flops + children.iter().map(|c| c.flops).sum::<u64>(),
-            latency: None,
+            latency: scoped.get(&n.path).copied(),
             children,
         }
     }
-    let mut root = build(nodes, 0);
-    root.latency = root_latency;
-    root
+    let mut root = build(nodes, 0, scoped);
+    root.latency = Some(root_latency);
+    let paths: Vec<&str> = root.walk().iter().map(|(_, m)| m.path.as_str()).collect();
+    let mut unmatched: Vec<String> = scoped
+        .keys()
+        .filter(|p| p.is_empty() || !paths.contains(&p.as_str()))
+        .cloned()
+        .collect();
+    unmatched.sort();
+    (root, unmatched)
 }

@@ -16,12 +16,15 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::Path;
 
+use std::borrow::Cow;
+
 use safetensors::Dtype;
-use safetensors::tensor::TensorView;
+use safetensors::tensor::{TensorView, View};
 
 use super::format::{
-    CheckpointMeta, check_tag, io_err, read_checkpoint, read_latest, refuse, sync_dir,
+    CheckpointMeta, check_tag, io_bar, io_err, read_checkpoint, read_latest, refuse, sync_dir,
 };
+use crate::progress::TaskProgress;
 use crate::{DeepSpeedError, Result};
 
 /// What [`consolidate`] wrote.
@@ -50,7 +53,7 @@ fn read_model_bytes(dir: &Path, tag: Option<&str>) -> Result<(String, Checkpoint
         }
         None => read_latest(dir)?,
     };
-    let (meta, mut contents) = read_checkpoint(dir, &tag)?;
+    let (meta, mut contents) = read_checkpoint(dir, &tag, true)?;
     let at = meta
         .files
         .iter()
@@ -84,7 +87,12 @@ pub fn consolidate(dir: &Path, tag: Option<&str>, out: &Path) -> Result<Consolid
     info.insert("zero_stage".to_string(), meta.zero_stage.to_string());
     info.insert("world_size".to_string(), meta.world_size.to_string());
     let count = tensors.len();
-    write_atomically(out, tensors, info)?;
+    let bar = io_bar("consolidate", model.len() as u64, true);
+    let counted = tensors
+        .into_iter()
+        .map(|(name, view)| (name, Counted { view, bar: &bar }));
+    write_atomically(out, counted, info)?;
+    bar.finish();
     let bytes = std::fs::metadata(out).map_err(|e| io_err(out, e))?.len();
     Ok(Consolidated {
         tag,
@@ -130,10 +138,33 @@ fn named_tensors<'a>(
     Ok(out)
 }
 
+/// A tensor of the output, counted on the progress bar when the writer takes its bytes
+/// (safetensors asks for each tensor's data once, in order, as it writes it).
+struct Counted<'a> {
+    view: TensorView<'a>,
+    bar: &'a TaskProgress,
+}
+
+impl View for Counted<'_> {
+    fn dtype(&self) -> Dtype {
+        self.view.dtype()
+    }
+    fn shape(&self) -> &[usize] {
+        self.view.shape()
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        self.bar.inc(self.view.data_len() as u64);
+        Cow::Borrowed(self.view.data())
+    }
+    fn data_len(&self) -> usize {
+        self.view.data_len()
+    }
+}
+
 /// Writes the file under a temporary name beside `out`, syncs it, and renames it into place.
-fn write_atomically(
+fn write_atomically<V: View>(
     out: &Path,
-    tensors: Vec<(String, TensorView<'_>)>,
+    tensors: impl IntoIterator<Item = (String, V)>,
     info: HashMap<String, String>,
 ) -> Result<()> {
     let name = out

@@ -39,6 +39,8 @@ use burn_deepspeed_strategies::zero::PartitionState;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::progress::TaskProgress;
+
 use crate::{DeepSpeedError, Result};
 
 /// Name of the format in `meta.json`.
@@ -108,10 +110,11 @@ pub struct CheckpointMeta {
 
 /// SHA-256 of `bytes`, as lowercase hex.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex(&Sha256::digest(bytes))
+}
+
+fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 pub(crate) fn refuse(path: &Path, why: impl std::fmt::Display) -> DeepSpeedError {
@@ -122,9 +125,26 @@ pub(crate) fn io_err(path: &Path, e: std::io::Error) -> DeepSpeedError {
     DeepSpeedError::Checkpoint(format!("{}: {e}", path.display()))
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+/// Checkpoints of at least this many bytes show a progress bar while written or read (on a
+/// terminal, and on rank 0 only).
+pub const PROGRESS_MIN_BYTES: u64 = 64 << 20;
+
+/// Files are written, read and hashed in pieces of this size, each one counted on the bar.
+const PIECE: usize = 8 << 20;
+
+/// A bar over `total` bytes of checkpoint I/O, shown when `show` and the checkpoint is large.
+pub(crate) fn io_bar(label: &str, total: u64, show: bool) -> TaskProgress {
+    TaskProgress::bytes(label, total, show && total >= PROGRESS_MIN_BYTES)
+}
+
+fn write_synced(path: &Path, bytes: &[u8], bar: Option<&TaskProgress>) -> Result<()> {
     let mut f = File::create(path).map_err(|e| io_err(path, e))?;
-    f.write_all(bytes).map_err(|e| io_err(path, e))?;
+    for piece in bytes.chunks(PIECE) {
+        f.write_all(piece).map_err(|e| io_err(path, e))?;
+        if let Some(bar) = bar {
+            bar.inc(piece.len() as u64);
+        }
+    }
     f.sync_all().map_err(|e| io_err(path, e))
 }
 
@@ -193,9 +213,29 @@ pub fn create_staging(staging: &Path) -> Result<()> {
     fs::create_dir(staging).map_err(|e| io_err(staging, e))
 }
 
-/// Writes one state file into the staging directory, synced, and describes it.
-pub fn write_state_file(staging: &Path, name: &str, bytes: &[u8]) -> Result<CheckpointFile> {
-    write_synced(&staging.join(name), bytes)?;
+/// Writes one state file into the staging directory, synced, and describes it; with `show`
+/// (rank 0) a large file shows a progress bar on a terminal.
+pub fn write_state_file(
+    staging: &Path,
+    name: &str,
+    bytes: &[u8],
+    show: bool,
+) -> Result<CheckpointFile> {
+    let bar = io_bar(&format!("checkpoint save {name}"), bytes.len() as u64, show);
+    let file = write_state_file_counted(staging, name, bytes, &bar);
+    bar.finish();
+    file
+}
+
+/// [`write_state_file`], counting the bytes on `bar`.
+fn write_state_file_counted(
+    staging: &Path,
+    name: &str,
+    bytes: &[u8],
+    bar: &TaskProgress,
+) -> Result<CheckpointFile> {
+    bar.set_message(name.to_string());
+    write_synced(&staging.join(name), bytes, Some(bar))?;
     Ok(CheckpointFile {
         name: name.to_string(),
         bytes: bytes.len() as u64,
@@ -215,8 +255,12 @@ pub fn commit_checkpoint(
     check_tag(tag)?;
     let json = serde_json::to_vec_pretty(meta)
         .map_err(|e| DeepSpeedError::Checkpoint(format!("metadata: {e}")))?;
-    write_synced(&staging.join("meta.json"), &json)?;
-    write_synced(&staging.join("meta.sha256"), sha256_hex(&json).as_bytes())?;
+    write_synced(&staging.join("meta.json"), &json, None)?;
+    write_synced(
+        &staging.join("meta.sha256"),
+        sha256_hex(&json).as_bytes(),
+        None,
+    )?;
     sync_dir(staging)?;
     let target = dir.join(tag);
     if fs::symlink_metadata(&target).is_ok() {
@@ -226,7 +270,7 @@ pub fn commit_checkpoint(
     }
     sync_dir(dir)?;
     let latest_tmp = dir.join(format!(".latest.partial-{:016x}", unique_suffix()));
-    write_synced(&latest_tmp, tag.as_bytes())?;
+    write_synced(&latest_tmp, tag.as_bytes(), None)?;
     let latest = dir.join("latest");
     fs::rename(&latest_tmp, &latest).map_err(|e| io_err(&latest, e))?;
     sync_dir(dir)?;
@@ -284,7 +328,7 @@ fn exchange(_a: &Path, _b: &Path) -> std::io::Result<()> {
 }
 
 /// Writes `files` and `meta` as checkpoint `tag` under `dir` and points `latest` at it (one
-/// writer).
+/// writer; a large checkpoint shows a progress bar on a terminal).
 pub fn write_checkpoint(
     dir: &Path,
     tag: &str,
@@ -295,9 +339,13 @@ pub fn write_checkpoint(
     let staging = staging_dir(dir, tag, unique_suffix());
     create_staging(&staging)?;
     meta.files.clear();
+    let total = files.iter().map(|(_, b)| b.len() as u64).sum();
+    let bar = io_bar("checkpoint save", total, true);
     for (name, bytes) in files {
-        meta.files.push(write_state_file(&staging, name, bytes)?);
+        meta.files
+            .push(write_state_file_counted(&staging, name, bytes, &bar)?);
     }
+    bar.finish();
     commit_checkpoint(dir, tag, &staging, &meta)
 }
 
@@ -342,10 +390,33 @@ fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// At most `len` bytes of `file`, read piece by piece and hashed as they arrive (one pass),
+/// with the hex SHA-256 of what was read; each piece is counted on `bar`.
+fn read_hashed(file: File, len: u64, bar: &TaskProgress) -> std::io::Result<(Vec<u8>, String)> {
+    let mut bytes = Vec::with_capacity(len as usize);
+    let mut hasher = Sha256::new();
+    let mut file = file.take(len);
+    loop {
+        let at = bytes.len();
+        let read = (&mut file).take(PIECE as u64).read_to_end(&mut bytes)?;
+        if read == 0 {
+            break;
+        }
+        hasher.update(&bytes[at..]);
+        bar.inc(read as u64);
+    }
+    Ok((bytes, hex(&hasher.finalize())))
+}
+
 /// Reads checkpoint `tag` under `dir`: its metadata (checked against `meta.sha256`) and its
 /// files in the order listed, each checked for its name, its recorded length (before it is
-/// read) and its SHA-256.
-pub fn read_checkpoint(dir: &Path, tag: &str) -> Result<(CheckpointMeta, Vec<Vec<u8>>)> {
+/// read) and its SHA-256. With `show` (rank 0) a large checkpoint shows a progress bar on a
+/// terminal.
+pub fn read_checkpoint(
+    dir: &Path,
+    tag: &str,
+    show: bool,
+) -> Result<(CheckpointMeta, Vec<Vec<u8>>)> {
     check_tag(tag)?;
     let root = dir.join(tag);
     let info = fs::symlink_metadata(&root).map_err(|e| io_err(&root, e))?;
@@ -377,6 +448,8 @@ pub fn read_checkpoint(dir: &Path, tag: &str) -> Result<(CheckpointMeta, Vec<Vec
     }
     check_meta(&meta).map_err(|e| refuse(&meta_path, e))?;
     let mut out = Vec::with_capacity(meta.files.len());
+    let total = meta.files.iter().map(|f| f.bytes).sum();
+    let bar = io_bar("checkpoint load", total, show);
     for f in &meta.files {
         let path = root.join(&f.name);
         let (file, len) = open_regular(&path)?;
@@ -390,11 +463,8 @@ pub fn read_checkpoint(dir: &Path, tag: &str) -> Result<(CheckpointMeta, Vec<Vec
                 ),
             ));
         }
-        let mut bytes = Vec::with_capacity(len as usize);
-        file.take(len)
-            .read_to_end(&mut bytes)
-            .map_err(|e| io_err(&path, e))?;
-        let sum = sha256_hex(&bytes);
+        bar.set_message(f.name.clone());
+        let (bytes, sum) = read_hashed(file, len, &bar).map_err(|e| io_err(&path, e))?;
         if bytes.len() as u64 != f.bytes || sum != f.sha256 {
             return Err(refuse(
                 &path,
@@ -409,6 +479,7 @@ pub fn read_checkpoint(dir: &Path, tag: &str) -> Result<(CheckpointMeta, Vec<Vec
         }
         out.push(bytes);
     }
+    bar.finish();
     Ok((meta, out))
 }
 
@@ -579,6 +650,27 @@ pub fn partition_state_from_bytes(bytes: &[u8], what: &str) -> Result<PartitionS
 mod tests {
     use super::*;
 
+    #[test]
+    fn large_files_are_written_and_read_piece_by_piece_with_one_hash() {
+        // Two and a half pieces: the last one short.
+        let len = 2 * PIECE + PIECE / 2;
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let saved = io_bar("save", len as u64, false);
+        let file = write_state_file_counted(dir.path(), "big.bin", &bytes, &saved).expect("write");
+        assert_eq!(saved.position(), len as u64);
+        assert_eq!(file.sha256, sha256_hex(&bytes));
+        let loaded = io_bar("load", len as u64, false);
+        let open = File::open(dir.path().join("big.bin")).expect("open");
+        let (back, sum) = read_hashed(open, len as u64, &loaded).expect("read");
+        assert_eq!((back == bytes, sum), (true, file.sha256));
+        assert_eq!(loaded.position(), len as u64);
+        // A file longer than recorded is read only up to its record.
+        let open = File::open(dir.path().join("big.bin")).expect("open");
+        let (head, sum) = read_hashed(open, 100, &loaded).expect("read");
+        assert_eq!((head.len(), sum), (100, sha256_hex(&bytes[..100])));
+    }
+
     fn meta() -> CheckpointMeta {
         CheckpointMeta {
             format: CHECKPOINT_FORMAT.into(),
@@ -605,7 +697,8 @@ mod tests {
         let files = [("model.bin", f32_bytes(&[1.0, 2.0, 3.0]))];
         write_checkpoint(dir.path(), "step_7", meta(), &files).expect("write");
         let (m, data) =
-            read_checkpoint(dir.path(), &read_latest(dir.path()).expect("latest")).expect("read");
+            read_checkpoint(dir.path(), &read_latest(dir.path()).expect("latest"), false)
+                .expect("read");
         assert_eq!(m.global_step, 7);
         assert_eq!(m.files[0].bytes, 12);
         assert_eq!(
@@ -629,15 +722,19 @@ mod tests {
         let mut bytes = fs::read(root.join("model.bin")).expect("read");
         bytes[3] ^= 0x40;
         fs::write(root.join("model.bin"), &bytes).expect("corrupt");
-        let err = read_checkpoint(dir.path(), "a").unwrap_err().to_string();
+        let err = read_checkpoint(dir.path(), "a", false)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("model.bin: is corrupt"), "{err}");
 
         let mut other = meta();
         other.version = 99;
         write_checkpoint(dir.path(), "b", other, &files).expect("write");
-        let err = read_checkpoint(dir.path(), "b").unwrap_err().to_string();
+        let err = read_checkpoint(dir.path(), "b", false)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("version 99"), "{err}");
-        let err = read_checkpoint(dir.path(), "missing")
+        let err = read_checkpoint(dir.path(), "missing", false)
             .unwrap_err()
             .to_string();
         assert!(err.contains("missing"), "{err}");

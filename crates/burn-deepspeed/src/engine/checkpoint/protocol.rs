@@ -129,7 +129,12 @@ fn write_slices(
     let mine = agreed(
         comm,
         "checkpoint slice",
-        write_state_file(&staging, &partition_file(comm.rank()), state),
+        write_state_file(
+            &staging,
+            &partition_file(comm.rank()),
+            state,
+            comm.rank() == 0,
+        ),
     )?;
     // Each rank reports its file's length and SHA-256 so that rank 0 can list every file.
     const RECORD: usize = 8 + 64;
@@ -142,7 +147,7 @@ fn write_slices(
         return Ok(dir.join(tag));
     }
     let params = f32_bytes(&params.unwrap_or_default());
-    meta.files = vec![write_state_file(&staging, "model.bin", &params)?];
+    meta.files = vec![write_state_file(&staging, "model.bin", &params, true)?];
     for (r, c) in all.chunks(RECORD).enumerate() {
         meta.files.push(CheckpointFile {
             name: partition_file(r),
@@ -165,7 +170,12 @@ pub fn load(
     comm: &dyn Communicator,
 ) -> Result<Loaded> {
     let tag = decide_tag(dir, tag, comm)?;
-    agreed(comm, "checkpoint read", read_and_check(dir, &tag, expected))
+    let show = comm.rank() == 0;
+    agreed(
+        comm,
+        "checkpoint read",
+        read_and_check(dir, &tag, expected, show),
+    )
 }
 
 /// Rank 0's tag: `tag`, or the one `dir/latest` names; every rank gets it.
@@ -192,8 +202,8 @@ fn decide_tag(dir: &Path, tag: Option<&str>, comm: &dyn Communicator) -> Result<
 }
 
 /// This rank's read of checkpoint `tag`, checked against `expected`.
-fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta) -> Result<Loaded> {
-    let (meta, files) = read_checkpoint(dir, tag)?;
+fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta, show: bool) -> Result<Loaded> {
+    let (meta, files) = read_checkpoint(dir, tag, show)?;
     let refuse = |what: String| Err(DeepSpeedError::Checkpoint(what));
     let stage = expected.zero_stage;
     let partitioned = |s: u8| (1..=3).contains(&s);

@@ -12,6 +12,8 @@ Usage: benchmarks_md.py pipeline BENCH_JSON GRID_MPI_JSON GRID_THREADS_JSON CORE
        benchmarks_md.py inference DIR NEW_TOKENS CORES
        benchmarks_md.py quantization DIR STEPS_SMALL STEPS_TINY CORES
        benchmarks_md.py moe DIR STEPS CORES
+       benchmarks_md.py overhead DIR CORES
+       benchmarks_md.py vs-pytorch DIR CORES
 """
 import json
 import re
@@ -885,6 +887,97 @@ def write_section(name, body):
     print(f"wrote the `{name}` section of {PATH}")
 
 
+PHASES = ["forward", "backward", "accumulate", "reduce", "optimizer", "other"]
+
+
+def overhead(directory, cores):
+    d = Path(directory)
+    lines = [
+        "## Engine overhead against a plain Burn loop",
+        "",
+        f"`bash scripts/bench-overhead.sh` on a machine with {cores} CPU cores, Flex, fp32. "
+        "One process trains the GPT with a plain Burn loop (one model, Burn's AdamW, no engine) "
+        "and with `DeepSpeedEngine` at one rank, ZeRO stage 0, alternating runs, on the same "
+        "initial model, batches (16 sequences) and hyper-parameters (the default config without "
+        "gradient clipping, which Burn applies per tensor and the engine globally). Both compute "
+        "the same steps: the largest difference between their losses is given. Phases are "
+        "milliseconds per step, measured; `other` is the step's wall clock less the phases.",
+        "",
+        "| model | loop | tokens/s | ratio | " + " | ".join(PHASES) + " | step (ms) | max loss difference |",
+        "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|",
+    ]
+    for model in ["tiny", "small"]:
+        f = d / f"{model}.json"
+        if not f.exists():
+            continue
+        r = json.load(open(f))
+        for loop in ["plain", "engine"]:
+            ms = r[f"{loop}_ms_per_step"]
+            tps = r[f"{loop}_tokens_per_s"]
+            ratio = "1.00" if loop == "plain" else f"{r['engine_over_plain']:.3f}"
+            cells = " | ".join(f"{ms[p]:.2f}" if p in ms else "" for p in PHASES)
+            diff = f"{r['max_loss_difference']:.1e}" if loop == "engine" else ""
+            name = "plain Burn" if loop == "plain" else f"engine, stage {r['stage']}"
+            lines.append(
+                f"| `{model}` | {name} | {tps:.0f} | {ratio} | {cells} | {ms['step']:.1f} | {diff} |"
+            )
+    lines += [
+        "",
+        "Steps: "
+        + ", ".join(
+            f"`{m}` {json.load(open(d / f'{m}.json'))['steps']} per run "
+            f"({json.load(open(d / f'{m}.json'))['warm_up']} untimed), "
+            f"{len(json.load(open(d / f'{m}.json'))['rounds'])} runs of each"
+            for m in ["tiny", "small"]
+            if (d / f"{m}.json").exists()
+        )
+        + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def vs_pytorch(directory, cores):
+    d = Path(directory)
+    seq = {"tiny": 128, "small": 256}
+    lines = [
+        "## Against PyTorch DDP and DeepSpeed on CPU",
+        "",
+        f"`bash scripts/bench-vs-pytorch.sh` on a machine with {cores} CPU cores (not run in "
+        "CI). The same GPT (`scripts/bench_vs_pytorch.py` mirrors the example layer by layer), "
+        "data (the same windows of the embedded corpus at each step), global batch (16 "
+        "sequences), AdamW, WarmupLR and clipping, at 2 data-parallel ranks: PyTorch under DDP "
+        "and DeepSpeed (CPU accelerator, gloo, `torch_adam`), one thread per rank; ours on "
+        "Flex, fp32, as threads and under `mpirun -n 2`. Tokens/s are the median over the "
+        "steps after the first 5 (ours: from each step's measured time).",
+        "",
+        "| model | stage | ours, threads | ours, mpirun | PyTorch | PyTorch tokens/s | ours / PyTorch (best of ours) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def ours(path, model):
+        r = json.load(open(path))
+        steady = r["step_seconds_per_sample"][5:]
+        return seq[model] / median(steady), r.get("peak_rss_bytes", 0)
+
+    for model in ["tiny", "small"]:
+        if not (d / f"{model}-ddp.json").exists():
+            continue
+        ddp = json.load(open(d / f"{model}-ddp.json"))
+        for stage in range(4):
+            t, _ = ours(d / f"{model}-ours{stage}.json", model)
+            m, _ = ours(d / f"{model}-mpi{stage}.json", model)
+            ds = json.load(open(d / f"{model}-ds{stage}.json"))
+            peers = [("DeepSpeed", ds)]
+            if stage == 0:
+                peers.insert(0, ("DDP", ddp))
+            for name, peer in peers:
+                lines.append(
+                    f"| `{model}` | {stage} | {t:.0f} | {m:.0f} | {name} {peer['torch']} "
+                    f"| {peer['tokens_per_s']:.0f} | {max(t, m) / peer['tokens_per_s']:.2f} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
     kind = sys.argv[1]
     if kind == "pipeline":
@@ -913,5 +1006,9 @@ if __name__ == "__main__":
         write_section("quantization", quantization(*sys.argv[2:6]))
     elif kind == "moe":
         write_section("moe", moe(*sys.argv[2:5]))
+    elif kind == "overhead":
+        write_section("overhead", overhead(*sys.argv[2:4]))
+    elif kind == "vs-pytorch":
+        write_section("vs-pytorch", vs_pytorch(*sys.argv[2:4]))
     else:
         sys.exit(f"unknown section {kind}")

@@ -158,6 +158,23 @@ fn monitor_files_hold_every_step() {
         );
         assert!(col("model_state_bytes") > 0.0 && col("peak_rss_bytes") > 0.0);
     }
+    // Each rank's mean phases over the steps after the first: they and `other` make up the
+    // step, and under the breakdown the wait for the other rank is measured apart.
+    assert_eq!(report.breakdown_per_rank.len(), 2);
+    for b in &report.breakdown_per_rank {
+        let parts = [
+            b.forward,
+            b.backward,
+            b.accumulate,
+            b.reduce_wait,
+            b.reduce,
+            b.optimizer,
+            b.other,
+        ];
+        assert!(parts.iter().all(|p| *p >= 0.0) && b.forward > 0.0 && b.backward > 0.0);
+        let sum: f64 = parts.iter().sum();
+        assert!((sum - b.step).abs() <= 1e-9 * b.step, "{b:?}");
+    }
 }
 
 /// The pipeline engine writes the same files: one row per step from global rank 0, with its

@@ -327,6 +327,11 @@ pub struct RunReport {
     /// parameters) per step, on rank 0.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub optimizer_seconds: Vec<f64>,
+    /// Data-parallel runs: each rank's mean time per step in each phase, over the steps
+    /// after the first (measured; `other` is the step's wall clock less the phases: batch
+    /// creation, the engine's bookkeeping), in rank order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub breakdown_per_rank: Vec<StepBreakdown>,
     /// Peak resident memory of the process (the largest over ranks' processes).
     pub peak_rss_bytes: u64,
     /// The device the model trained on (`flex`, `wgpu`, `cuda`).
@@ -395,6 +400,85 @@ pub struct RunReport {
     /// A GPT-MoE's routing figures (rank 0's), `None` for a dense GPT.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeReport>,
+}
+
+/// One rank's mean milliseconds per step in each phase of the step (see
+/// [`StepReport`](burn_deepspeed::StepReport)).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StepBreakdown {
+    /// Forward passes (the time in the model's `TrainStep::step` less its backward passes).
+    pub forward: f64,
+    /// Backward passes.
+    pub backward: f64,
+    /// Handing each micro-batch's gradients to the regime (copies into its buffers; at
+    /// stages 2-3 the bucket reductions that run as buckets fill).
+    pub accumulate: f64,
+    /// Waiting at the reduction for the slowest rank (measured with `wall_clock_breakdown`
+    /// only, else 0).
+    pub reduce_wait: f64,
+    /// The reduction's own time: moving and summing the gradients.
+    pub reduce: f64,
+    /// The optimizer step, with the parameters' write-back into the model.
+    pub optimizer: f64,
+    /// The rest of the step's wall clock.
+    pub other: f64,
+    /// The whole step.
+    pub step: f64,
+}
+
+impl StepBreakdown {
+    /// As eight numbers, in field order.
+    fn words(&self) -> [f64; 8] {
+        [
+            self.forward,
+            self.backward,
+            self.accumulate,
+            self.reduce_wait,
+            self.reduce,
+            self.optimizer,
+            self.other,
+            self.step,
+        ]
+    }
+
+    fn from_words(w: [f64; 8]) -> Self {
+        Self {
+            forward: w[0],
+            backward: w[1],
+            accumulate: w[2],
+            reduce_wait: w[3],
+            reduce: w[4],
+            optimizer: w[5],
+            other: w[6],
+            step: w[7],
+        }
+    }
+
+    /// Adds one step (`wall`: its wall clock) to running sums in milliseconds.
+    fn add(&mut self, report: &StepReport, wall: Duration) {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let forward = report
+            .forward
+            .unwrap_or(report.forward_backward.saturating_sub(report.accumulate));
+        let backward = report.backward.unwrap_or_default();
+        let wait = report.reduce_wait.unwrap_or_default();
+        let phases =
+            forward + backward + report.accumulate + wait + report.reduce + report.optimizer;
+        self.forward += ms(forward);
+        self.backward += ms(backward);
+        self.accumulate += ms(report.accumulate);
+        self.reduce_wait += ms(wait);
+        self.reduce += ms(report.reduce);
+        self.optimizer += ms(report.optimizer);
+        self.other += ms(wall.saturating_sub(phases));
+        self.step += ms(wall);
+    }
+
+    /// The sums divided by `steps`.
+    fn mean(&self, steps: u64) -> Self {
+        let n = steps.max(1) as f64;
+        Self::from_words(self.words().map(|w| w / n))
+    }
 }
 
 /// A GPT-MoE's routing over the run, on rank 0 (every MoE block and micro-batch of a step
@@ -608,6 +692,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let mut per_step_model_bytes = Vec::new();
     let (mut fb_seconds, mut optimizer_seconds) = (Vec::new(), Vec::new());
     let (mut host_device, mut staged) = (Vec::new(), Vec::new());
+    let (mut breakdown, mut timed_steps) = (StepBreakdown::default(), 0u64);
     let mut pld_theta = None;
     let mut loss_scale = Vec::new();
     let mut peak_activation = None;
@@ -634,7 +719,13 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         moq_bits.extend(report.moq_bits);
         per_step_bytes.push(report.bytes_sent);
         per_step_model_bytes.push(report.model_bytes_sent);
-        per_sample.push(step_start.elapsed().as_secs_f64() / batch.train_batch_size as f64);
+        let wall = step_start.elapsed();
+        per_sample.push(wall.as_secs_f64() / batch.train_batch_size as f64);
+        // The first step warms up (allocations, the optimizer's state): not in the means.
+        if step > first_step {
+            breakdown.add(&report, wall);
+            timed_steps += 1;
+        }
         fb_seconds.push(report.forward_backward.as_secs_f64());
         optimizer_seconds.push(report.optimizer.as_secs_f64());
         compressed += u64::from(report.compressed);
@@ -668,6 +759,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
             rss: peak_rss_bytes(),
             bubble: 0.0,
             live_activations: 0,
+            breakdown: breakdown.mean(timed_steps),
         },
     )?;
     // Collectives for the held-out loss and the tests' comparisons, after the traffic
@@ -719,6 +811,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         step_seconds_per_sample: per_sample,
         forward_backward_seconds: fb_seconds,
         optimizer_seconds,
+        breakdown_per_rank: figures.iter().map(|f| f.breakdown).collect(),
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
         device: spec.device.name().into(),
         host_device_bytes_per_step: host_device,
@@ -933,6 +1026,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
                 0.0
             },
             live_activations: live as u64,
+            breakdown: StepBreakdown::default(),
         },
     )?;
     Ok(RunReport {
@@ -971,6 +1065,7 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         step_seconds_per_sample: Vec::new(),
         forward_backward_seconds: Vec::new(),
         optimizer_seconds: Vec::new(),
+        breakdown_per_rank: Vec::new(),
         peak_rss_bytes: figures.iter().map(|f| f.rss).max().unwrap_or(0),
         device: spec.device.name().into(),
         host_device_bytes_per_step: host_device,
@@ -1016,6 +1111,8 @@ struct RankFigures {
     rss: u64,
     bubble: f64,
     live_activations: u64,
+    /// Data-parallel runs: the mean phase times.
+    breakdown: StepBreakdown,
 }
 
 /// Every rank's figures, in rank order (moved as little-endian bytes: the communicator
@@ -1034,7 +1131,10 @@ fn gather_figures(comm: &dyn Communicator, mine: RankFigures) -> Result<Vec<Rank
         mine.axis.pipe,
         mine.axis.data,
         mine.axis.other,
-    ];
+    ]
+    .into_iter()
+    .chain(mine.breakdown.words().map(f64::to_bits))
+    .collect::<Vec<u64>>();
     let bytes: Vec<u8> = words.iter().flat_map(|v| v.to_le_bytes()).collect();
     let mut all = vec![0u8; bytes.len() * comm.world_size()];
     comm.all_gather_equal(&bytes, &mut all)?;
@@ -1057,6 +1157,9 @@ fn gather_figures(comm: &dyn Communicator, mine: RankFigures) -> Result<Vec<Rank
                     data: v(10),
                     other: v(11),
                 },
+                breakdown: StepBreakdown::from_words(std::array::from_fn(|i| {
+                    f64::from_bits(v(12 + i))
+                })),
             }
         })
         .collect())

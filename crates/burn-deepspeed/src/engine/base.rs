@@ -325,6 +325,17 @@ where
             .take()
             .unwrap_or_else(|| self.comm.stats());
         let lr = self.lr_at(self.global_step - self.skipped_steps);
+        // `wall_clock_breakdown`: the time this rank waits for the slowest one, apart from
+        // the reduction's own (a barrier first; without the breakdown the reduction's first
+        // collective waits instead).
+        let reduce_wait = match self.config.wall_clock_breakdown && self.comm.world_size() > 1 {
+            true => {
+                let start = Instant::now();
+                self.grid.world().barrier()?;
+                Some(start.elapsed())
+            }
+            false => None,
+        };
         let start = Instant::now();
         let loss_scale = self.scaler.as_ref().map(DynamicLossScaler::scale);
         let reduced = {
@@ -405,6 +416,7 @@ where
             forward: backward.map(|b| train_step.saturating_sub(b)),
             backward,
             accumulate,
+            reduce_wait,
             reduce,
             optimizer,
             step_time,

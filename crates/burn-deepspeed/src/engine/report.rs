@@ -76,7 +76,12 @@ pub struct StepReport {
     /// copying them into its buffers and, at stages 2-3, the bucket reductions that run as
     /// buckets fill.
     pub accumulate: Duration,
-    /// Time in gradient reduction (communication included).
+    /// `wall_clock_breakdown` at more than one rank: the time this rank waited, before the
+    /// reduction, for every rank to reach it (a barrier: the slowest rank's lead over this
+    /// one); `None` without the breakdown.
+    pub reduce_wait: Option<Duration>,
+    /// Time in gradient reduction (communication included; after `reduce_wait`, when
+    /// measured, the time moving and summing the gradients).
     pub reduce: Duration,
     /// Time in the optimizer step.
     pub optimizer: Duration,
@@ -87,8 +92,8 @@ pub struct StepReport {
 
 impl StepReport {
     /// The step's phases for `wall_clock_breakdown`: forward and backward apart when both
-    /// were timed, then the gradients' accumulation, the reduction, the optimizer step and
-    /// the whole step.
+    /// were timed, then the gradients' accumulation, the wait for the other ranks (when
+    /// measured), the reduction, the optimizer step and the whole step.
     pub fn phases(&self) -> Vec<(&'static str, Duration)> {
         let mut phases = match (self.forward, self.backward) {
             (Some(f), Some(b)) => vec![("forward", f), ("backward", b)],
@@ -97,8 +102,11 @@ impl StepReport {
                 self.forward_backward.saturating_sub(self.accumulate),
             )],
         };
+        phases.extend([("accumulate", self.accumulate)]);
+        if let Some(wait) = self.reduce_wait {
+            phases.push(("reduce wait", wait));
+        }
         phases.extend([
-            ("accumulate", self.accumulate),
             ("reduce", self.reduce),
             ("optimizer", self.optimizer),
             ("step", self.step_time),

@@ -1,0 +1,273 @@
+//! Engine overhead: the GPT trained by a plain Burn loop (one model, Burn's AdamW, no
+//! engine) and by [`DeepSpeedEngine`] at one rank, on the same model, batches and
+//! hyper-parameters, alternating in one process. Each step is split into phases (forward,
+//! backward, the engine's gradient accumulation and reduction, the optimizer step, and the
+//! rest), and tokens/s of the two are compared.
+//!
+//! cargo run --release --example overhead_bench -- --model tiny [--stage 0] [--json]
+//!
+//! `scripts/bench-overhead.sh` runs it for `tiny` and `small` and writes the
+//! engine-overhead section of BENCHMARKS.md.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::Device;
+use burn_deepspeed::launch::launch;
+use burn_deepspeed::progress::TaskProgress;
+use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
+use burn_deepspeed_example_gpt::DEFAULT_CONFIG;
+use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
+use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
+use burn_deepspeed_example_gpt::run::{RunSpec, train_step};
+use clap::Parser;
+use serde_json::json;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Model (`tiny`, `small`).
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// The engine's ZeRO stage (one rank).
+    #[arg(long, default_value_t = 0)]
+    stage: u8,
+    /// Optimizer steps per run, the first `--warm-up` of them untimed.
+    #[arg(long, default_value_t = 30)]
+    steps: u64,
+    /// Steps run before the timed ones.
+    #[arg(long, default_value_t = 5)]
+    warm_up: u64,
+    /// Runs of each loop, alternating.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Print one JSON object as the last line.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The example's default config (AdamW, WarmupLR, global batch 16) at `stage`, without
+/// gradient clipping: Burn's clips each tensor by its own norm and the engine by the global
+/// norm, so the two loops compute the same steps only without it.
+fn config(stage: u8) -> DeepSpeedConfig {
+    let mut value: serde_json::Value = serde_json::from_str(DEFAULT_CONFIG).expect("json");
+    value["zero_optimization"]["stage"] = json!(stage);
+    value["gradient_clipping"] = json!(0.0);
+    DeepSpeedConfig::from_json_str(&value.to_string())
+        .expect("valid config")
+        .0
+}
+
+/// Summed phase times and losses of one loop's timed steps.
+#[derive(Debug, Default, Clone)]
+struct Timed {
+    phases: Vec<(&'static str, Duration)>,
+    wall: Duration,
+    steps: u64,
+    losses: Vec<f64>,
+}
+
+impl Timed {
+    fn add(&mut self, phases: &[(&'static str, Duration)], wall: Duration) {
+        for &(name, took) in phases {
+            match self.phases.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, sum)) => *sum += took,
+                None => self.phases.push((name, took)),
+            }
+        }
+        let measured: Duration = phases.iter().map(|(_, d)| *d).sum();
+        match self.phases.iter_mut().find(|(n, _)| *n == "other") {
+            Some((_, sum)) => *sum += wall.saturating_sub(measured),
+            None => self.phases.push(("other", wall.saturating_sub(measured))),
+        }
+        self.wall += wall;
+        self.steps += 1;
+    }
+
+    fn merge(&mut self, other: &Timed) {
+        for &(name, took) in &other.phases {
+            match self.phases.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, sum)) => *sum += took,
+                None => self.phases.push((name, took)),
+            }
+        }
+        self.wall += other.wall;
+        self.steps += other.steps;
+    }
+
+    fn tokens_per_s(&self, tokens_per_step: u64) -> f64 {
+        (self.steps * tokens_per_step) as f64 / self.wall.as_secs_f64().max(1e-12)
+    }
+
+    fn ms_per_step(&self) -> serde_json::Value {
+        let n = self.steps.max(1) as f64;
+        let mut map = serde_json::Map::new();
+        for (name, took) in &self.phases {
+            map.insert(name.to_string(), json!(took.as_secs_f64() * 1e3 / n));
+        }
+        map.insert("step".into(), json!(self.wall.as_secs_f64() * 1e3 / n));
+        serde_json::Value::Object(map)
+    }
+}
+
+/// The plain loop: Burn's AdamW with the config's hyper-parameters.
+fn plain(shape: GptShape, args: &Args, corpus: &ByteCorpus) -> Timed {
+    let device = Device::flex().autodiff();
+    let inner = device.clone().inner();
+    let mut model = Gpt::new(shape, 5, &device);
+    let mut optim = AdamWConfig::new()
+        .with_beta_1(0.9)
+        .with_beta_2(0.95)
+        .with_epsilon(1e-8)
+        .with_weight_decay(0.01)
+        .init();
+    // The config's learning-rate schedule, as the engine follows it.
+    let schedule = config(args.stage);
+    let mut timed = Timed::default();
+    for step in 0..args.steps {
+        let batch = corpus.batch(step, 0, 16, shape.seq_len, &inner);
+        let start = Instant::now();
+        let out = model.forward_loss(batch);
+        let loss = out.loss.clone().into_scalar::<f32>() as f64;
+        let forward = start.elapsed();
+        let at = Instant::now();
+        let grads = out.loss.backward();
+        let backward = at.elapsed();
+        let at = Instant::now();
+        let grads = GradientsParams::from_grads(grads, &model);
+        model = optim.step(schedule.lr_at(step), model, grads);
+        let optimizer = at.elapsed();
+        let wall = start.elapsed();
+        if step >= args.warm_up {
+            timed.add(
+                &[
+                    ("forward", forward),
+                    ("backward", backward),
+                    ("optimizer", optimizer),
+                ],
+                wall,
+            );
+            timed.losses.push(loss);
+        }
+    }
+    timed
+}
+
+/// The engine at one rank on the same model, batches and hyper-parameters.
+fn engine(shape: GptShape, args: &Args) -> Result<Timed, String> {
+    let mut spec = RunSpec::on_embedded_corpus(config(args.stage), shape, args.steps, 7, 5);
+    spec.keep_final_state = false;
+    let outcome = launch(1, Duration::from_secs(3600), |comm| {
+        let device = Device::flex().autodiff();
+        let inner = device.clone().inner();
+        let model = Gpt::new(shape, spec.seed, &device);
+        let mut engine = DeepSpeedEngine::new(model, spec.config.clone(), comm)?;
+        let mut timed = Timed::default();
+        for step in 0..args.steps {
+            let start = Instant::now();
+            let report = train_step(&mut engine, &spec, step, &inner)?;
+            let wall = start.elapsed();
+            if step >= args.warm_up {
+                let (forward, backward) = match (report.forward, report.backward) {
+                    (Some(f), Some(b)) => (f, b),
+                    _ => (report.forward_backward - report.accumulate, Duration::ZERO),
+                };
+                timed.add(
+                    &[
+                        ("forward", forward),
+                        ("backward", backward),
+                        ("accumulate", report.accumulate),
+                        ("reduce", report.reduce),
+                        ("optimizer", report.optimizer),
+                    ],
+                    wall,
+                );
+                timed.losses.push(report.loss);
+            }
+        }
+        Ok(timed)
+    });
+    match outcome {
+        Ok((_, mut results)) => Ok(results.remove(0)),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let Some(shape) = GptShape::preset(&args.model) else {
+        eprintln!("error: unknown model `{}` (tiny, small)", args.model);
+        return ExitCode::FAILURE;
+    };
+    if args.warm_up >= args.steps || args.rounds == 0 {
+        eprintln!("error: --warm-up must be below --steps, and --rounds at least 1");
+        return ExitCode::FAILURE;
+    }
+    let corpus = ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 7);
+    let tokens_per_step = 16 * shape.seq_len as u64;
+    let bar = TaskProgress::items("overhead_bench", 2 * args.rounds as u64, !args.json);
+    let (mut plain_all, mut engine_all) = (Timed::default(), Timed::default());
+    let mut rounds = Vec::new();
+    for round in 0..args.rounds {
+        bar.set_message(format!("round {round}: plain Burn loop"));
+        let p = plain(shape, &args, &corpus);
+        bar.inc(1);
+        bar.set_message(format!("round {round}: engine, stage {}", args.stage));
+        let e = match engine(shape, &args) {
+            Ok(e) => e,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        bar.inc(1);
+        let (pt, et) = (
+            p.tokens_per_s(tokens_per_step),
+            e.tokens_per_s(tokens_per_step),
+        );
+        bar.println(format!(
+            "round {round}: plain {pt:.0} tokens/s, engine {et:.0} tokens/s ({:.3})",
+            et / pt
+        ));
+        rounds.push(json!({"plain_tokens_per_s": pt, "engine_tokens_per_s": et}));
+        plain_all.merge(&p);
+        engine_all.merge(&e);
+        if round == 0 {
+            plain_all.losses = p.losses.clone();
+            engine_all.losses = e.losses.clone();
+        }
+    }
+    bar.finish();
+    let (pt, et) = (
+        plain_all.tokens_per_s(tokens_per_step),
+        engine_all.tokens_per_s(tokens_per_step),
+    );
+    // The same steps: the first round's losses agree to float rounding.
+    let max_diff = plain_all
+        .losses
+        .iter()
+        .zip(&engine_all.losses)
+        .map(|(p, e)| (p - e).abs())
+        .fold(0.0f64, f64::max);
+    let report = json!({
+        "model": args.model,
+        "stage": args.stage,
+        "steps": args.steps,
+        "warm_up": args.warm_up,
+        "rounds": rounds,
+        "plain_tokens_per_s": pt,
+        "engine_tokens_per_s": et,
+        "engine_over_plain": et / pt,
+        "plain_ms_per_step": plain_all.ms_per_step(),
+        "engine_ms_per_step": engine_all.ms_per_step(),
+        "max_loss_difference": max_diff,
+        "plain_losses": plain_all.losses,
+        "engine_losses": engine_all.losses,
+    });
+    let text = match args.json {
+        true => report.to_string(),
+        false => serde_json::to_string_pretty(&report).unwrap_or_default(),
+    };
+    println!("{text}");
+    ExitCode::SUCCESS
+}

@@ -23,12 +23,19 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import torch, deepspe
 fi
 # DeepSpeed JIT-builds its CPU ops with the venv's ninja.
 export PATH="$venv/bin:$PATH"
-cargo build --release --features burn-deepspeed-example-gpt/mpi --example gpt
+cargo build --release --features burn-deepspeed-example-gpt/mpi --example gpt \
+    --example overhead_bench
 gpt="$target/release/examples/gpt"
 out=$(mktemp -d)
 for model in tiny small; do
     steps=$STEPS_TINY
     [ "$model" = small ] && steps=$STEPS_SMALL
+    # One process: PyTorch, a plain Burn loop and our engine, phase by phase (whose kernels
+    # the time is in).
+    "$venv/bin/python" scripts/bench_vs_pytorch.py --impl ddp --world 1 --model "$model" \
+        --steps "$steps" | tail -n 1 > "$out/$model-torch1.json"
+    "$target/release/examples/overhead_bench" --model "$model" --steps "$steps" --warm-up 5 \
+        --rounds 1 --json | tail -n 1 > "$out/$model-burn1.json"
     "$venv/bin/python" scripts/bench_vs_pytorch.py --impl ddp --world "$WORLD" \
         --model "$model" --steps "$steps" | tail -n 1 > "$out/$model-ddp.json"
     for stage in 0 1 2 3; do

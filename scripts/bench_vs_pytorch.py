@@ -127,12 +127,17 @@ def worker(rank, args, corpus, port, out):
         def train(inputs, targets, step):
             for group in optim.param_groups:
                 group["lr"] = lr_at(step)
+            start = time.perf_counter()
             loss = model(inputs, targets)
+            value = loss.item()
+            forward = time.perf_counter()
             optim.zero_grad(set_to_none=True)
             loss.backward()
+            backward = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optim.step()
-            return loss.item()
+            done = time.perf_counter()
+            return value, (forward - start, backward - forward, done - backward)
 
     else:
         import deepspeed
@@ -156,20 +161,27 @@ def worker(rank, args, corpus, port, out):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
         def train(inputs, targets, step):
+            start = time.perf_counter()
             loss = engine(inputs, targets)
+            value = loss.item()
+            forward = time.perf_counter()
             engine.backward(loss)
+            backward = time.perf_counter()
             engine.step()
-            return loss.item()
+            done = time.perf_counter()
+            return value, (forward - start, backward - forward, done - backward)
 
-    times, losses = [], []
+    times, losses, phases = [], [], []
     for step in range(args.steps):
         inputs, targets = batch(corpus, args.seed, step, rank * micro, micro, shape["seq"])
         dist.barrier()
         start = time.perf_counter()
-        losses.append(train(inputs, targets, step))
+        loss, split = train(inputs, targets, step)
         times.append(time.perf_counter() - start)
+        losses.append(loss)
+        phases.append(split)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out.put((rank, times, losses, rss))
+    out.put((rank, times, losses, rss, phases))
     dist.destroy_process_group()
 
 
@@ -207,13 +219,26 @@ def main():
                 for proc in procs:
                     proc.kill()
                 sys.exit(f"a rank failed with exit code {dead[0]}")
-    results.sort()
+    results.sort(key=lambda r: r[0])
     for proc in procs:
         proc.join()
     # A step ends when its slowest rank ends: the step time is the largest over ranks.
     steps = [max(r[1][s] for r in results) for s in range(args.steps)]
     steady = steps[args.warm_up :]
     seq = SHAPES[args.model]["seq"]
+    # Rank 0's median milliseconds per step in forward (with the loss read back), backward
+    # (DDP's all-reduce overlaps it; DeepSpeed's reduces in `engine.backward` at stages 1-2)
+    # and the step (clipping and the optimizer; DeepSpeed's stage-3 gathers too).
+    split = results[0][4][args.warm_up :]
+    phase_ms = {
+        name: 1e3 * statistics.median(s[i] for s in split)
+        for i, name in enumerate(["forward", "backward", "step"])
+    }
+    versions = {"torch": torch.__version__}
+    if args.impl == "deepspeed":
+        import deepspeed
+
+        versions["deepspeed"] = deepspeed.__version__
     print(
         json.dumps(
             {
@@ -221,7 +246,8 @@ def main():
                 "model": args.model,
                 "world": args.world,
                 "threads_per_rank": args.threads,
-                "torch": torch.__version__,
+                **versions,
+                "phase_ms": phase_ms,
                 "tokens_per_s": 16 * seq / statistics.median(steady),
                 "losses": results[0][2],
                 "peak_rss_bytes": max(r[3] for r in results),

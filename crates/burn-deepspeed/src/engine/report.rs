@@ -102,7 +102,7 @@ impl StepReport {
                 self.forward_backward.saturating_sub(self.accumulate),
             )],
         };
-        phases.extend([("accumulate", self.accumulate)]);
+        phases.push(("accumulate", self.accumulate));
         if let Some(wait) = self.reduce_wait {
             phases.push(("reduce wait", wait));
         }

@@ -12,11 +12,10 @@
 //! burn-store writes safetensors only from a live module; this command has no model, so it
 //! writes the file with the `safetensors` crate (the one burn-store reads it with).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::Path;
-
-use std::borrow::Cow;
 
 use safetensors::Dtype;
 use safetensors::tensor::{TensorView, View};

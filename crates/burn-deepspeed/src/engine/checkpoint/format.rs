@@ -40,7 +40,6 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::progress::TaskProgress;
-
 use crate::{DeepSpeedError, Result};
 
 /// Name of the format in `meta.json`.

@@ -936,6 +936,90 @@ def overhead(directory, cores):
     return "\n".join(lines) + "\n"
 
 
+def overlap(directory, cores):
+    d = Path(directory)
+    t = json.load(open(d / "threads.json"))
+    lines = [
+        "## `overlap_comm` at ZeRO stage 2",
+        "",
+        f"`bash scripts/bench-overlap.sh` on a machine with {cores} CPU cores, Flex, fp32: GPT "
+        f"`{t['model']}`, {t['ranks']} data-parallel ranks, a global batch of {t['batch']} "
+        f"sequences in {t['accumulation']} micro-batches per step, AdamW, buckets of 5e5 "
+        "elements. Off, each micro-batch's buckets are reduce-scattered by the rank thread right "
+        "after its backward; on, by the rank's communication thread while the rank runs the next "
+        "micro-batch (the last one's are waited for at the step). Tokens/s are measured over "
+        f"{t['steps'] - 1} steps per run (the first is untimed), medians of {t['rounds']} runs "
+        "of each, off and on alternating. `accumulate` is the slowest rank thread's time "
+        "handing gradients over, per step (off: staging, reducing and waiting for the other "
+        "rank; on: staging only). Both compute the same steps: the loss columns give the "
+        "largest difference between them.",
+        "",
+        "| ranks | MPI polling | overlap_comm | tokens/s | on / off | accumulate (ms/step) "
+        "| peak model state per rank (MB) | max loss difference |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    off_tps = t["rows"][0]["tokens_per_s"]
+    for row in t["rows"]:
+        ratio = "1.00" if row["overlap_comm"] == "off" else f"{t['ratio_on_over_off']:.3f}"
+        diff = f"{t['max_loss_diff']:.1e}" if row["overlap_comm"] == "on" else ""
+        lines.append(
+            f"| threads | | {row['overlap_comm']} | {row['tokens_per_s']:.0f} | {ratio} | "
+            f"{row['accumulate_ms_per_step']:.1f} | "
+            f"{row['peak_model_state_bytes_per_rank'] / 1e6:.1f} | {diff} |"
+        )
+    seq = 256 if t["model"] == "small" else 128
+
+    def timed(r):
+        secs = [s * r["train_batch_size"] for s in r["step_seconds_per_sample"][1:]]
+        return len(secs) * r["train_batch_size"] * seq / sum(secs)
+
+    ratios = {}
+    for y, polling in [(0, "busy (default)"), (1, "`mpi_yield_when_idle`")]:
+        runs = {}
+        for ov in ["false", "true"]:
+            runs[ov] = [
+                json.load(open(f))
+                for f in sorted(d.glob(f"mpi-yield{y}-{ov}-*.json"))
+                if f.stat().st_size > 0
+            ]
+        if not runs["false"] or not runs["true"]:
+            continue
+        # Paired by round: on over off within the same round.
+        paired = [timed(b) / timed(a) for a, b in zip(runs["false"], runs["true"])]
+        ratios[polling] = paired
+        diff = max(
+            abs(x - y)
+            for a, b in zip(runs["false"], runs["true"])
+            for x, y in zip(a["losses"], b["losses"])
+        )
+        for ov in ["false", "true"]:
+            rs = runs[ov]
+            tps = median(timed(r) for r in rs)
+            acc = median(
+                max(b["accumulate"] for b in r["breakdown_per_rank"]) for r in rs
+            )
+            name = "on" if ov == "true" else "off"
+            ratio = "1.00" if ov == "false" else f"{median(paired):.3f}"
+            peak = rs[-1]["peak_model_state_bytes_per_rank"] / 1e6
+            lines.append(
+                f"| `mpirun -n 2` | {polling} | {name} | {tps:.0f} | {ratio} | {acc:.1f} | "
+                f"{peak:.1f} | {'' if ov == 'false' else f'{diff:.1e}'} |"
+            )
+    lines += [
+        "",
+        "Under `mpirun` the ratio is the median of the rounds' own on/off ratios "
+        + "; ".join(
+            f"{k}: " + ", ".join(f"{x:.3f}" for x in v) for k, v in ratios.items()
+        )
+        + ". Thread ranks, per round: off "
+        + ", ".join(f"{x:.0f}" for x in t["rows"][0]["tokens_per_s_rounds"])
+        + ", on "
+        + ", ".join(f"{x:.0f}" for x in t["rows"][1]["tokens_per_s_rounds"])
+        + f" tokens/s (off median {off_tps:.0f}).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def vs_pytorch(directory, cores):
     d = Path(directory)
     seq = {"tiny": 128, "small": 256}
@@ -1040,5 +1124,7 @@ if __name__ == "__main__":
         write_section("overhead", overhead(*sys.argv[2:4]))
     elif kind == "vs-pytorch":
         write_section("vs-pytorch", vs_pytorch(*sys.argv[2:4]))
+    elif kind == "overlap":
+        write_section("overlap", overlap(*sys.argv[2:4]))
     else:
         sys.exit(f"unknown section {kind}")

@@ -133,13 +133,20 @@ fn with_faulty_rank(
     world: usize,
     body: impl Fn(&mut DeepSpeedEngine<Toy>, usize, &Device) -> burn_deepspeed::Result<()> + Sync,
 ) -> Vec<(String, Duration)> {
-    let config = config(adamw());
+    with_faulty_rank_in(world, &config(adamw()), body)
+}
+
+/// [`with_faulty_rank`] with `config`.
+fn with_faulty_rank_in(
+    world: usize,
+    config: &DeepSpeedConfig,
+    body: impl Fn(&mut DeepSpeedEngine<Toy>, usize, &Device) -> burn_deepspeed::Result<()> + Sync,
+) -> Vec<(String, Duration)> {
     let start = Instant::now();
     let outcomes = std::thread::scope(|scope| {
         // Each rank's own result, as `launch` returns only the first error.
         let (tx, rx) = std::sync::mpsc::channel();
         let body = &body;
-        let config = &config;
         scope.spawn(move || {
             let _ = launch(world, Duration::from_secs(300), |comm| {
                 let device = Device::flex().autodiff();
@@ -191,6 +198,30 @@ fn a_rank_that_returns_an_error_mid_run_fails_the_others_within_5_s() {
                 "rank {rank} names the failed rank: {text}"
             );
         }
+    }
+}
+
+/// Under stage 2's `overlap_comm` a rank that fails between two micro-batches, while its
+/// communication thread still reduces the first one's buckets, fails the others at once with
+/// its reason (the thread's queued reductions are dropped unrun).
+#[test]
+fn a_rank_that_fails_mid_accumulation_under_overlap_comm_fails_the_others_within_5_s() {
+    let extra = format!(
+        r#"{}, "zero_optimization": {{"stage": 2, "overlap_comm": true,
+                                      "reduce_bucket_size": 8}}"#,
+        adamw()
+    );
+    let outcomes = with_faulty_rank_in(3, &config(&extra), |engine, rank, device| {
+        engine.forward_backward(toy_batch(2, rank, 0, ROWS, None, device));
+        if rank == 1 {
+            return Err(DeepSpeedError::Data("the disk is on fire".into()));
+        }
+        engine.forward_backward(toy_batch(2, rank, 1, ROWS, None, device));
+        engine.step().map(|_| ())
+    });
+    for (rank, (text, took)) in outcomes.iter().enumerate() {
+        assert!(text.contains("the disk is on fire"), "rank {rank}: {text}");
+        assert!(*took < Duration::from_secs(5), "rank {rank} took {took:?}");
     }
 }
 

@@ -284,6 +284,39 @@ fn all_reduce_path_matches_reduce_scatter() {
     }
 }
 
+/// `overlap_comm` at stage 2 (each micro-batch's buckets reduced on a communication thread
+/// while the next micro-batch runs) computes the same steps bit for bit and moves the same
+/// bytes, at 2 and 4 ranks, with reduce-scatter and with the all-reduce path, in fp32 and
+/// fp16 (16-bit gradient buckets); it holds one micro-batch's buckets more, and says so.
+#[test]
+fn overlap_comm_changes_nothing_but_when_buckets_are_reduced() {
+    for (world, extra) in [(2, ""), (4, ""), (2, r#", "reduce_scatter": false"#)] {
+        let off = train(world, config(2, "AdamW", 4, extra), 4);
+        let on_extra = format!(r#", "overlap_comm": true {extra}"#);
+        let on = train(world, config(2, "AdamW", 4, &on_extra), 4);
+        assert_eq!(off.losses, on.losses, "world {world} {extra}");
+        assert_eq!(off.final_params, on.final_params, "world {world} {extra}");
+        assert_eq!(off.comm_bytes_per_step, on.comm_bytes_per_step);
+        // Stage 2 alone stages one bucket; overlapped, a micro-batch's buckets wait for the
+        // communication thread, and the held gradient counts the buffers it reuses.
+        assert!(
+            on.peak_model_state_bytes_per_rank > off.peak_model_state_bytes_per_rank,
+            "{} <= {}",
+            on.peak_model_state_bytes_per_rank,
+            off.peak_model_state_bytes_per_rank
+        );
+        assert_learns(&on.losses, &format!("overlap world {world} {extra}"));
+    }
+    let fp16 = |overlap: bool| {
+        let mut c = config(2, "AdamW", 2, &format!(r#", "overlap_comm": {overlap}"#));
+        c.fp16.enabled = true;
+        train(2, c, 4)
+    };
+    let (off, on) = (fp16(false), fp16(true));
+    assert_eq!(off.losses, on.losses, "fp16");
+    assert_eq!(off.final_params, on.final_params, "fp16");
+}
+
 /// Parameter offload to NVMe without a folder, partial optimizer offload and ZeRO++ settings
 /// are refused with the key and the reason.
 #[test]

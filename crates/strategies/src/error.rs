@@ -71,6 +71,15 @@ pub enum CommError {
         /// The system's error.
         source: std::io::Error,
     },
+    /// A rank's communication thread ([`CommWorker`](crate::comm::CommWorker)) could not
+    /// start, panicked, or skipped a collective after an earlier one failed.
+    #[error("rank {rank}'s communication thread: {detail}")]
+    Worker {
+        /// This rank.
+        rank: usize,
+        /// What happened.
+        detail: String,
+    },
     /// The MPI backend could not be used.
     #[error("MPI: {0}")]
     Mpi(String),

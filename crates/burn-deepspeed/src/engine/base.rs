@@ -23,7 +23,9 @@ use super::heap::HeapWindow;
 use super::memory::ModelStateBytes;
 use super::{BreakdownWindow, StepLoss, StepReport};
 use crate::activation::{CheckpointStats, take_stats, with_config_options};
-use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
+use crate::config::{
+    BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, ZeroStage, check_supported,
+};
 use crate::grid::Grid;
 use crate::monitor::{Monitor, MonitorRecord};
 use crate::moq::Moq;
@@ -146,6 +148,19 @@ where
     pub fn with_grid(model: M, mut config: DeepSpeedConfig, grid: &Grid) -> Result<Self> {
         let comm = grid.data().clone();
         let batch = config.resolve(comm.world_size())?;
+        // Tensor slices and experts communicate during every micro-batch, beside the reductions
+        // that `overlap_comm` would run on a second thread (under MPI, every call of a process
+        // is serialized, and the two could wait on each other): it runs with data
+        // parallelism alone.
+        let sliced = grid.topology().tensor > 1 || grid.expert_parallel().size() > 1;
+        let zero = &config.zero_optimization;
+        if sliced && zero.stage == ZeroStage::Gradients && zero.overlap_comm() {
+            tracing::warn!(
+                "zero_optimization.overlap_comm is off under tensor slicing and expert \
+                 parallelism: their collectives run during each micro-batch"
+            );
+            config.zero_optimization.overlap_comm = Some(false);
+        }
         check_supported(&config, EntryPoint::Engine)?;
         check_grid(&config, grid)?;
         let (model, mut sync) = match grid.expert_parallel().size() > 1 {
@@ -286,6 +301,9 @@ where
     /// [`step`](Self::step), after agreeing with the other ranks on `failure` (this rank's
     /// reason not to step, if any).
     fn step_agreed(&mut self, failure: Option<String>) -> Result<StepReport> {
+        // Stage 2's `overlap_comm` may still be reducing the last micro-batch's buckets: the
+        // step's own collectives come after them.
+        self.sync.settle();
         let micro_steps = self.sync.micro_steps();
         let failure = failure
             .or_else(|| {
@@ -580,6 +598,7 @@ where
     /// DeepSpeed.
     pub fn save_checkpoint(&self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
         self.refuse_sliced_checkpoint()?;
+        self.sync.settle();
         let tag = tag.map_or_else(|| format!("global_step{}", self.global_step), String::from);
         let meta = self.meta();
         checkpoint::save(
@@ -603,6 +622,7 @@ where
     /// step.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<u64> {
         self.refuse_sliced_checkpoint()?;
+        self.sync.settle();
         let comm = self.comm.clone();
         let loaded = checkpoint::load(dir.as_ref(), tag, &self.meta(), comm.as_ref())?;
         let mut scaler = self.scaler.clone();

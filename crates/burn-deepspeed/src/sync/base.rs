@@ -75,6 +75,11 @@ pub trait GradSync<M: Module> {
     /// Micro-batches accumulated since the last step.
     fn micro_steps(&self) -> u64;
 
+    /// Waits until no collective that this regime overlaps with computation (stage 2's
+    /// `overlap_comm`) is running, so that the caller may call collectives of the same
+    /// communicator itself. Regimes that overlap nothing return at once.
+    fn settle(&self) {}
+
     /// Ends the accumulation: averages over ranks and micro-batches, divides out
     /// `loss_scale` (the factor the loss was multiplied by before backward: fp16's loss scale,
     /// else 1) and clips by the global norm of the result.

@@ -88,7 +88,11 @@ fn build_with<M: Module, G: GradElem>(
         }
         (ZeroStage::OptimizerStates | ZeroStage::Gradients, None) => {
             let kind = partitioned_kind(optimizer)?;
+            let overlap = overlaps(config, comm.world_size());
             let mut sync = PartitionedSync::<G>::new(layout, comm, &options, kind);
+            if overlap {
+                sync.overlap_comm()?;
+            }
             if let Some(nvme) = &offload {
                 sync.offload_optimizer(&model, nvme)?;
             }
@@ -117,6 +121,17 @@ fn build_with<M: Module, G: GradElem>(
             (model, Box::new(sync))
         }
     })
+}
+
+/// Whether stage 2 reduces its buckets on a communication thread (`overlap_comm`, off by
+/// default below stage 3 as in DeepSpeed), for `world` ranks. Only the engine's own regime
+/// overlaps, where nothing else communicates between two micro-batches' reductions; the
+/// engine turns it off under tensor slicing (under MPI every call of a process is
+/// serialized, so a rank thread blocked in another group's collective while its
+/// communication thread holds MPI would deadlock).
+fn overlaps(config: &DeepSpeedConfig, world: usize) -> bool {
+    let z = &config.zero_optimization;
+    z.stage == ZeroStage::Gradients && z.overlap_comm() && world > 1
 }
 
 /// Refuses a model (laid out as `layout`) with expert-parallel MoE layers: its experts differ from rank to rank, and

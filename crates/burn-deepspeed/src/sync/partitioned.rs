@@ -26,7 +26,7 @@ use burn_deepspeed_strategies::zero::{
 };
 
 use super::ModelParallelNorm;
-use super::bucket::Bucket;
+use super::bucket::{Bucket, Overlap};
 use super::buffer::merge_presence;
 use super::elem::{GradElem, add_into};
 use super::scale::{Scaling, clip_across, clip_to, scale, sum_across};
@@ -71,6 +71,8 @@ pub struct PartitionedSync<G: GradElem = f32> {
     master: Option<Vec<f32>>,
     /// Tensor slicing: the norm's group.
     slices: Option<ModelParallelNorm>,
+    /// Stage 2 under `overlap_comm`: the communication thread that reduces the buckets.
+    overlap: Option<Overlap<G>>,
 }
 
 impl<G: GradElem> PartitionedSync<G> {
@@ -135,6 +137,43 @@ impl<G: GradElem> PartitionedSync<G> {
             meter: MemoryMeter::default(),
             master: None,
             slices: None,
+            overlap: None,
+        }
+    }
+
+    /// DeepSpeed's `overlap_comm` at stage 2: from now on each full bucket is reduced on a
+    /// communication thread of this rank while the rank goes on (with the rest of the
+    /// micro-batch's gradients, then the next micro-batch's forward and backward); the reduced
+    /// parts join the slice, in the same order as without it, when the next micro-batch
+    /// accumulates or the step reduces. The rank holds one micro-batch's buckets until then
+    /// (up to the whole gradient, where stage 2 alone holds one bucket).
+    ///
+    /// The caller must call no collective of this communicator between
+    /// [`accumulate`](GradSync::accumulate) and [`reduce`](GradSync::reduce) other than
+    /// through [`settle`](GradSync::settle) first. Stage 1 reduces once, at the boundary, and
+    /// has nothing to overlap: it refuses.
+    pub fn overlap_comm(&mut self) -> Result<()> {
+        if !self.streams {
+            return Err(DeepSpeedError::Unsupported {
+                key: "zero_optimization.overlap_comm".into(),
+                reason: "stage 1 reduces the gradient once, at the accumulation boundary; \
+                         overlap_comm applies to stage 2"
+                    .into(),
+            });
+        }
+        if self.overlap.is_none() {
+            self.overlap = Some(Overlap::spawn(self.comm.clone())?);
+        }
+        Ok(())
+    }
+
+    /// Adds every bucket the communication thread reduced into the slice; its first failure
+    /// is kept for the step.
+    fn settle_overlap(&mut self) {
+        if let Some(overlap) = &mut self.overlap
+            && let Some(e) = overlap.settle(&mut self.slice, self.own.start)
+        {
+            self.deferred.get_or_insert(e);
         }
     }
 
@@ -302,6 +341,9 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
     /// Adds one micro-batch's gradients: into the whole buffer at stage 1; at stage 2
     /// reduce-scattered bucket by bucket into this rank's slice (a collective).
     fn accumulate(&mut self, model: &M, grads: &GradientsParams) {
+        // The previous micro-batch's buckets were reduced during this one's forward and
+        // backward (`overlap_comm`).
+        self.settle_overlap();
         self.micro_steps += 1;
         let present = &mut self.present;
         let transient = if !self.streams {
@@ -330,6 +372,7 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
                 pre: self.options.pre_factor(),
                 error: self.deferred.take(),
                 peak_elems: 0,
+                overlap: self.overlap.as_mut(),
             };
             let layout = &self.layout;
             let tensors =
@@ -358,9 +401,16 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
         self.micro_steps
     }
 
+    fn settle(&self) {
+        if let Some(overlap) = &self.overlap {
+            overlap.quiesce();
+        }
+    }
+
     /// Ends the accumulation: reduce-scatters (stage 1; stage 2 did it per micro-batch),
     /// leaves this rank's slice of the mean gradient, and clips it by the global norm.
     fn reduce(&mut self, loss_scale: f32) -> Result<Reduced> {
+        self.settle_overlap();
         if let Some(e) = self.deferred.take() {
             self.reset();
             return Err(e);
@@ -460,6 +510,7 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
     /// The gradients of this rank's tensors (those that had one on any rank), with a
     /// [tensor-aligned](PartitionedSync::for_whole_tensors) partition.
     fn discard(&mut self) {
+        self.settle_overlap();
         self.reset();
         self.present.iter_mut().for_each(|p| *p = 0);
     }
@@ -493,7 +544,9 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
         let masters = self.master.as_ref().map_or(0, vec_bytes);
         ModelStateBytes {
             params: param_bytes(model),
-            grads: vec_bytes(&self.full) + vec_bytes(&self.slice),
+            grads: vec_bytes(&self.full)
+                + vec_bytes(&self.slice)
+                + self.overlap.as_ref().map_or(0, Overlap::held_bytes),
             optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()) + masters,
             offloaded: self.optim.as_ref().map_or(0, |o| o.disk_bytes()),
         }
@@ -513,6 +566,7 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
     /// With masters, every rank gathers them (a collective), so that checkpoints hold fp32
     /// values, not the rounded working copy.
     fn whole_params(&self, model: &M, wanted: bool) -> Result<Option<Vec<f32>>> {
+        GradSync::<M>::settle(self);
         if self.master.is_none() && !self.offloaded() {
             return Ok(wanted.then(|| params_to_flat(model, &self.layout)));
         }
@@ -543,6 +597,8 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
     }
 
     fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
+        // Buckets still being reduced belong to the gradient the load replaces.
+        self.settle_overlap();
         let model = restore_params(model, &self.layout, &loaded.meta.param_ids, &loaded.params);
         let layout = ParamLayout::of(&model);
         let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
@@ -553,6 +609,7 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
     }
 
     fn whole_moments(&self) -> Result<Option<burn_deepspeed_strategies::zero::PartitionState>> {
+        GradSync::<M>::settle(self);
         let sizes: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
         crate::engine::checkpoint::gather_moments(
             self.comm.as_ref(),

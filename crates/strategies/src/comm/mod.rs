@@ -10,6 +10,7 @@ mod logger;
 mod mpi;
 mod stats;
 mod thread;
+mod worker;
 
 pub use agree::*;
 pub use communicator::*;
@@ -19,6 +20,7 @@ pub use logger::*;
 pub use mpi::*;
 pub use stats::*;
 pub use thread::*;
+pub use worker::*;
 
 #[cfg(test)]
 mod tests;

@@ -89,9 +89,11 @@ fn build_with<M: Module, G: GradElem>(
         (ZeroStage::OptimizerStates | ZeroStage::Gradients, None) => {
             let kind = partitioned_kind(optimizer)?;
             let overlap = overlaps(config, comm.world_size());
-            let mut sync = PartitionedSync::<G>::new(layout, comm, &options, kind);
+            let mut sync = PartitionedSync::<G>::new(layout, comm.clone(), &options, kind);
+            // Starting the communication thread can fail on one rank alone: the ranks agree
+            // before the next collective.
             if overlap {
-                sync.overlap_comm()?;
+                agreed(comm.as_ref(), "overlap_comm thread", sync.overlap_comm())?;
             }
             if let Some(nvme) = &offload {
                 sync.offload_optimizer(&model, nvme)?;

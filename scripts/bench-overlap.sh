@@ -3,7 +3,9 @@
 # accumulation steps, each micro-batch's buckets reduced on the rank thread (off) or on a
 # communication thread during the next micro-batch (on). Thread ranks in one process
 # (overlap_bench, alternating), then `mpirun -n 2`, alternating off and on within each round,
-# with OpenMPI's default busy polling and with `mpi_yield_when_idle`.
+# with OpenMPI's default busy polling and with `mpi_yield_when_idle`. Then ZeRO stage 3: the
+# forward's next prefetch bundle all-gathered on the rank thread when needed (off) or on the
+# communication thread while the current layer computes (on, DeepSpeed's default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -37,3 +39,21 @@ for round in $(seq 1 "$ROUNDS"); do
     done
 done
 python3 scripts/benchmarks_md.py overlap "$out" "$(nproc)"
+
+# Stage 3: one micro-batch per step, threads (overlap_bench) and mpirun -n 2 (zero3.json).
+"$bin/overlap_bench" --model small --ranks 2 --stage 3 --accumulation 1 --steps "$STEPS" \
+    --rounds "$ROUNDS" --json | tail -n 1 > "$out/threads3.json"
+python3 - examples/gpt/configs/zero3.json "$out" <<'PY'
+import json, sys
+config = json.load(open(sys.argv[1]))
+for overlap in (False, True):
+    config["zero_optimization"]["overlap_comm"] = overlap
+    json.dump(config, open(f"{sys.argv[2]}/config3-{str(overlap).lower()}.json", "w"))
+PY
+for round in $(seq 1 "$ROUNDS"); do
+    for ov in false true; do
+        mpirun -n 2 "$bin/gpt" --config "$out/config3-$ov.json" --model small \
+            --steps "$STEPS" --json 2> /dev/null | tail -n 1 > "$out/mpi3-$ov-$round.json"
+    done
+done
+python3 scripts/benchmarks_md.py overlap3 "$out" "$(nproc)"

@@ -900,7 +900,10 @@ def overhead(directory, cores):
         "and with `DeepSpeedEngine` at one rank, ZeRO stage 0, alternating runs, on the same "
         "initial model, batches (16 sequences) and hyper-parameters (the default config without "
         "gradient clipping, which Burn applies per tensor and the engine globally). Both compute "
-        "the same steps: the largest difference between their losses is given. Phases are "
+        "the same steps: the largest difference between their losses is given. The GPT's "
+        "softmax, layer norm and GELU are `burn_deepspeed::fused`'s; the last row of each "
+        "model runs the plain loop with Burn's own (`overhead_bench --unfused`; the losses then "
+        "differ by float rounding), and its ratio is that loop over the fused plain loop. Phases are "
         "milliseconds per step, measured; `other` is the step's wall clock less the phases.",
         "",
         "| model | loop | tokens/s | ratio | " + " | ".join(PHASES) + " | step (ms) | max loss difference |",
@@ -911,13 +914,26 @@ def overhead(directory, cores):
         if not f.exists():
             continue
         r = json.load(open(f))
-        for loop in ["plain", "engine"]:
+        loops = ["plain", "engine"] + (["unfused"] if "unfused_tokens_per_s" in r else [])
+        for loop in loops:
             ms = r[f"{loop}_ms_per_step"]
             tps = r[f"{loop}_tokens_per_s"]
-            ratio = "1.00" if loop == "plain" else f"{r['engine_over_plain']:.3f}"
+            ratio = {
+                "plain": "1.00",
+                "engine": f"{r['engine_over_plain']:.3f}",
+                "unfused": f"{1 / r.get('fused_over_unfused', 1):.3f}",
+            }[loop]
             cells = " | ".join(f"{ms[p]:.2f}" if p in ms else "" for p in PHASES)
-            diff = f"{r['max_loss_difference']:.1e}" if loop == "engine" else ""
-            name = "plain Burn" if loop == "plain" else f"engine, stage {r['stage']}"
+            diff = {
+                "plain": "",
+                "engine": f"{r['max_loss_difference']:.1e}",
+                "unfused": f"{r.get('unfused_max_loss_difference', 0):.1e}",
+            }[loop]
+            name = {
+                "plain": "plain Burn",
+                "engine": f"engine, stage {r['stage']}",
+                "unfused": "plain Burn, Burn's softmax/layer norm/GELU",
+            }[loop]
             lines.append(
                 f"| `{model}` | {name} | {tps:.0f} | {ratio} | {cells} | {ms['step']:.1f} | {diff} |"
             )
@@ -934,6 +950,14 @@ def overhead(directory, cores):
         + ".",
     ]
     return "\n".join(lines) + "\n"
+
+
+def paired_rounds(runs, timed):
+    """On/off tokens/s ratios round by round, and the largest loss difference of the pairs."""
+    pairs = list(zip(runs["false"], runs["true"]))
+    paired = [timed(on) / timed(off) for off, on in pairs]
+    diff = max(abs(x - y) for off, on in pairs for x, y in zip(off["losses"], on["losses"]))
+    return paired, diff
 
 
 def overlap(directory, cores):
@@ -985,13 +1009,8 @@ def overlap(directory, cores):
         if not runs["false"] or not runs["true"]:
             continue
         # Paired by round: on over off within the same round.
-        paired = [timed(b) / timed(a) for a, b in zip(runs["false"], runs["true"])]
+        paired, diff = paired_rounds(runs, timed)
         ratios[polling] = paired
-        diff = max(
-            abs(x - y)
-            for a, b in zip(runs["false"], runs["true"])
-            for x, y in zip(a["losses"], b["losses"])
-        )
         for ov in ["false", "true"]:
             rs = runs[ov]
             tps = median(timed(r) for r in rs)
@@ -1016,6 +1035,76 @@ def overlap(directory, cores):
         + ", on "
         + ", ".join(f"{x:.0f}" for x in t["rows"][1]["tokens_per_s_rounds"])
         + f" tokens/s (off median {off_tps:.0f}).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def overlap3(directory, cores):
+    d = Path(directory)
+    t = json.load(open(d / "threads3.json"))
+    seq = 256 if t["model"] == "small" else 128
+    lines = [
+        "## `overlap_comm` at ZeRO stage 3: parameter prefetch on the communication thread",
+        "",
+        f"`bash scripts/bench-overlap.sh` on a machine with {cores} CPU cores, Flex, fp32: GPT "
+        f"`{t['model']}`, {t['ranks']} data-parallel ranks, a global batch of {t['batch']} "
+        f"sequences in {t['accumulation']} micro-batch(es) per step, AdamW, prefetch bundles "
+        "of up to 5e5 elements and every tensor partitioned (as "
+        "`examples/gpt/configs/zero3.json`, which the `mpirun` rows run). Off, the forward all-gathers a prefetch bundle on the "
+        "rank thread when its first tensor is needed; on (DeepSpeed's default at stage 3), the "
+        "next bundle is all-gathered on the rank's communication thread while the current "
+        "layer computes. The backward's re-gathers and reduce-scatters stay on the rank thread. "
+        f"Tokens/s are measured over {t['steps'] - 1} steps per run (the first is untimed), "
+        f"medians of {t['rounds']} runs of each, off and on alternating. Both compute the same "
+        "steps: the loss column gives the largest difference between them.",
+        "",
+        "| ranks | overlap_comm | tokens/s | on / off | bundles gathered ahead per run | max loss difference |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in t["rows"]:
+        on = row["overlap_comm"] == "on"
+        ratio = f"{t['ratio_on_over_off']:.3f}" if on else "1.00"
+        ahead = t.get("gathered_ahead") if on else 0
+        diff = f"{t['max_loss_diff']:.1e}" if on else ""
+        lines.append(
+            f"| threads | {row['overlap_comm']} | {row['tokens_per_s']:.0f} | {ratio} | "
+            f"{ahead} | {diff} |"
+        )
+
+    def timed(r):
+        secs = [x * r["train_batch_size"] for x in r["step_seconds_per_sample"][1:]]
+        return len(secs) * r["train_batch_size"] * seq / sum(secs)
+
+    runs = {
+        ov: [json.load(open(f)) for f in sorted(d.glob(f"mpi3-{ov}-*.json")) if f.stat().st_size > 0]
+        for ov in ["false", "true"]
+    }
+    paired = []
+    if runs["false"] and runs["true"]:
+        paired, diff = paired_rounds(runs, timed)
+        for ov in ["false", "true"]:
+            rs = runs[ov]
+            tps = median(timed(r) for r in rs)
+            name = "on" if ov == "true" else "off"
+            ratio = "1.00" if ov == "false" else f"{median(paired):.3f}"
+            ahead = rs[-1]["gather_stats"]["gathered_ahead"]
+            lines.append(
+                f"| `mpirun -n 2` | {name} | {tps:.0f} | {ratio} | {ahead} | "
+                f"{'' if ov == 'false' else f'{diff:.1e}'} |"
+            )
+    lines += [
+        "",
+        "Per round, thread ranks: off "
+        + ", ".join(f"{x:.0f}" for x in t["rows"][0]["tokens_per_s_rounds"])
+        + ", on "
+        + ", ".join(f"{x:.0f}" for x in t["rows"][1]["tokens_per_s_rounds"])
+        + " tokens/s"
+        + (
+            "; `mpirun`, on/off within each round: " + ", ".join(f"{x:.3f}" for x in paired)
+            if paired
+            else ""
+        )
+        + ".",
     ]
     return "\n".join(lines) + "\n"
 
@@ -1126,5 +1215,7 @@ if __name__ == "__main__":
         write_section("vs-pytorch", vs_pytorch(*sys.argv[2:4]))
     elif kind == "overlap":
         write_section("overlap", overlap(*sys.argv[2:4]))
+    elif kind == "overlap3":
+        write_section("overlap3", overlap3(*sys.argv[2:4]))
     else:
         sys.exit(f"unknown section {kind}")

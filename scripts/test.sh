@@ -167,6 +167,33 @@ print("mpi overlap_comm: 1 passed, 0 failed" if ok else "mpi overlap_comm: 0 pas
 sys.exit(0 if ok else 1)
 PY
 
+# Stage 3 under mpirun -n 2: the forward's prefetch bundles gathered ahead on each rank's
+# communication thread (overlap_comm, the default at stage 3) compute the same steps with the
+# same bytes as gathering them on the rank thread, and the bundles did go to the thread.
+python3 - examples/gpt/configs/zero3.json "$out" <<'PY'
+import json, sys
+config = json.load(open(sys.argv[1]))
+for overlap in (False, True):
+    config["zero_optimization"]["overlap_comm"] = overlap
+    json.dump(config, open(f"{sys.argv[2]}/overlap3-{str(overlap).lower()}.json", "w"))
+PY
+for ov in false true; do
+    mpirun -n 2 "$gpt" --config "$out/overlap3-$ov.json" "${args[@]}" | tail -n 1 > "$out/overlap3-mpi-$ov.json"
+done
+python3 - "$out/overlap3-mpi-false.json" "$out/overlap3-mpi-true.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+ga, gb = a["gather_stats"], b["gather_stats"]
+print(f"stage 3 under mpirun -n 2, overlap_comm off vs on: losses {a['losses']} vs {b['losses']}; "
+      f"bundles gathered ahead {ga['gathered_ahead']} vs {gb['gathered_ahead']}")
+ok = b["backend"] == "mpi" and len(a["losses"]) == 4 and a["losses"] == b["losses"]
+ok = ok and a["comm_bytes_per_step"] == b["comm_bytes_per_step"]
+ok = ok and ga["gathered_ahead"] == 0 and gb["gathered_ahead"] > 0
+ok = ok and ga["all_gathers"] == gb["all_gathers"]
+print("mpi stage 3 overlap_comm: 1 passed, 0 failed" if ok else "mpi stage 3 overlap_comm: 0 passed, 1 failed")
+sys.exit(0 if ok else 1)
+PY
+
 # A stage-2 checkpoint written by mpirun -n 2 becomes one safetensors file with the CLI
 # (plain Burn loading it is tested in tests/tests/consolidate.rs).
 cli=$(binary burn-deepspeed)

@@ -19,8 +19,14 @@ use common::{max_abs_diff, max_rel_diff};
 const STEPS: u64 = 20;
 
 fn config(stage: u8) -> DeepSpeedConfig {
+    config_micro(stage, 2)
+}
+
+/// [`config`] with micro-batches of `micro` sequences (16 in all over 4 ranks: 2 gives two
+/// micro-batches per step, 4 one).
+fn config_micro(stage: u8, micro: usize) -> DeepSpeedConfig {
     let text = format!(
-        r#"{{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+        r#"{{"train_batch_size": 16, "train_micro_batch_size_per_gpu": {micro},
             "gradient_clipping": 1.0,
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "weight_decay": 0.01}}}},
             "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 50000}}}}"#
@@ -124,6 +130,27 @@ fn zero_stages_1_and_2_partition_experts_in_their_groups() {
             "stage {stage} holds less optimizer state"
         );
     }
+}
+
+/// Without gradient accumulation (one micro-batch per step) stage 2 sums each gradient in
+/// stage 1's order, so ZeRO stage 2 on top of ep 2 changes nothing: the losses and the
+/// parameters are stage 0's bit for bit over 8 steps, with the model state partitioned.
+#[test]
+fn zero_stage_2_without_accumulation_is_stage_0_exactly() {
+    let run = |stage: u8| {
+        let mut spec = common::spec(config_micro(stage, 4), GptShape::TINY_MOE, 8, 3, 7);
+        spec.ep_size = 2;
+        common::train(4, &spec)
+    };
+    let (base, z2) = (run(0), run(2));
+    println!(
+        "ep 2, one micro-batch: stage 2 losses {:?}, max param diff {:.2e}",
+        z2.losses,
+        max_abs_diff(&base.final_params, &z2.final_params)
+    );
+    assert_eq!(base.losses, z2.losses, "stage 2's losses");
+    assert_eq!(base.final_params, z2.final_params, "stage 2's parameters");
+    assert!(z2.model_state_bytes_per_rank < base.model_state_bytes_per_rank);
 }
 
 /// An `ep_size` that does not divide the ranks, stage 3 with experts, and an engine that

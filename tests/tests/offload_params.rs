@@ -66,10 +66,11 @@ fn offloaded_parameters_train_bit_identically_at_stage_3() {
             let swap = store.swap.as_ref().expect("a swap file");
             println!("{what}: {store:?}");
             assert_eq!(store.host_bytes, 0, "max_in_cpu 0 keeps nothing in memory");
-            // Every step writes every piece once, and reads it for the forward and (but for
-            // a weight whose consumer keeps it) again for the backward.
+            // Every step writes every piece once, and reads it for the forward and again for
+            // a backward that reads the weight: not the embeddings' nor the layer norms'
+            // biases', each a whole disk block at 4 ranks (35.8 reads per disk byte there).
             assert!(swap.bytes_written >= 20 * swap.disk_bytes, "{what}");
-            assert!(swap.bytes_read >= 36 * swap.disk_bytes, "{what}");
+            assert!(swap.bytes_read >= 32 * swap.disk_bytes, "{what}");
             // After the first step traced the order, the gathers find their pieces read
             // ahead.
             assert!(

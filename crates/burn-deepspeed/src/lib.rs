@@ -16,6 +16,7 @@ pub mod config;
 pub mod distill;
 pub mod engine;
 mod error;
+pub mod fused;
 pub mod grid;
 pub mod inference;
 pub mod launch;

@@ -4,7 +4,11 @@
 //! backward, the engine's gradient accumulation and reduction, the optimizer step, and the
 //! rest), and tokens/s of the two are compared.
 //!
-//! cargo run --release --example overhead_bench -- --model tiny [--stage 0] [--json]
+//! With `--unfused` a third loop runs: the plain Burn loop on the same GPT with Burn's own
+//! softmax and layer norm (decomposed under autodiff) instead of `burn_deepspeed::fused`'s,
+//! which measures what the fused ops buy.
+//!
+//! cargo run --release --example overhead_bench -- --model tiny [--stage 0] [--unfused] [--json]
 //!
 //! `scripts/bench-overhead.sh` runs it for `tiny` and `small` and writes the
 //! engine-overhead section of BENCHMARKS.md.
@@ -18,7 +22,7 @@ use burn_deepspeed::launch::launch;
 use burn_deepspeed::progress::TaskProgress;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
 use burn_deepspeed_example_gpt::DEFAULT_CONFIG;
-use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
+use burn_deepspeed_example_gpt::model::{Gpt, GptShape, set_fused_ops};
 use burn_deepspeed_example_gpt::run::{RunSpec, train_step};
 use clap::Parser;
 use serde_json::json;
@@ -40,6 +44,9 @@ struct Args {
     /// Runs of each loop, alternating.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Also run the plain loop with Burn's own softmax and layer norm.
+    #[arg(long)]
+    unfused: bool,
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
@@ -199,8 +206,10 @@ fn main() -> ExitCode {
     let mut spec = RunSpec::on_embedded_corpus(config(args.stage), shape, args.steps, 7, 5);
     spec.keep_final_state = false;
     let tokens_per_step = 16 * shape.seq_len as u64;
-    let bar = TaskProgress::items("overhead_bench", 2 * args.rounds as u64, !args.json);
+    let loops = if args.unfused { 3 } else { 2 };
+    let bar = TaskProgress::items("overhead_bench", loops * args.rounds as u64, !args.json);
     let (mut plain_all, mut engine_all) = (Timed::default(), Timed::default());
+    let mut unfused_all = Timed::default();
     let mut rounds = Vec::new();
     for round in 0..args.rounds {
         bar.set_message(format!("round {round}: plain Burn loop"));
@@ -223,7 +232,25 @@ fn main() -> ExitCode {
             "round {round}: plain {pt:.0} tokens/s, engine {et:.0} tokens/s ({:.3})",
             et / pt
         ));
-        rounds.push(json!({"plain_tokens_per_s": pt, "engine_tokens_per_s": et}));
+        let mut row = json!({"plain_tokens_per_s": pt, "engine_tokens_per_s": et});
+        if args.unfused {
+            bar.set_message(format!("round {round}: plain Burn loop, Burn's own ops"));
+            set_fused_ops(false);
+            let u = plain(&spec, &args);
+            set_fused_ops(true);
+            bar.inc(1);
+            let ut = u.tokens_per_s(tokens_per_step);
+            bar.println(format!(
+                "round {round}: plain, unfused {ut:.0} tokens/s (fused / unfused {:.3})",
+                pt / ut
+            ));
+            row["unfused_tokens_per_s"] = json!(ut);
+            unfused_all.merge(&u);
+            if round == 0 {
+                unfused_all.losses = u.losses.clone();
+            }
+        }
+        rounds.push(row);
         plain_all.merge(&p);
         engine_all.merge(&e);
         if round == 0 {
@@ -243,7 +270,7 @@ fn main() -> ExitCode {
         .zip(&engine_all.losses)
         .map(|(p, e)| (p - e).abs())
         .fold(0.0f64, f64::max);
-    let report = json!({
+    let mut report = json!({
         "model": args.model,
         "stage": args.stage,
         "steps": args.steps,
@@ -258,6 +285,20 @@ fn main() -> ExitCode {
         "plain_losses": plain_all.losses,
         "engine_losses": engine_all.losses,
     });
+    if args.unfused {
+        let ut = unfused_all.tokens_per_s(tokens_per_step);
+        // Float rounding apart, the same steps.
+        let diff = plain_all
+            .losses
+            .iter()
+            .zip(&unfused_all.losses)
+            .map(|(p, u)| (p - u).abs())
+            .fold(0.0f64, f64::max);
+        report["unfused_tokens_per_s"] = json!(ut);
+        report["fused_over_unfused"] = json!(pt / ut);
+        report["unfused_ms_per_step"] = unfused_all.ms_per_step();
+        report["unfused_max_loss_difference"] = json!(diff);
+    }
     let text = match args.json {
         true => report.to_string(),
         false => serde_json::to_string_pretty(&report).unwrap_or_default(),

@@ -1,11 +1,13 @@
-//! `overlap_comm` benchmark: ZeRO stage 2 with gradient accumulation, each micro-batch's
-//! buckets reduced on the rank thread (off) or on a communication thread while the next
-//! micro-batch runs (on), alternating run by run in one process on the same model, data and
-//! schedule. Reports tokens/s of each (median over rounds, the first step of each run
+//! `overlap_comm` benchmark, alternating run by run in one process on the same model, data
+//! and schedule. At ZeRO stage 2 (`--stage 2`, with gradient accumulation) each micro-batch's
+//! buckets are reduced on the rank thread (off) or on a communication thread while the next
+//! micro-batch runs (on); at stage 3 (`--stage 3`) the forward's next prefetch bundle is
+//! all-gathered on the rank thread when it is needed (off) or on the communication thread
+//! while the current layer computes (on). Reports tokens/s of each (median over rounds, the first step of each run
 //! untimed), their ratio, the largest loss difference (the two must compute the same steps),
 //! the time each rank's own thread spends handing gradients over, and the peak model state.
 //!
-//! cargo run --release --example overlap_bench -- [--model small] [--ranks 2]
+//! cargo run --release --example overlap_bench -- [--model small] [--ranks 2] [--stage 2]
 //! [--accumulation 4] [--steps 6] [--rounds 4] [--json]; `scripts/bench-overlap.sh` runs it
 //! (and the same comparison under `mpirun`) and writes the section of BENCHMARKS.md.
 
@@ -27,6 +29,9 @@ struct Args {
     /// Data-parallel ranks (threads).
     #[arg(long, default_value_t = 2)]
     ranks: usize,
+    /// ZeRO stage: 2 (bucket reductions) or 3 (parameter prefetch).
+    #[arg(long, default_value_t = 2)]
+    stage: u8,
     /// Micro-batches per optimizer step.
     #[arg(long, default_value_t = 4)]
     accumulation: u64,
@@ -44,15 +49,23 @@ struct Args {
     json: bool,
 }
 
-/// The GPT example's stage-2 config with `overlap_comm` set.
+/// The GPT example's stage-2 or stage-3 config with `overlap_comm` set.
 fn config(args: &Args, overlap: bool) -> Result<DeepSpeedConfig, String> {
     let text = format!(
         r#"{{"train_batch_size": {}, "gradient_accumulation_steps": {},
             "gradient_clipping": 1.0, "wall_clock_breakdown": true,
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "weight_decay": 0.01}}}},
-            "zero_optimization": {{"stage": 2, "reduce_bucket_size": 5e5,
-                                   "overlap_comm": {overlap}}}}}"#,
-        args.batch, args.accumulation
+            "zero_optimization": {{"stage": {}, "reduce_bucket_size": 5e5,
+                                   "overlap_comm": {overlap} {}}}}}"#,
+        args.batch,
+        args.accumulation,
+        args.stage,
+        // Stage 3 as `configs/zero3.json`: bundles of 5e5 elements (DeepSpeed's default 5e7
+        // would fetch the whole model at its first miss) and every tensor partitioned.
+        match args.stage {
+            3 => r#", "stage3_prefetch_bucket_size": 5e5, "stage3_param_persistence_threshold": 0"#,
+            _ => "",
+        }
     );
     DeepSpeedConfig::from_json_str(&text)
         .map(|(c, _)| c)
@@ -84,8 +97,11 @@ fn main() -> ExitCode {
         eprintln!("error: unknown model `{}`", args.model);
         return ExitCode::FAILURE;
     };
-    if args.steps < 2 || args.rounds == 0 || args.ranks < 2 {
-        eprintln!("error: --steps must be at least 2, --rounds at least 1, --ranks at least 2");
+    if args.steps < 2 || args.rounds == 0 || args.ranks < 2 || !matches!(args.stage, 2 | 3) {
+        eprintln!(
+            "error: --steps must be at least 2, --rounds at least 1, --ranks at least 2, \
+             --stage 2 or 3"
+        );
         return ExitCode::FAILURE;
     }
     let bar = TaskProgress::items("overlap_bench", 2 * args.rounds as u64, !args.json);
@@ -137,6 +153,8 @@ fn main() -> ExitCode {
     let out = json!({
         "model": args.model,
         "ranks": args.ranks,
+        "stage": args.stage,
+        "gathered_ahead": on.gather_stats.map(|s| s.gathered_ahead),
         "batch": args.batch,
         "accumulation": args.accumulation,
         "steps": args.steps,

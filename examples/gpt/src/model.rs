@@ -5,7 +5,8 @@
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::activation::{gelu, softmax};
+use burn_deepspeed::fused::{gelu, layer_norm, softmax};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
@@ -324,7 +325,7 @@ impl Block {
         let dh = d / self.heads;
         let h = self.heads / self.qkv.tp.size();
         let device = x.device();
-        let x = scope("ln_attn", &device, || self.ln_attn.forward(x.clone()));
+        let x = scope("ln_attn", &device, || norm(&self.ln_attn, x.clone()));
         let qkv = scope("qkv", &device, || self.qkv.forward(x));
         [0, 1, 2].map(|i| {
             qkv.clone()
@@ -339,7 +340,7 @@ impl Block {
     fn attend(&self, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: Tensor<4>) -> Tensor<3> {
         let [b, h, t, dh] = q.dims();
         let scores = q.matmul(k.transpose()).div_scalar((dh as f64).sqrt()) + mask;
-        let att = softmax(scores, 3).matmul(v);
+        let att = attention_softmax(scores).matmul(v);
         let device = att.device();
         scope("attn_out", &device, || {
             self.attn_out
@@ -350,14 +351,14 @@ impl Block {
     /// The MLP branch of `x`, and for an MoE block its `l_aux` and routing.
     fn mlp(&self, x: Tensor<3>) -> (Tensor<3>, Option<(Tensor<1>, MoeStats)>) {
         let device = x.device();
-        let x = scope("ln_mlp", &device, || self.ln_mlp.forward(x));
+        let x = scope("ln_mlp", &device, || norm(&self.ln_mlp, x));
         match (&self.moe, &self.mlp_in, &self.mlp_out) {
             (Some(moe), _, _) => {
                 let out = scope("moe", &device, || moe.forward(x));
                 (out.output, Some((out.l_aux, out.stats)))
             }
             (None, Some(mlp_in), Some(mlp_out)) => {
-                let h = scope("mlp_in", &device, || gelu(mlp_in.forward(x)));
+                let h = scope("mlp_in", &device, || activation(mlp_in.forward(x)));
                 (scope("mlp_out", &device, || mlp_out.forward(h)), None)
             }
             _ => unreachable!("a block has a dense MLP or an MoE layer"),
@@ -434,7 +435,50 @@ impl GptHead {
     /// Logits `[batch, seq, 256 / tp]`: this rank's block of the vocabulary (all of it when
     /// whole).
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.head.forward(self.ln_f.forward(x))
+        self.head.forward(norm(&self.ln_f, x))
+    }
+}
+
+/// Whether the blocks use [`burn_deepspeed::fused`]'s softmax, layer norm and GELU (the
+/// default) or Burn's own ([`set_fused_ops`]).
+static FUSED_OPS: AtomicBool = AtomicBool::new(true);
+
+/// Makes every GPT of the process use the fused softmax, layer norm and GELU (`true`, the
+/// default) or Burn's `softmax`, `LayerNorm::forward` and `gelu` (`false`), for benchmarks
+/// that compare the two in one process. The values differ by float rounding only.
+pub fn set_fused_ops(on: bool) {
+    FUSED_OPS.store(on, Ordering::Relaxed);
+}
+
+/// `ln` applied to `x`: under autodiff the fused layer norm, whose backward is one step
+/// instead of the decomposition's.
+fn norm<const D: usize>(ln: &LayerNorm, x: Tensor<D>) -> Tensor<D> {
+    if !FUSED_OPS.load(Ordering::Relaxed) {
+        return ln.forward(x);
+    }
+    // The GPT's LayerNorms are built with the config's default epsilon.
+    let epsilon = LayerNormConfig::new(1).epsilon;
+    layer_norm(
+        x,
+        ln.gamma.val(),
+        ln.beta.as_ref().map(|b| b.val()),
+        epsilon,
+    )
+}
+
+/// The MLP's activation: the exact GELU.
+fn activation(x: Tensor<3>) -> Tensor<3> {
+    match FUSED_OPS.load(Ordering::Relaxed) {
+        true => gelu(x),
+        false => burn::tensor::activation::gelu(x),
+    }
+}
+
+/// The attention's softmax over the keys (the last dimension of the scores).
+fn attention_softmax(scores: Tensor<4>) -> Tensor<4> {
+    match FUSED_OPS.load(Ordering::Relaxed) {
+        true => softmax(scores, 3),
+        false => burn::tensor::activation::softmax(scores, 3),
     }
 }
 

@@ -154,11 +154,16 @@ where
         // parallelism alone.
         let sliced = grid.topology().tensor > 1 || grid.expert_parallel().size() > 1;
         let zero = &config.zero_optimization;
-        if sliced && zero.stage == ZeroStage::Gradients && zero.overlap_comm() {
-            tracing::warn!(
-                "zero_optimization.overlap_comm is off under tensor slicing and expert \
-                 parallelism: their collectives run during each micro-batch"
-            );
+        let overlapping = matches!(zero.stage, ZeroStage::Gradients | ZeroStage::Parameters)
+            && zero.overlap_comm();
+        if sliced && overlapping {
+            // Stage 3 turns it on by default: only an explicit request is worth a warning.
+            if zero.overlap_comm == Some(true) {
+                tracing::warn!(
+                    "zero_optimization.overlap_comm is off under tensor slicing and expert \
+                     parallelism: their collectives run during each micro-batch"
+                );
+            }
             config.zero_optimization.overlap_comm = Some(false);
         }
         check_supported(&config, EntryPoint::Engine)?;
@@ -249,9 +254,12 @@ where
         let (out, scaled) = {
             let _span = tracing::debug_span!("forward_backward", rank = self.comm.rank()).entered();
             let model = &self.model;
-            with_config_options(&self.config, || {
+            self.sync.forward_scope(true);
+            let out = with_config_options(&self.config, || {
                 with_loss_scale(scale, || TrainStep::step(model, input))
-            })
+            });
+            self.sync.forward_scope(false);
+            out
         };
         self.train_step_time += train_step.elapsed();
         if let Some(window) = window {

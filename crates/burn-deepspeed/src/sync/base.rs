@@ -80,6 +80,13 @@ pub trait GradSync<M: Module> {
     /// communicator itself. Regimes that overlap nothing return at once.
     fn settle(&self) {}
 
+    /// Marks the engine's forward and backward of one micro-batch (`running` true before it,
+    /// false after): in between a regime may run collectives of its own on a communication
+    /// thread (stage 3's gathers ahead under `overlap_comm`), and `false` waits for them, so
+    /// that a forward the engine does not run (a user's evaluation) never races the caller's
+    /// collectives. Regimes that overlap nothing ignore it.
+    fn forward_scope(&self, _running: bool) {}
+
     /// Ends the accumulation: averages over ranks and micro-batches, divides out
     /// `loss_scale` (the factor the loss was multiplied by before backward: fp16's loss scale,
     /// else 1) and clips by the global norm of the result.

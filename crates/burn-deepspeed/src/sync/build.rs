@@ -108,7 +108,14 @@ fn build_with<M: Module, G: GradElem>(
         (ZeroStage::Parameters, None) => {
             let kind = partitioned_kind(optimizer)?;
             let rank = comm.rank();
-            let mut sync = ShardedSync::<G>::new(layout, comm, &options, kind);
+            let gather_ahead = gathers_ahead(config, comm.world_size(), &options);
+            let mut sync = ShardedSync::<G>::new(layout, comm.clone(), &options, kind);
+            // Starting the communication thread can fail on one rank alone: the ranks agree
+            // before the next collective.
+            if gather_ahead {
+                let started = sync.group().overlap_prefetch().map_err(Into::into);
+                agreed(comm.as_ref(), "overlap_comm thread", started)?;
+            }
             // Under `offload_param` the pieces go to their store as the model is cut.
             let model = match &params {
                 Some(p) => {
@@ -134,6 +141,20 @@ fn build_with<M: Module, G: GradElem>(
 fn overlaps(config: &DeepSpeedConfig, world: usize) -> bool {
     let z = &config.zero_optimization;
     z.stage == ZeroStage::Gradients && z.overlap_comm() && world > 1
+}
+
+/// Whether stage 3 all-gathers the next prefetch bundle on a communication thread while the
+/// forward computes (`overlap_comm`, on by default at stage 3 as in DeepSpeed), for `world`
+/// ranks: not under `offload_param` (its pieces are read from disk on the rank's thread), nor
+/// with prefetching off (`stage3_prefetch_bucket_size` 0). The engine turns `overlap_comm`
+/// off under tensor slicing, as for stage 2.
+fn gathers_ahead(config: &DeepSpeedConfig, world: usize, options: &SyncOptions) -> bool {
+    let z = &config.zero_optimization;
+    z.stage == ZeroStage::Parameters
+        && z.overlap_comm()
+        && world > 1
+        && z.offload_param.is_none()
+        && options.prefetch_bucket > 0
 }
 
 /// Refuses a model (laid out as `layout`) with expert-parallel MoE layers: its experts differ from rank to rank, and

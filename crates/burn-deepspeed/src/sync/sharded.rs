@@ -659,6 +659,14 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     fn gather_stats(&self) -> Option<GatherStats> {
         Some(self.group.stats())
     }
+
+    fn settle(&self) {
+        self.group.set_overlapping(false);
+    }
+
+    fn forward_scope(&self, running: bool) {
+        self.group.set_overlapping(running);
+    }
 }
 
 /// A copy of the sharded `model` with every parameter gathered whole through `group` (a

@@ -14,6 +14,12 @@
 //!   consumer's backward needs it, and the op's backward reduce-scatters the whole gradient
 //!   into this rank's chunk (a sum over ranks; the engine scales it).
 //!
+//! - **Overlap** (`overlap_comm`, on by default at stage 3 as in DeepSpeed): inside the
+//!   engine's forward ([`GatherGroup::set_overlapping`]), once a tensor is fetched the group
+//!   hands the all-gather of the next bundle the trace names to the rank's communication
+//!   thread ([`CommWorker`]), so that it runs while this tensor's layer computes; one bundle
+//!   is in flight at a time, and the group waits for it before any collective of its own.
+//!
 //! Every rank asks in the same order, because every rank runs the same model and Burn's
 //! backward visits the same graph in the same order. A failed collective is kept and
 //! reported by the engine's next step; the calls after it return zeros without
@@ -26,7 +32,9 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock, Weak};
 
 use burn::tensor::{FloatDType, Tensor, bf16, f16};
 use burn_deepspeed_strategies::CommError;
-use burn_deepspeed_strategies::comm::{CommElement, Communicator, CommunicatorExt, ReduceOp};
+use burn_deepspeed_strategies::comm::{
+    CommElement, CommWorker, Communicator, CommunicatorExt, Pending, ReduceOp,
+};
 use burn_deepspeed_strategies::device::DeviceCollectives;
 use burn_deepspeed_strategies::zero::ShardPlan;
 
@@ -53,6 +61,9 @@ pub struct GatherStats {
     pub reduce_scatters: u64,
     /// All-gather collectives issued (a prefetch bucket is one).
     pub all_gathers: u64,
+    /// Of the all-gathers, those run on the communication thread while the forward computed
+    /// (`overlap_comm`).
+    pub gathered_ahead: u64,
     /// Of the all-gathers and reduce-scatters, those that moved the device's buffers through
     /// its device collectives ([`GatherGroup::gather_on_device`]) rather than host copies.
     pub on_device: u64,
@@ -101,6 +112,18 @@ struct State {
     /// A failed read of this rank's parameter store: unlike `error`, the collectives go on
     /// (with zeros), so that no peer waits on this rank before the step agrees on it.
     read_error: Option<CommError>,
+    /// Whether a fetch hands the next bundle's all-gather to the communication thread (set
+    /// for the engine's forward passes, with a worker).
+    overlapping: bool,
+    /// The bundle being all-gathered on the communication thread.
+    inflight: Option<Inflight>,
+}
+
+/// A prefetch bundle all-gathered on the communication thread.
+struct Inflight {
+    bundle: Vec<usize>,
+    /// Every rank's chunks of the bundle (rank order), and the bytes the transport sent.
+    pending: Pending<(Vec<f32>, u64)>,
 }
 
 /// The parameter pieces of an `offload_param` rank and the gradients of its pieces.
@@ -130,6 +153,8 @@ pub struct GatherGroup {
     /// The collectives on the device's buffers, when the regime gathers there
     /// ([`set_device_collectives`](Self::set_device_collectives)).
     device: OnceLock<Arc<dyn DeviceCollectives>>,
+    /// The communication thread that all-gathers bundles ahead (`overlap_comm`).
+    worker: OnceLock<CommWorker>,
     state: Mutex<State>,
 }
 
@@ -240,6 +265,7 @@ impl GatherGroup {
             pre,
             fetch_by_all_reduce,
             device: OnceLock::new(),
+            worker: OnceLock::new(),
             state: Mutex::new(State {
                 shards: vec![None; n],
                 trace: Vec::new(),
@@ -255,6 +281,8 @@ impl GatherGroup {
                 brecording: true,
                 last_phase: None,
                 read_error: None,
+                overlapping: false,
+                inflight: None,
                 error: None,
                 stats: GatherStats::default(),
             }),
@@ -380,6 +408,7 @@ impl GatherGroup {
 
     /// Drops prefetched tensors and ends the trace recording (the backward has begun).
     fn end_forward(&self, st: &mut State) {
+        self.settle_inflight(st, false);
         st.cache.clear();
         st.device_cache.clear();
         st.cache_elems = 0;
@@ -422,13 +451,21 @@ impl GatherGroup {
         let mut st = self.state();
         let numel = self.plan.tensors()[t].numel;
         self.note_gather(&mut st, t, phase);
-        if phase == Phase::Forward
-            && let Some(values) = st.cache.remove(&t)
-        {
-            st.cache_elems -= values.len();
-            self.read_ahead(&st, t, phase);
-            return values;
+        if phase == Phase::Forward {
+            let coming = st.inflight.as_ref().is_some_and(|f| f.bundle.contains(&t));
+            if coming {
+                self.settle_inflight(&mut st, true);
+            }
+            if let Some(values) = st.cache.remove(&t) {
+                st.cache_elems -= values.len();
+                self.read_ahead(&st, t, phase);
+                self.gather_ahead(&mut st, t);
+                return values;
+            }
         }
+        // This rank's own collective comes next: the one in flight ends first (its tensors
+        // are kept for this forward).
+        self.settle_inflight(&mut st, phase == Phase::Forward);
         // Under `offload_param` the module's shard is an empty placeholder.
         let shard = match st.offload.is_some() {
             true => self.read_piece(&mut st, t),
@@ -469,7 +506,120 @@ impl GatherGroup {
         st.stats.peak_live_elems = st.stats.peak_live_elems.max(st.cache_elems + first.len());
         debug_assert_eq!(first.len(), numel);
         self.read_ahead(&st, t, phase);
+        if phase == Phase::Forward {
+            self.gather_ahead(&mut st, t);
+        }
         first
+    }
+
+    /// Starts a communication thread for `overlap_comm`: from then on, while
+    /// [`set_overlapping`](Self::set_overlapping) is on, forward fetches gather the next bundle
+    /// ahead on it. Fails when the thread cannot be started (the caller agrees on it with the
+    /// other ranks). Not for a group under `offload_param`, whose pieces are read from disk on
+    /// the rank's thread.
+    pub fn overlap_prefetch(&self) -> Result<(), CommError> {
+        if self.worker.get().is_none() {
+            // A second call keeps the first worker.
+            let _ = self.worker.set(CommWorker::spawn(self.comm.clone())?);
+        }
+        Ok(())
+    }
+
+    /// Whether a worker gathers ahead ([`overlap_prefetch`](Self::overlap_prefetch)).
+    pub fn overlaps(&self) -> bool {
+        self.worker.get().is_some()
+    }
+
+    /// Turns gathering ahead on (the engine, for its forward passes) or off. Off, the bundle in
+    /// flight is waited for and dropped, so that the caller may call collectives of the
+    /// group's communicator itself: a forward the engine does not run (a user's evaluation)
+    /// fetches on the rank's own thread.
+    pub fn set_overlapping(&self, on: bool) {
+        let mut st = self.state();
+        st.overlapping = on && self.worker.get().is_some();
+        if !on {
+            self.settle_inflight(&mut st, false);
+        }
+    }
+
+    /// Waits for the bundle in flight, if any: its tensors go to the prefetch cache when
+    /// `keep` (the forward that asked for them goes on), and are dropped otherwise. A failed
+    /// all-gather is kept as this group's error, and its tensors are zeros.
+    fn settle_inflight(&self, st: &mut State, keep: bool) {
+        let Some(inflight) = st.inflight.take() else {
+            return;
+        };
+        let tensors = self.plan.tensors();
+        let per_rank: usize = inflight.bundle.iter().map(|&j| tensors[j].chunk).sum();
+        let out = match inflight.pending.wait() {
+            Ok((out, sent)) => {
+                st.stats.gather_bytes_sent += sent;
+                out
+            }
+            Err(e) => {
+                if st.error.is_none() {
+                    self.fail(st, e);
+                }
+                vec![0.0; per_rank * self.comm.world_size()]
+            }
+        };
+        if !keep {
+            return;
+        }
+        let wholes = self.split_wholes(&inflight.bundle, &out);
+        for (&j, values) in inflight.bundle.iter().zip(wholes) {
+            st.cache_elems += values.len();
+            st.cache.insert(j, values);
+        }
+        st.stats.peak_prefetched = st.stats.peak_prefetched.max(st.cache_elems);
+    }
+
+    /// With overlapping on and nothing in flight: hands the all-gather of the tensors the
+    /// forward trace has after `t` (not cached yet, within the prefetch bucket and the live
+    /// cap, `t` counted as live) to the communication thread. Below the live cap this is the
+    /// bundle the rank's thread would fetch at its next miss, only fetched earlier.
+    fn gather_ahead(&self, st: &mut State, t: usize) {
+        let Some(worker) = self.worker.get() else {
+            return;
+        };
+        if !st.overlapping
+            || st.inflight.is_some()
+            || st.recording
+            || st.offload.is_some()
+            || st.error.is_some()
+        {
+            return;
+        }
+        let Some(pos) = st.trace.iter().position(|&x| x == t) else {
+            return;
+        };
+        let numel = self.plan.tensors()[t].numel;
+        let mut bundle = Vec::new();
+        let live = self.extend_bundle(st, pos, &mut bundle, 0, st.cache_elems + numel);
+        if bundle.is_empty() {
+            return;
+        }
+        let mut input = Vec::new();
+        for &j in &bundle {
+            if let Some(shard) = st.shards[j].clone() {
+                input.extend(transfer::read_f32(shard));
+            }
+        }
+        st.stats.all_gathers += 1;
+        st.stats.gathered_ahead += 1;
+        st.stats.peak_live_elems = st.stats.peak_live_elems.max(live);
+        let world = self.comm.world_size();
+        let (wire, by_all_reduce) = (st.wire, self.fetch_by_all_reduce);
+        let key = label("gather", &bundle);
+        let pending = worker.submit(move |comm| {
+            let mut out = vec![0.0f32; input.len() * world];
+            let _span = tracing::trace_span!("zero3_all_gather", elems = out.len()).entered();
+            comm.label_next(key);
+            let before = comm.stats().total_sent();
+            fetch(comm, wire, by_all_reduce, &input, &mut out)?;
+            Ok((out, comm.stats().total_sent() - before))
+        });
+        st.inflight = Some(Inflight { bundle, pending });
     }
 
     /// This rank's chunk of tensor `t` from the parameter store. A failed read is this rank's
@@ -517,9 +667,23 @@ impl GatherGroup {
         let Some(pos) = st.trace.iter().position(|&x| x == t) else {
             return;
         };
+        let numel = self.plan.tensors()[t].numel;
+        self.extend_bundle(st, pos, bundle, numel, st.cache_elems + numel);
+    }
+
+    /// Extends `bundle` (of `elems` elements, with `live` elements held in all) with the
+    /// tensors the trace has after position `pos` that are at hand and not cached, while the
+    /// bundle stays within the prefetch bucket and the live elements within the cap. Returns
+    /// the live elements then.
+    fn extend_bundle(
+        &self,
+        st: &State,
+        pos: usize,
+        bundle: &mut Vec<usize>,
+        mut elems: usize,
+        mut live: usize,
+    ) -> usize {
         let tensors = self.plan.tensors();
-        let mut elems = tensors[t].numel;
-        let mut live = st.cache_elems + elems;
         for &j in &st.trace[pos + 1..] {
             // Under `offload_param` only pieces already read ahead join the bundle: the others
             // are still on disk, and the read-ahead brings them in while this one is used.
@@ -539,6 +703,7 @@ impl GatherGroup {
             live += n;
             bundle.push(j);
         }
+        live
     }
 
     /// One all-gather of the chunks of `bundle` (this rank's in `shards`): every rank's
@@ -558,17 +723,28 @@ impl GatherGroup {
             let _span = tracing::trace_span!("zero3_all_gather", elems = out.len()).entered();
             self.comm.label_next(label("gather", bundle));
             let before = self.comm.stats().total_sent();
-            let result = match st.wire {
-                Some(FloatDType::F16) => self.fetch_as::<f16>(&input, &mut out),
-                Some(FloatDType::BF16) => self.fetch_as::<bf16>(&input, &mut out),
-                _ => self.fetch_as::<f32>(&input, &mut out),
-            };
+            let result = fetch(
+                self.comm.as_ref(),
+                st.wire,
+                self.fetch_by_all_reduce,
+                &input,
+                &mut out,
+            );
             st.stats.gather_bytes_sent += self.comm.stats().total_sent() - before;
             if let Err(e) = result {
                 self.fail(st, e);
                 out.iter_mut().for_each(|x| *x = 0.0);
             }
         }
+        self.split_wholes(bundle, &out)
+    }
+
+    /// Each tensor of `bundle` whole, from `out`: every rank's chunks of the bundle, back to
+    /// back in rank order.
+    fn split_wholes(&self, bundle: &[usize], out: &[f32]) -> Vec<Vec<f32>> {
+        let tensors = self.plan.tensors();
+        let world = self.comm.world_size();
+        let per_rank: usize = bundle.iter().map(|&j| tensors[j].chunk).sum();
         let mut wholes: Vec<Vec<f32>> = bundle
             .iter()
             .map(|&j| Vec::with_capacity(tensors[j].chunk * world))
@@ -585,23 +761,6 @@ impl GatherGroup {
             w.truncate(tensors[j].numel);
         }
         wholes
-    }
-
-    /// Every rank's `input` into `out` (rank order), travelling as `T`: an all-gather, or an
-    /// all-reduce of a zero-padded buffer (`fetch_by_all_reduce`; exact, as each position has
-    /// one non-zero term).
-    fn fetch_as<T: Wire>(&self, input: &[f32], out: &mut [f32]) -> Result<(), CommError> {
-        let input: Vec<T> = input.iter().map(|&x| T::narrow(x)).collect();
-        let mut wire = vec![T::narrow(0.0); out.len()];
-        if self.fetch_by_all_reduce {
-            let rank = self.comm.rank();
-            wire[rank * input.len()..(rank + 1) * input.len()].copy_from_slice(&input);
-            self.comm.all_reduce(&mut wire, ReduceOp::Sum)?;
-        } else {
-            self.comm.all_gather_equal(&input, &mut wire)?;
-        }
-        out.iter_mut().zip(&wire).for_each(|(o, w)| *o = w.widen());
-        Ok(())
     }
 
     /// From now on the op gathers and reduce-scatters the tensors of a Cube device (wgpu,
@@ -859,6 +1018,43 @@ impl Drop for GatherGroup {
             reg.remove(&self.id);
         }
     }
+}
+
+/// Every rank's `input` into `out` (rank order) on `comm`, travelling in `wire` (f32 when
+/// `None`): an all-gather, or with `by_all_reduce` an all-reduce of a zero-padded buffer
+/// (exact, as each position has one non-zero term).
+fn fetch(
+    comm: &dyn Communicator,
+    wire: Option<FloatDType>,
+    by_all_reduce: bool,
+    input: &[f32],
+    out: &mut [f32],
+) -> Result<(), CommError> {
+    match wire {
+        Some(FloatDType::F16) => fetch_as::<f16>(comm, by_all_reduce, input, out),
+        Some(FloatDType::BF16) => fetch_as::<bf16>(comm, by_all_reduce, input, out),
+        _ => fetch_as::<f32>(comm, by_all_reduce, input, out),
+    }
+}
+
+/// [`fetch`] travelling as `T`.
+fn fetch_as<T: Wire>(
+    comm: &dyn Communicator,
+    by_all_reduce: bool,
+    input: &[f32],
+    out: &mut [f32],
+) -> Result<(), CommError> {
+    let input: Vec<T> = input.iter().map(|&x| T::narrow(x)).collect();
+    let mut wire = vec![T::narrow(0.0); out.len()];
+    if by_all_reduce {
+        let rank = comm.rank();
+        wire[rank * input.len()..(rank + 1) * input.len()].copy_from_slice(&input);
+        comm.all_reduce(&mut wire, ReduceOp::Sum)?;
+    } else {
+        comm.all_gather_equal(&input, &mut wire)?;
+    }
+    out.iter_mut().zip(&wire).for_each(|(o, w)| *o = w.widen());
+    Ok(())
 }
 
 /// A dtype chunks travel in, from and to the f32 the group computes in.

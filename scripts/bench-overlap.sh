@@ -51,9 +51,13 @@ for overlap in (False, True):
     json.dump(config, open(f"{sys.argv[2]}/config3-{str(overlap).lower()}.json", "w"))
 PY
 for round in $(seq 1 "$ROUNDS"); do
-    for ov in false true; do
-        mpirun -n 2 "$bin/gpt" --config "$out/config3-$ov.json" --model small \
-            --steps "$STEPS" --json 2> /dev/null | tail -n 1 > "$out/mpi3-$ov-$round.json"
+    for yield in 0 1; do
+        prefix=$([ "$yield" = 1 ] && echo mpi3y || echo mpi3)
+        for ov in false true; do
+            OMPI_MCA_mpi_yield_when_idle=$yield mpirun -n 2 -x OMPI_MCA_mpi_yield_when_idle \
+                "$bin/gpt" --config "$out/config3-$ov.json" --model small --steps "$STEPS" \
+                --json 2> /dev/null | tail -n 1 > "$out/$prefix-$ov-$round.json"
+        done
     done
 done
 python3 scripts/benchmarks_md.py overlap3 "$out" "$(nproc)"

@@ -258,7 +258,7 @@ fn activation_checkpoints_keep_their_gradients_on_the_device() {
 /// ZeRO-Offload on a wgpu device: with `offload_optimizer` (and at stage 3 `offload_param`) the
 /// engine keeps the host regime, so each step moves the gradients to the host, steps the fp32
 /// masters, m and v there with the CPU fused Adam (in host memory for `cpu`, tile by tile in
-/// swap files for `nvme`) and writes the updated parameters back to the device. GPT `tiny`,
+/// swap files for `nvme`) and writes the updated parameters back to the device. GPT_MINI,
 /// 2 ranks, 12 steps: the losses follow the device-resident run within 1e-3, and the
 /// offloaded run moves at least the gradients down and the parameters up every step, counted
 /// where the copies happen, beside the device-resident run's staged collectives alone.
@@ -266,8 +266,8 @@ fn activation_checkpoints_keep_their_gradients_on_the_device() {
 fn optimizer_offload_on_wgpu_follows_the_device_resident_run() {
     let dir = tempfile::tempdir().expect("a temp dir");
     for (stage, device) in [(1u8, "cpu"), (2, "nvme"), (3, "cpu")] {
-        let resident = run_spec(&spec(stage, ModelDevice::Wgpu, 12, GptShape::TINY));
-        let mut s = spec(stage, ModelDevice::Wgpu, 12, GptShape::TINY);
+        let resident = run_spec(&spec(stage, ModelDevice::Wgpu, 12, GPT_MINI));
+        let mut s = spec(stage, ModelDevice::Wgpu, 12, GPT_MINI);
         let zero = &mut s.config.zero_optimization;
         let path = dir.path().to_string_lossy();
         let (offload, _) = DeepSpeedConfig::from_json_str(&format!(

@@ -35,6 +35,7 @@ pub mod zero3;
 
 pub use burn_deepspeed_compress::pld;
 pub use burn_deepspeed_strategies::comm;
+pub use burn_deepspeed_strategies::device;
 pub use burn_deepspeed_strategies::swap;
 pub use config::DeepSpeedConfig;
 pub use engine::{DeepSpeedEngine, StepLoss, StepReport};

@@ -8,7 +8,11 @@
 //! softmax and layer norm (decomposed under autodiff) instead of `burn_deepspeed::fused`'s,
 //! which measures what the fused ops buy.
 //!
-//! cargo run --release --example overhead_bench -- --model tiny [--stage 0] [--unfused] [--json]
+//! cargo run --release --example overhead_bench -- --model tiny [--stage 0] [--unfused]
+//!     [--device flex|wgpu|cuda] [--json]
+//!
+//! On a GPU (`--device cuda`, feature `cuda`) both loops run on GPU 0: the plain loop with
+//! Burn's AdamW on the device, the engine device-resident with the fused CubeCL AdamW.
 //!
 //! `scripts/bench-overhead.sh` runs it for `tiny` and `small` and writes the
 //! engine-overhead section of BENCHMARKS.md.
@@ -17,13 +21,12 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::Device;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::progress::TaskProgress;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
 use burn_deepspeed_example_gpt::DEFAULT_CONFIG;
 use burn_deepspeed_example_gpt::model::{Gpt, GptShape, set_fused_ops};
-use burn_deepspeed_example_gpt::run::{RunSpec, train_step};
+use burn_deepspeed_example_gpt::run::{ModelDevice, RunSpec, train_step};
 use clap::Parser;
 use serde_json::json;
 
@@ -47,6 +50,9 @@ struct Args {
     /// Also run the plain loop with Burn's own softmax and layer norm.
     #[arg(long)]
     unfused: bool,
+    /// The device both loops train on (`wgpu` and `cuda` need the example's feature).
+    #[arg(long, default_value = "flex", value_parser = ["flex", "wgpu", "cuda"])]
+    device: String,
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
@@ -118,9 +124,9 @@ impl Timed {
 
 /// The plain loop: `spec`'s model, batches and schedule, with Burn's AdamW at the config's
 /// hyper-parameters.
-fn plain(spec: &RunSpec, args: &Args) -> Timed {
+fn plain(spec: &RunSpec, args: &Args, on: ModelDevice) -> Timed {
     let shape = spec.shape;
-    let device = Device::flex().autodiff();
+    let device = on.device(0);
     let inner = device.clone().inner();
     let mut model = Gpt::new(shape, spec.seed, &device);
     let mut optim = AdamWConfig::new()
@@ -161,10 +167,10 @@ fn plain(spec: &RunSpec, args: &Args) -> Timed {
 }
 
 /// The engine at one rank on `spec`: the plain loop's model, batches and hyper-parameters.
-fn engine(spec: &RunSpec, args: &Args) -> Result<Timed, String> {
+fn engine(spec: &RunSpec, args: &Args, on: ModelDevice) -> Result<Timed, String> {
     let shape = spec.shape;
     let outcome = launch(1, Duration::from_secs(3600), |comm| {
-        let device = Device::flex().autodiff();
+        let device = on.device(0);
         let inner = device.clone().inner();
         let model = Gpt::new(shape, spec.seed, &device);
         let mut engine = DeepSpeedEngine::new(model, spec.config.clone(), comm)?;
@@ -198,6 +204,13 @@ fn main() -> ExitCode {
         eprintln!("error: unknown model `{}` (tiny, small)", args.model);
         return ExitCode::FAILURE;
     };
+    let on = match ModelDevice::parse(&args.device) {
+        Ok(on) => on,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     if args.warm_up >= args.steps || args.rounds == 0 {
         eprintln!("error: --warm-up must be below --steps, and --rounds at least 1");
         return ExitCode::FAILURE;
@@ -213,10 +226,10 @@ fn main() -> ExitCode {
     let mut rounds = Vec::new();
     for round in 0..args.rounds {
         bar.set_message(format!("round {round}: plain Burn loop"));
-        let p = plain(&spec, &args);
+        let p = plain(&spec, &args, on);
         bar.inc(1);
         bar.set_message(format!("round {round}: engine, stage {}", args.stage));
-        let e = match engine(&spec, &args) {
+        let e = match engine(&spec, &args, on) {
             Ok(e) => e,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -236,7 +249,7 @@ fn main() -> ExitCode {
         if args.unfused {
             bar.set_message(format!("round {round}: plain Burn loop, Burn's own ops"));
             set_fused_ops(false);
-            let u = plain(&spec, &args);
+            let u = plain(&spec, &args, on);
             set_fused_ops(true);
             bar.inc(1);
             let ut = u.tokens_per_s(tokens_per_step);
@@ -272,6 +285,7 @@ fn main() -> ExitCode {
         .fold(0.0f64, f64::max);
     let mut report = json!({
         "model": args.model,
+        "device": on.name(),
         "stage": args.stage,
         "steps": args.steps,
         "warm_up": args.warm_up,

@@ -152,8 +152,10 @@ impl ModelDevice {
             Self::Flex => Device::flex(),
             #[cfg(feature = "wgpu")]
             Self::Wgpu => Device::from(burn::backend::wgpu::WgpuDevice::default()),
+            // Ranks share the GPUs round-robin (NCCL then needs one rank per GPU; ranks that
+            // share one stage their collectives through the host).
             #[cfg(feature = "cuda")]
-            Self::Cuda => Device::cuda(rank),
+            Self::Cuda => Device::cuda(rank % burn_deepspeed::device::cuda_device_count().max(1)),
             #[allow(unreachable_patterns)]
             other => unreachable!("ModelDevice::parse refuses {other:?} without its feature"),
         };

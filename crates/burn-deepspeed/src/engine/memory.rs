@@ -83,7 +83,9 @@ pub fn vec_bytes<T>(buffer: &Vec<T>) -> u64 {
 /// and v), so the engine multiplies this by the elements that have state instead of
 /// serializing the real state, which would copy it twice.
 pub fn burn_state_bytes_per_elem(fresh: &ModuleOptimizer) -> f64 {
-    let device = Device::default();
+    // On Flex whatever the model's device: Burn's default device is a GPU whenever one is
+    // compiled in, and a build with `cuda` may train on the CPU of a machine without one.
+    let device = Device::flex();
     let mut optim = fresh.clone();
     let param = Param::from_tensor(Tensor::<1>::ones([PROBE_ELEMS], &device.clone().autodiff()));
     let mut grads = burn::optim::GradientsParams::new();

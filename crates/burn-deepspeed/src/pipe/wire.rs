@@ -100,7 +100,7 @@ mod tests {
 
     #[test]
     fn tensors_cross_in_the_working_dtype_at_its_width() {
-        let device = Device::default();
+        let device = Device::flex();
         let t = Tensor::<3>::from_data(
             TensorData::new(
                 (0..24).map(|i| i as f32 / 7.0).collect::<Vec<_>>(),
@@ -119,7 +119,7 @@ mod tests {
                     send(&c, &t, 1, TAG_ACTIVATION, dtype)?;
                     Ok((c.stats().total_sent(), None))
                 } else {
-                    let r = recv(&c, 0, TAG_ACTIVATION, &Device::default(), dtype)?;
+                    let r = recv(&c, 0, TAG_ACTIVATION, &Device::flex(), dtype)?;
                     Ok((
                         0,
                         Some((r.dtype(), r.into_data(), t.clone().cast(dtype).into_data())),
@@ -153,7 +153,7 @@ mod tests {
                     let header: Vec<u8> = dims.iter().flat_map(|d| d.to_le_bytes()).collect();
                     c.send(&header, 1, TAG_ACTIVATION).map(|()| String::new())
                 } else {
-                    recv(&c, 0, TAG_ACTIVATION, &Device::default(), FloatDType::F32)
+                    recv(&c, 0, TAG_ACTIVATION, &Device::flex(), FloatDType::F32)
                         .map(|_| String::new())
                         .or_else(|e| Ok(e.to_string()))
                 }

@@ -175,6 +175,18 @@ mod nccl {
     }
 
     #[test]
+    fn ranks_sharing_a_gpu_are_told_apart() {
+        let distinct = run(3, |comm| {
+            ordinals_distinct(comm.as_ref(), comm.rank()).unwrap()
+        });
+        assert_eq!(distinct, vec![true; 3]);
+        let shared = run(3, |comm| {
+            ordinals_distinct(comm.as_ref(), comm.rank() % 2).unwrap()
+        });
+        assert_eq!(shared, vec![false; 3]);
+    }
+
+    #[test]
     fn init_matches_what_this_machine_has() {
         if nccl_available() {
             let kinds = run(1, |comm| NcclCollectives::new(comm, 0).map(|c| c.kind()));
@@ -185,6 +197,26 @@ mod nccl {
                 let e = r.expect_err("no CUDA here").to_string();
                 assert!(e.contains("cannot be loaded"), "{e}");
             }
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU: run with -- --ignored on a GPU machine"]
+    fn ranks_sharing_a_gpu_stage_through_the_host() {
+        let traffic = conformance_on(&Device::cuda(0), &[DType::F32, DType::F16, DType::BF16]);
+        assert!(
+            traffic.iter().all(|t| t.total() > 0),
+            "staged collectives are counted"
+        );
+        let kinds = run(2, |comm| {
+            device_collectives(comm, &Device::cuda(0)).map(|c| c.kind())
+        });
+        for kind in kinds {
+            assert_eq!(
+                kind.expect("no collective fails"),
+                "host",
+                "two ranks on GPU 0"
+            );
         }
     }
 

@@ -36,7 +36,13 @@ const CHUNK: usize = 16_384;
 #[inline(always)]
 fn exp_nonpositive(x: f32) -> f32 {
     let x = x.max(-87.0);
-    let k = (x * std::f32::consts::LOG2_E).round();
+    // Rounding by adding and taking away 1.5·2²³ (exact for |y| < 2²², ties to even):
+    // `f32::round` is a libm call on baseline x86-64 and kept this loop scalar. The sum's
+    // low mantissa bits also hold k as an integer.
+    const MAGIC: f32 = 12_582_912.0;
+    let shifted = x * std::f32::consts::LOG2_E + MAGIC;
+    let k = shifted - MAGIC;
+    let k_int = shifted.to_bits() as i32 - MAGIC.to_bits() as i32;
     // ln 2 in two parts (Cody and Waite): k · LN2_HI is exact, so r keeps its precision.
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
@@ -49,7 +55,7 @@ fn exp_nonpositive(x: f32) -> f32 {
     let p = p * r + 1.0;
     let p = p * r + 1.0;
     // 2^k by its exponent bits (k in [-126, 0]).
-    p * f32::from_bits(((k as i32 + 127) << 23) as u32)
+    p * f32::from_bits(((k_int + 127) << 23) as u32)
 }
 
 /// `(Φ(x), e^{-x²/2})`: the normal CDF through `erf(|x|/√2)` (Abramowitz and Stegun 7.1.26)

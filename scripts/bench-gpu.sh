@@ -89,15 +89,7 @@ run() {
     grep "test result" "$OUT/kernels-tests.out"
     step strategies-tests 150 "$BIN/strategies-tests" device --include-ignored
     grep "test result\|FAILED\|panicked" "$OUT/strategies-tests.out" "$OUT/strategies-tests.err" | head
-    for stage in 0 1 2 3; do
-        tiny_config "$stage"
-        step "tiny-cuda-s$stage" 120 "$BIN/gpt" --device cuda --ranks 2 --steps 20 \
-            --config "$OUT/zero$stage.json" --json
-    done
-    for stage in 0 3; do
-        step "tiny-cuda-r1-s$stage" 120 "$BIN/gpt" --device cuda --ranks 1 --steps 20 \
-            --config "$OUT/zero$stage.json" --json
-    done
+    tiny_on cuda
     step overhead-small 240 "$BIN/overhead_bench" --device cuda --model small --steps 40 \
         --warm-up 10 --rounds 2 --json
     for stage in 0 1 2 3; do
@@ -106,7 +98,6 @@ run() {
             --steps 40 --config "$OUT/small$stage.json" --json
     done
     step kernel-bench 120 "$BIN/kernel-bench" --device cuda --json
-    mixed_on cuda
     for stage in 0 1 2 3; do
         step "medium-cuda-s$stage" 120 "$BIN/gpt" --device cuda --ranks 1 --model medium \
             --steps 30 --config "$OUT/small$stage.json" --json
@@ -130,22 +121,24 @@ print(json.dumps({"bytes": 8 * x.numel(), "seconds": s, "gbps": 8 * x.numel() / 
                   "torch": torch.__version__}))
 PY
     echo "torch copy: $(cat "$OUT/torch-copy.json")"
-    [ "${FLEX:-1}" = 1 ] && flex_references
+    # The Flex references of the tiny runs: the same binary on the CPU (FLEX=0 leaves them to
+    # another machine, as they need no GPU).
+    [ "${FLEX:-1}" = 1 ] && tiny_on flex
 }
 
-# The Flex references of the tiny runs (the same binary, on the CPU; FLEX=0 leaves them to
-# another machine, as they need no GPU).
-flex_references() {
+# GPT `tiny` on `device`, 20 steps: 2 ranks at stages 0-3 and 1 rank at stages 0 and 3 (the
+# device test's config), then the 16-bit runs.
+tiny_on() {
     for stage in 0 1 2 3; do
         tiny_config "$stage"
-        step "tiny-flex-s$stage" 120 "$BIN/gpt" --device flex --ranks 2 --steps 20 \
+        step "tiny-$1-s$stage" 120 "$BIN/gpt" --device "$1" --ranks 2 --steps 20 \
             --config "$OUT/zero$stage.json" --json
     done
-    step "tiny-flex-r1-s0" 120 "$BIN/gpt" --device flex --ranks 1 --steps 20 \
-        --config "$OUT/zero0.json" --json
-    step "tiny-flex-r1-s3" 120 "$BIN/gpt" --device flex --ranks 1 --steps 20 \
-        --config "$OUT/zero3.json" --json
-    mixed_on flex
+    for stage in 0 3; do
+        step "tiny-$1-r1-s$stage" 120 "$BIN/gpt" --device "$1" --ranks 1 --steps 20 \
+            --config "$OUT/zero$stage.json" --json
+    done
+    mixed_on "$1"
 }
 
 # ZeRO-Offload on the GPU: GPT `small`, one rank, the optimizer on the CPU at stage 2 and the
@@ -196,7 +189,8 @@ mixed)
     ;;
 flex)
     mkdir -p "${OUT:?}"
-    flex_references
+    echo "$(nproc) CPU cores, $BIN/gpt" > "$OUT/flex-host.txt"
+    tiny_on flex
     ;;
 report) python3 scripts/benchmarks_md.py gpu "${OUT:?}" ;;
 all)

@@ -1117,6 +1117,11 @@ def overlap3(directory, cores):
     return "\n".join(lines) + "\n"
 
 
+def steady_tokens(report, seq_len):
+    """Tokens/s of a GPT run's median step after its first 5 (from its per-step seconds)."""
+    return seq_len / median(report["step_seconds_per_sample"][5:])
+
+
 def vs_pytorch(directory, cores):
     d = Path(directory)
     seq = {"tiny": 128, "small": 256}
@@ -1138,8 +1143,7 @@ def vs_pytorch(directory, cores):
 
     def ours(path, model):
         r = json.load(open(path))
-        steady = r["step_seconds_per_sample"][5:]
-        return seq[model] / median(steady), r.get("peak_rss_bytes", 0)
+        return steady_tokens(r, seq[model]), r.get("peak_rss_bytes", 0)
 
     for model in ["tiny", "small"]:
         if not (d / f"{model}-ddp.json").exists():
@@ -1219,22 +1223,22 @@ def compared(rows):
             yield key, reference, run, max_rel(reference["losses"], run["losses"])
 
 
-def steady_tokens(report, seq_len):
-    """Tokens/s of a GPT run's median step after its first 5 (from its per-step seconds)."""
-    per_sample = sorted(report["step_seconds_per_sample"][5:])
-    return seq_len / per_sample[len(per_sample) // 2]
-
-
 def gpu(directory):
     d = Path(directory)
     name = (d / "gpu.txt").read_text().strip()
     cores = (d / "cores.txt").read_text().strip() if (d / "cores.txt").exists() else "?"
+    # `bench-gpu.sh flex` writes where the Flex references ran when not beside the GPU runs.
+    flex_host = d / "flex-host.txt"
+    flex_where = (
+        f"the Flex references on another machine: {flex_host.read_text().strip()}"
+        if flex_host.exists()
+        else f"the Flex references with the same binary on its {cores} CPU cores"
+    )
     kt, st = test_counts(d / "kernels-tests.out"), test_counts(d / "strategies-tests.out")
     lines = [
         "## GPU (CUDA, NCCL)",
         "",
-        f"`bash scripts/bench-gpu.sh` on one {name} ({cores} CPU cores for the Flex "
-        "references). With one GPU, a run of 2 ranks puts both on GPU 0: NCCL refuses two "
+        f"`bash scripts/bench-gpu.sh` on one {name} ({flex_where}). With one GPU, a run of 2 ranks puts both on GPU 0: NCCL refuses two "
         "ranks of one communicator on one device, so those ranks stage their collectives "
         "through host memory (counted below); a run of 1 rank takes NCCL.",
         "",
@@ -1246,9 +1250,9 @@ def gpu(directory):
         "",
         "### GPT `tiny` on CUDA against Flex",
         "",
-        "20 steps, the wgpu test's config (batch 8, micro-batch 4, AdamW, clipping 1.0), the "
-        "same binary with `--device cuda` and `--device flex`. Bytes are rank 0's per step, "
-        "measured where the copies happen.",
+        "20 steps, the wgpu test's config (batch 8, micro-batch 4, AdamW, clipping 1.0), "
+        "`--device cuda` against `--device flex`. Bytes are rank 0's per step, measured where "
+        "the copies happen.",
         "",
         "| ranks | stage | collectives | Flex loss (first, last) | CUDA loss (first, last) "
         "| max rel diff | host/device bytes per step | of which staged collectives |",
@@ -1293,14 +1297,13 @@ def gpu(directory):
             "",
             f"The largest difference between the two loops' losses: {o['max_loss_difference']:.1e}.",
         ]
-    seq = {"small": 256, "medium": 256}
     for model in ["small", "medium"]:
         runs = [(st, last_json(d / f"{model}-cuda-s{st}.out")) for st in range(4)]
         if not any(r for _, r in runs):
             continue
 
         def steady(r):
-            return steady_tokens(r, seq[model])
+            return steady_tokens(r, 256)
 
         base = next(steady(r) for _, r in runs if r)
         first = next(r for _, r in runs if r)
@@ -1330,9 +1333,6 @@ def gpu(directory):
                  for st in [2, 3]]
     if any(o for _, _, o in offloaded):
 
-        def steady_small(r):
-            return steady_tokens(r, 256)
-
         lines += [
             "",
             "### ZeRO-Offload on the GPU",
@@ -1349,9 +1349,9 @@ def gpu(directory):
         for stage, r, o, worst in compared(offloaded):
             what = "optimizer" + (" + parameters" if stage == 3 else "")
             for name, x in [("no", r), (what, o)]:
-                ratio = steady_small(x) / steady_small(r)
+                ratio = steady_tokens(x, 256) / steady_tokens(r, 256)
                 lines.append(
-                    f"| {stage} | {name} | {steady_small(x):.0f} | {ratio:.2f} "
+                    f"| {stage} | {name} | {steady_tokens(x, 256):.0f} | {ratio:.2f} "
                     f"| {max(x['host_device_bytes_per_step']):,} "
                     f"| {x['model_state_bytes_per_rank']:,} | {'' if x is r else f'{worst:.1e}'} |"
                 )

@@ -122,6 +122,16 @@ pub fn compressed_all_reduce(
 pub(crate) mod reference {
     use super::padded_len;
 
+    /// Rank `rank`'s input of `n` elements at `round`, for the tests.
+    pub(crate) fn input(rank: usize, n: usize, round: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let v = ((i * 31 + rank * 17 + round * 7) % 41) as f32 - 20.0;
+                v / 8.0 + rank as f32 * 0.1
+            })
+            .collect()
+    }
+
     /// DeepSpeed's dense simulation: every rank compresses x + error densely, the results are
     /// averaged, and each server chunk is compressed with its own error; all in f64.
     pub(crate) struct Dense {
@@ -131,7 +141,11 @@ pub(crate) mod reference {
 
     impl Dense {
         pub(crate) fn new(n: usize, world: usize) -> Self {
-            let padded = padded_len(n, world);
+            Self::padded(padded_len(n, world), world)
+        }
+
+        /// Vectors padded to `padded` elements (a multiple of `world`).
+        pub(crate) fn padded(padded: usize, world: usize) -> Self {
             Self {
                 worker: vec![vec![0.0; padded]; world],
                 server: vec![0.0; padded],
@@ -141,7 +155,7 @@ pub(crate) mod reference {
         /// The reduced vector (the same on every rank) of one call with these inputs.
         pub(crate) fn step(&mut self, inputs: &[Vec<f32>], n: usize) -> Vec<f64> {
             let world = inputs.len();
-            let padded = padded_len(n, world);
+            let padded = self.server.len();
             let chunk = padded / world;
             let sign = |v: f64| if v >= 0.0 { 1.0 } else { -1.0 };
             let mut mean = vec![0.0f64; padded];
@@ -173,7 +187,7 @@ pub(crate) mod reference {
 
 #[cfg(test)]
 mod tests {
-    use super::reference::Dense;
+    use super::reference::{Dense, input};
     use super::*;
     use crate::comm::{ThreadWorld, ThreadWorldOptions};
 
@@ -189,15 +203,6 @@ mod tests {
             let e = r.expect("no panic").expect_err("wrong sizes").to_string();
             assert!(e.contains("CompressionErrors::new"), "{e}");
         }
-    }
-
-    fn input(rank: usize, n: usize, round: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let v = ((i * 31 + rank * 17 + round * 7) % 41) as f32 - 20.0;
-                v / 8.0 + rank as f32 * 0.1
-            })
-            .collect()
     }
 
     #[test]

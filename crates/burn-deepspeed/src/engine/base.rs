@@ -13,7 +13,7 @@ use burn_deepspeed_compress::pld::ProgressiveLayerDrop;
 use burn_deepspeed_strategies::comm::{
     CommStats, CommsLogger, Communicator, CommunicatorExt, ReduceOp,
 };
-use burn_deepspeed_strategies::onebit::OneBitOptimizer;
+use burn_deepspeed_strategies::onebit::OneBitPhase;
 use burn_deepspeed_strategies::zero::PartitionState;
 
 use super::checkpoint::{self, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta};
@@ -845,8 +845,8 @@ impl<M: Module> DeepSpeedEngine<M> {
     pub fn optimizer(&self) -> Option<&ModuleOptimizer> {
         self.sync.burn_optimizer()
     }
-    /// The 1-bit optimizer, when the config names one.
-    pub fn one_bit_optimizer(&self) -> Option<&dyn OneBitOptimizer> {
+    /// The 1-bit optimizer's phase, when the config names one.
+    pub fn one_bit_optimizer(&self) -> Option<&dyn OneBitPhase> {
         self.sync.one_bit()
     }
 }

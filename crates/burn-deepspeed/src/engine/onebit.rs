@@ -1,8 +1,10 @@
 //! The communication-compressed optimizers (`OneBitAdam`, `OneBitLamb`) as the engine runs
 //! them: on the flat parameter and gradient buffers of a [`ParamLayout`].
 
+use burn::tensor::Device;
 use burn_deepspeed_strategies::onebit::{
-    OneBitAdam, OneBitAdamConfig, OneBitLamb, OneBitLambConfig, OneBitOptimizer,
+    DeviceOneBitAdam, DeviceOneBitLamb, DeviceOneBitOptimizer, OneBitAdam, OneBitAdamConfig,
+    OneBitLamb, OneBitLambConfig, OneBitOptimizer,
 };
 
 use super::flat::ParamLayout;
@@ -23,6 +25,53 @@ pub fn build_one_bit(
     layout: &ParamLayout,
     world: usize,
 ) -> Result<Option<Box<dyn OneBitOptimizer>>> {
+    Ok(one_bit_config(cfg)?.map(|c| -> Box<dyn OneBitOptimizer> {
+        match c {
+            OneBitConfig::Adam(config) => Box::new(OneBitAdam::new(layout.numel, world, config)),
+            OneBitConfig::Lamb(config) => {
+                Box::new(OneBitLamb::new(&tensor_lengths(layout), world, config))
+            }
+        }
+    }))
+}
+
+/// [`build_one_bit`] on the model's `device`: the same optimizer with its state on the device,
+/// exchanging momenta through the device compressed all-reduce.
+pub fn build_device_one_bit(
+    cfg: &OptimizerConfig,
+    layout: &ParamLayout,
+    world: usize,
+    device: &Device,
+) -> Result<Option<Box<dyn DeviceOneBitOptimizer>>> {
+    Ok(
+        one_bit_config(cfg)?.map(|c| -> Box<dyn DeviceOneBitOptimizer> {
+            match c {
+                OneBitConfig::Adam(config) => {
+                    Box::new(DeviceOneBitAdam::new(layout.numel, world, config, device))
+                }
+                OneBitConfig::Lamb(config) => Box::new(DeviceOneBitLamb::new(
+                    &tensor_lengths(layout),
+                    world,
+                    config,
+                    device,
+                )),
+            }
+        }),
+    )
+}
+
+fn tensor_lengths(layout: &ParamLayout) -> Vec<usize> {
+    layout.slots.iter().map(|s| s.numel).collect()
+}
+
+/// A 1-bit optimizer's hyper-parameters.
+enum OneBitConfig {
+    Adam(OneBitAdamConfig),
+    Lamb(OneBitLambConfig),
+}
+
+/// The hyper-parameters of the 1-bit optimizer a resolved `optimizer` section names.
+fn one_bit_config(cfg: &OptimizerConfig) -> Result<Option<OneBitConfig>> {
     if !matches!(
         cfg.kind,
         OptimizerKind::OneBitAdam | OptimizerKind::OneBitLamb
@@ -40,16 +89,14 @@ pub fn build_one_bit(
     let weight_decay = get(p.weight_decay, "weight_decay")?;
     let freeze_step = p.freeze_step.ok_or_else(|| missing("freeze_step"))?;
     if cfg.kind == OptimizerKind::OneBitAdam {
-        let config = OneBitAdamConfig {
+        return Ok(Some(OneBitConfig::Adam(OneBitAdamConfig {
             betas,
             eps,
             weight_decay,
             freeze_step,
-        };
-        return Ok(Some(Box::new(OneBitAdam::new(layout.numel, world, config))));
+        })));
     }
-    let lengths: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
-    let config = OneBitLambConfig {
+    Ok(Some(OneBitConfig::Lamb(OneBitLambConfig {
         betas,
         eps,
         weight_decay,
@@ -60,6 +107,5 @@ pub fn build_one_bit(
         factor_max: get(p.factor_max, "factor_max")?,
         factor_min: get(p.factor_min, "factor_min")?,
         factor_threshold: get(p.factor_threshold, "factor_threshold")?,
-    };
-    Ok(Some(Box::new(OneBitLamb::new(&lengths, world, config))))
+    })))
 }

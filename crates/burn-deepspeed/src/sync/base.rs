@@ -4,7 +4,7 @@
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::FloatDType;
-use burn_deepspeed_strategies::onebit::OneBitOptimizer;
+use burn_deepspeed_strategies::onebit::OneBitPhase;
 use burn_deepspeed_strategies::swap::SwapSummary;
 use burn_deepspeed_strategies::zero::PartitionState;
 
@@ -30,6 +30,18 @@ pub struct Reduced {
 }
 
 impl Reduced {
+    /// A 1-bit optimizer's gradient with norm `norm`: this rank's own once `compressed`
+    /// (each rank clipped its own gradient, and the report averages the squares over the
+    /// ranks), else reduced over every rank.
+    pub fn one_bit(norm: f64, compressed: bool) -> Self {
+        Self {
+            norm,
+            local_norm_sq: compressed.then_some(norm * norm),
+            compressed,
+            overflow: !norm.is_finite(),
+        }
+    }
+
     /// A gradient reduced over every rank with global norm `norm`.
     pub fn global(norm: f64) -> Self {
         Self {
@@ -189,8 +201,8 @@ pub trait GradSync<M: Module> {
         None
     }
 
-    /// The 1-bit optimizer, when this regime steps with one.
-    fn one_bit(&self) -> Option<&dyn OneBitOptimizer> {
+    /// The 1-bit optimizer's phase, when this regime steps with one.
+    fn one_bit(&self) -> Option<&dyn OneBitPhase> {
         None
     }
 
@@ -251,4 +263,12 @@ pub(crate) fn steps_its_own_fused_optimizer(stage: u8) -> crate::DeepSpeedError 
     crate::DeepSpeedError::Strategy(format!(
         "the device-resident stage {stage} steps its own fused optimizer"
     ))
+}
+
+/// The refusal of a 1-bit regime asked for its gradients: its optimizer steps the flat
+/// buffers itself.
+pub(crate) fn one_bit_has_no_gradients() -> crate::DeepSpeedError {
+    crate::DeepSpeedError::Data(
+        "a 1-bit optimizer steps the flat buffers itself; it has no gradients to hand out".into(),
+    )
 }

@@ -10,8 +10,8 @@ use burn_deepspeed_strategies::zero::PartitionedKind;
 use half::f16;
 
 use super::{
-    CompressedSync, DeviceOptimizer, DeviceShardedSync, DeviceSync, GradElem, GradSync,
-    NvmeOffload, ParamOffload, PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions,
+    CompressedSync, DeviceCompressedSync, DeviceOptimizer, DeviceShardedSync, DeviceSync, GradElem,
+    GradSync, NvmeOffload, ParamOffload, PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions,
     broadcast_params, module_device,
 };
 use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
@@ -62,7 +62,16 @@ fn build_with<M: Module, G: GradElem>(
     let model = broadcast_params(comm.as_ref(), &layout, model)?;
     // The device regimes' collectives (NCCL on CUDA where every rank can load it; host
     // staging otherwise): chosen together by the ranks before the regime's first collective.
-    let on_device = match on_device(&model, config) {
+    let device = device_resident(&model, config);
+    // A 1-bit optimizer (stage 0 only) on a device steps there too.
+    if let Some(device) = device.clone().filter(|_| optimizer.kind.is_one_bit()) {
+        let coll = device_collectives(comm.clone(), &device)?;
+        let sync =
+            DeviceCompressedSync::new(&model, layout, comm, coll, &options, optimizer, device)?
+                .ok_or_else(|| DeepSpeedError::Strategy("not a 1-bit optimizer".into()))?;
+        return Ok((model, Box::new(sync)));
+    }
+    let on_device = match device.and_then(|d| device_optimizer(config).map(|o| (d, o))) {
         Some((device, optim)) => Some((device_collectives(comm.clone(), &device)?, device, optim)),
         None => None,
     };
@@ -177,22 +186,22 @@ pub(crate) fn refuse_experts(layout: &ParamLayout) -> Result<()> {
     }
 }
 
-/// The model's device and its optimizer's hyper-parameters when the model lives on a
-/// device that is not host memory (wgpu, CUDA), steps Adam, AdamW or LAMB (in fp32, or fp16/bf16
-/// with fp32 masters) and offloads nothing; `None` otherwise (the host regimes, which every
-/// other case and every Flex run keeps).
-fn on_device<M: Module>(model: &M, config: &DeepSpeedConfig) -> Option<(Device, DeviceOptimizer)> {
+/// The model's device when it is not host memory (wgpu, CUDA) and the config offloads
+/// nothing: the device-resident regimes' case. `None` otherwise (every Flex run, and every
+/// offload, keeps the host regimes).
+fn device_resident<M: Module>(model: &M, config: &DeepSpeedConfig) -> Option<Device> {
     let device = module_device(model)?;
     let zero = &config.zero_optimization;
-    if host_resident(&device)
-        || zero.optimizer_offload() != OffloadDevice::None
-        || zero.offload_param.is_some()
-    {
-        return None;
-    }
+    let offloads = zero.optimizer_offload() != OffloadDevice::None || zero.offload_param.is_some();
+    (!host_resident(&device) && !offloads).then_some(device)
+}
+
+/// The hyper-parameters of the optimizer the device regimes step: Adam, AdamW or LAMB (in
+/// fp32, or fp16/bf16 with fp32 masters); `None` for any other.
+fn device_optimizer(config: &DeepSpeedConfig) -> Option<DeviceOptimizer> {
     Some(match partitioned_kind(config.optimizer.as_ref()?).ok()? {
-        PartitionedKind::Adam(adam) => (device, DeviceOptimizer::Adam(adam)),
-        PartitionedKind::Lamb(lamb) => (device, DeviceOptimizer::Lamb(lamb)),
+        PartitionedKind::Adam(adam) => DeviceOptimizer::Adam(adam),
+        PartitionedKind::Lamb(lamb) => DeviceOptimizer::Lamb(lamb),
     })
 }
 

@@ -13,7 +13,7 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::FloatDType;
 use burn_deepspeed_strategies::comm::Communicator;
-use burn_deepspeed_strategies::onebit::OneBitOptimizer;
+use burn_deepspeed_strategies::onebit::{OneBitOptimizer, OneBitPhase};
 
 use super::buffer::GradBuffer;
 use super::scale::clip_local;
@@ -84,13 +84,7 @@ impl<M: Module> GradSync<M> for CompressedSync {
             self.buffer.average(loss_scale)?;
         }
         let norm = clip_local(self.buffer.flat_mut(), self.clip);
-        Ok(Reduced {
-            norm,
-            // Each rank clipped its own gradient: the report averages the squares over ranks.
-            local_norm_sq: compressed.then_some(norm * norm),
-            compressed,
-            overflow: !norm.is_finite(),
-        })
+        Ok(Reduced::one_bit(norm, compressed))
     }
 
     fn step(&mut self, model: M, lr: f64) -> Result<M> {
@@ -125,10 +119,7 @@ impl<M: Module> GradSync<M> for CompressedSync {
     }
 
     fn reduced_gradients(&mut self, _model: &M) -> Result<GradientsParams> {
-        Err(DeepSpeedError::Data(
-            "a 1-bit optimizer steps the flat buffers itself; it has no gradients to hand out"
-                .into(),
-        ))
+        Err(super::one_bit_has_no_gradients())
     }
 
     fn held(&self, model: &M) -> ModelStateBytes {
@@ -184,7 +175,7 @@ impl<M: Module> GradSync<M> for CompressedSync {
         Ok(model)
     }
 
-    fn one_bit(&self) -> Option<&dyn OneBitOptimizer> {
-        Some(self.optim.as_ref())
+    fn one_bit(&self) -> Option<&dyn OneBitPhase> {
+        Some(self.optim.as_ref() as &dyn OneBitPhase)
     }
 }

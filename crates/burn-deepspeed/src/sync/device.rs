@@ -62,7 +62,7 @@ pub fn module_device<M: Module>(module: &M) -> Option<Device> {
 }
 
 /// The module's parameters as one flat fp32 tensor on `device`, outside every graph.
-fn flat_params<M: Module>(module: &M, device: &Device) -> Tensor<1> {
+pub(super) fn flat_params<M: Module>(module: &M, device: &Device) -> Tensor<1> {
     struct V(Vec<Tensor<1>>);
     impl ModuleVisitor for V {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -76,6 +76,86 @@ fn flat_params<M: Module>(module: &M, device: &Device) -> Tensor<1> {
     match v.0.is_empty() {
         true => Tensor::zeros([0], device),
         false => Tensor::cat(v.0, 0).inner(),
+    }
+}
+
+/// `model` with its parameters replaced by slices of the flat fp32 `flat` (in `layout`
+/// order), each cast to its parameter's dtype and kept in or out of the autodiff graph as the
+/// parameter was.
+pub(super) fn write_back<M: Module>(model: M, layout: &ParamLayout, flat: &Tensor<1>) -> M {
+    struct Mapper<'a> {
+        layout: &'a ParamLayout,
+        flat: &'a Tensor<1>,
+        next: usize,
+    }
+    impl ModuleMapper for Mapper<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, tensor, mapper) = param.consume();
+            let slot = &self.layout.slots[self.next];
+            self.next += 1;
+            let shape: [usize; D] = slot.shape.clone().try_into().expect("the slot's rank");
+            let new = self
+                .flat
+                .clone()
+                .slice(slot.offset..slot.offset + slot.numel)
+                .reshape(shape)
+                .cast(tensor.dtype());
+            let new = autodiff_like(new, &tensor);
+            let new = new.set_require_grad(tensor.is_require_grad());
+            Param::from_mapped_value(id, new, mapper)
+        }
+    }
+    model.map(&mut Mapper {
+        layout,
+        flat,
+        next: 0,
+    })
+}
+
+/// A micro-batch's gradients of `model` as one flat f32 tensor on `device` in `layout` order
+/// (zeros for a parameter without a gradient), marking in `present` the parameters that have
+/// one.
+pub(super) fn flat_grads<M: Module>(
+    model: &M,
+    layout: &ParamLayout,
+    grads: &GradientsParams,
+    device: &Device,
+    present: &mut [u8],
+) -> Tensor<1> {
+    struct V<'a> {
+        layout: &'a ParamLayout,
+        grads: &'a GradientsParams,
+        device: &'a Device,
+        present: &'a mut [u8],
+        parts: Vec<Tensor<1>>,
+    }
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(i) = self.layout.slot_of(param.id) else {
+                return;
+            };
+            let n = self.layout.slots[i].numel;
+            let part = match self.grads.get::<D>(param.id) {
+                Some(g) => {
+                    self.present[i] = 1;
+                    g.cast(DType::F32).reshape([n])
+                }
+                None => Tensor::zeros([n], self.device),
+            };
+            self.parts.push(part);
+        }
+    }
+    let mut v = V {
+        layout,
+        grads,
+        device,
+        present,
+        parts: Vec::with_capacity(layout.slots.len()),
+    };
+    model.visit(&mut v);
+    match v.parts.is_empty() {
+        true => Tensor::zeros([0], device),
+        false => Tensor::cat(v.parts, 0),
     }
 }
 
@@ -174,33 +254,7 @@ impl DeviceSync {
 
     /// The model with its parameters replaced by slices of the flat parameters.
     fn write_back<M: Module>(&self, model: M) -> M {
-        struct Mapper<'a> {
-            layout: &'a ParamLayout,
-            flat: &'a Tensor<1>,
-            next: usize,
-        }
-        impl ModuleMapper for Mapper<'_> {
-            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-                let (id, tensor, mapper) = param.consume();
-                let slot = &self.layout.slots[self.next];
-                self.next += 1;
-                let shape: [usize; D] = slot.shape.clone().try_into().expect("the slot's rank");
-                let new = self
-                    .flat
-                    .clone()
-                    .slice(slot.offset..slot.offset + slot.numel)
-                    .reshape(shape)
-                    .cast(tensor.dtype());
-                let new = autodiff_like(new, &tensor);
-                let new = new.set_require_grad(tensor.is_require_grad());
-                Param::from_mapped_value(id, new, mapper)
-            }
-        }
-        model.map(&mut Mapper {
-            layout: &self.layout,
-            flat: &self.params,
-            next: 0,
-        })
+        write_back(model, &self.layout, &self.params)
     }
 
     /// m and v of this rank's slice, and the fp32 masters when the model is their 16-bit
@@ -257,41 +311,7 @@ impl<M: Module> GradSync<M> for DeviceSync {
     }
 
     fn accumulate(&mut self, model: &M, grads: &GradientsParams) {
-        struct V<'a> {
-            layout: &'a ParamLayout,
-            grads: &'a GradientsParams,
-            device: &'a Device,
-            present: &'a mut [u8],
-            parts: Vec<Tensor<1>>,
-        }
-        impl ModuleVisitor for V<'_> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                let Some(i) = self.layout.slot_of(param.id) else {
-                    return;
-                };
-                let n = self.layout.slots[i].numel;
-                let part = match self.grads.get::<D>(param.id) {
-                    Some(g) => {
-                        self.present[i] = 1;
-                        g.cast(DType::F32).reshape([n])
-                    }
-                    None => Tensor::zeros([n], self.device),
-                };
-                self.parts.push(part);
-            }
-        }
-        let mut v = V {
-            layout: &self.layout,
-            grads,
-            device: &self.device,
-            present: &mut self.present,
-            parts: Vec::with_capacity(self.layout.slots.len()),
-        };
-        model.visit(&mut v);
-        let flat = match v.parts.is_empty() {
-            true => Tensor::zeros([0], &self.device),
-            false => Tensor::cat(v.parts, 0),
-        };
+        let flat = flat_grads(model, &self.layout, grads, &self.device, &mut self.present);
         // Stage 2 keeps only this rank's slice: each micro-batch is reduce-scattered here.
         let flat = match self.stage {
             ZeroStage::Gradients => {

@@ -4,7 +4,7 @@
 
 use std::fmt::Debug;
 
-use burn::tensor::{DType as TensorDType, Tensor, TensorData};
+use burn::tensor::{DType as TensorDType, Int, Tensor, TensorData};
 use half::{bf16, f16};
 
 use crate::comm::{Buf, BufMut, ReduceOp};
@@ -61,6 +61,11 @@ pub trait DeviceCollectives: Send + Sync + Debug {
     fn send(&self, t: Tensor<1>, dst: usize, tag: u16) -> Result<()>;
     /// Receives into a buffer shaped, typed and placed like `like` from rank `src`.
     fn recv(&self, like: Tensor<1>, src: usize, tag: u16) -> Result<Tensor<1>>;
+    /// [`all_to_all`](Self::all_to_all) of u32 words (packed signs, the 1-bit all-reduce's
+    /// payload): chunk `j` of this rank's words becomes chunk `rank` of rank `j`'s output.
+    fn all_to_all_words(&self, t: Tensor<1, Int>) -> Result<Tensor<1, Int>>;
+    /// Joins every rank's u32 words in rank order (every rank gives the same number).
+    fn all_gather_words(&self, t: Tensor<1, Int>) -> Result<Tensor<1, Int>>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<()>;
     /// Fails every rank's pending and next collectives at once, with `reason` (the host
@@ -79,6 +84,18 @@ pub(crate) fn check_dtype(rank: usize, op: &'static str, dtype: TensorDType) -> 
             rank,
             op,
             detail: format!("device collectives move f32, f16 or bf16 tensors, not {other:?}"),
+        }),
+    }
+}
+
+/// The word collectives move u32 tensors only.
+pub(crate) fn check_words(rank: usize, op: &'static str, dtype: TensorDType) -> Result<()> {
+    match dtype {
+        TensorDType::U32 => Ok(()),
+        other => Err(CommError::InvalidArgument {
+            rank,
+            op,
+            detail: format!("word collectives move u32 tensors, not {other:?}"),
         }),
     }
 }
@@ -198,6 +215,9 @@ mod tests {
         assert!(check_dtype(0, "all_reduce", TensorDType::BF16).is_ok());
         let e = check_dtype(0, "all_reduce", TensorDType::I64).unwrap_err();
         assert!(e.to_string().contains("I64"), "{e}");
+        assert!(check_words(0, "all_gather_words", TensorDType::U32).is_ok());
+        let e = check_words(0, "all_gather_words", TensorDType::F32).unwrap_err();
+        assert!(e.to_string().contains("u32 tensors, not F32"), "{e}");
         assert!(check_equal_chunks(0, 2, 6).is_ok());
         assert!(check_equal_chunks(0, 4, 6).is_err());
     }

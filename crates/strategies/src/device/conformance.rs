@@ -2,7 +2,7 @@
 //! [`DeviceCollectives`] on any device: the thread world's tests run it on Flex (and on wgpu
 //! with feature `wgpu`), and the GPU tests run it through NCCL.
 
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use super::DeviceCollectives;
 use crate::comm::{ReduceOp, even_split};
@@ -59,16 +59,70 @@ fn expect(
     Ok(())
 }
 
-/// Runs every collective of `c` on tensors of `device` in each of `dtypes` and compares the
-/// results (values, dtype, device) with the serial reference. Every rank of the world calls
-/// it; returns the number of checks.
+/// u32 words with every bit position used (the high bit included), distinct per rank.
+fn words(rank: usize, n: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| 0x8000_0001u32 ^ ((rank as u32) << 24) ^ (i as u32).wrapping_mul(0x9E37_79B9))
+        .collect()
+}
+
+fn word_tensor(values: Vec<u32>, device: &Device) -> Tensor<1, Int> {
+    let n = values.len();
+    Tensor::from_data(TensorData::new(values, [n]), (device, DType::U32))
+}
+
+fn expect_words(
+    what: &str,
+    got: Result<Tensor<1, Int>, crate::CommError>,
+    want: &[u32],
+    device: &Device,
+) -> Result<(), String> {
+    let t = got.map_err(|e| format!("{what}: {e}"))?;
+    if t.dtype() != DType::U32 || t.device() != *device {
+        return Err(format!(
+            "{what}: result is {:?} on {:?}, the input was U32 on {device:?}",
+            t.dtype(),
+            t.device()
+        ));
+    }
+    let got = t
+        .try_into_data()
+        .map_err(|e| format!("{what}: {e:?}"))?
+        .try_into_vec::<u32>()
+        .map_err(|e| format!("{what}: {e:?}"))?;
+    match got == want {
+        true => Ok(()),
+        false => Err(format!("{what}: got {got:x?}, expected {want:x?}")),
+    }
+}
+
+/// The word collectives (the 1-bit all-reduce's packed signs) against the serial reference,
+/// bit for bit; returns the number of checks.
+fn check_words(c: &dyn DeviceCollectives, device: &Device) -> Result<usize, String> {
+    let (rank, world) = (c.rank(), c.world_size());
+    let tag = |op: &str| format!("{op} (u32, rank {rank} of {world})");
+    let chunk = 3;
+    let got = c.all_to_all_words(word_tensor(words(rank, chunk * world), device));
+    let want: Vec<u32> = (0..world)
+        .flat_map(|r| words(r, chunk * world)[rank * chunk..(rank + 1) * chunk].to_vec())
+        .collect();
+    expect_words(&tag("all_to_all_words"), got, &want, device)?;
+    let got = c.all_gather_words(word_tensor(words(rank, 5), device));
+    let want: Vec<u32> = (0..world).flat_map(|r| words(r, 5)).collect();
+    expect_words(&tag("all_gather_words"), got, &want, device)?;
+    Ok(2)
+}
+
+/// Runs every collective of `c` on tensors of `device` in each of `dtypes`, and the word
+/// collectives on u32 tensors, and compares the results (values, dtype, device) with the
+/// serial reference. Every rank of the world calls it; returns the number of checks.
 pub fn check_all(
     c: &dyn DeviceCollectives,
     device: &Device,
     dtypes: &[DType],
 ) -> Result<usize, String> {
     let (rank, world) = (c.rank(), c.world_size());
-    let mut checks = 0;
+    let mut checks = check_words(c, device)?;
     for &dtype in dtypes {
         let tag = |op: &str| format!("{op} ({dtype:?}, rank {rank} of {world})");
         // Lengths that do not split evenly, so that the uneven counts are exercised.

@@ -4,13 +4,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use super::collectives::{
     DeviceCollectives, DeviceTraffic, as_buf, as_buf_mut, check_counts, check_dtype,
-    check_equal_chunks, check_peer, host_zeros,
+    check_equal_chunks, check_peer, check_words, host_zeros,
 };
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::{Buf, BufMut, Communicator, ReduceOp};
 use crate::{CommError, Result};
 
 /// Whether `device` keeps its tensors in host memory (Flex, with or without autodiff): its
@@ -79,6 +79,31 @@ impl HostCollectives {
         }
         let dtype = data.dtype();
         Tensor::from_data(data, (device, dtype))
+    }
+
+    /// u32 words in host memory (counted as a device read off Flex).
+    fn read_words(&self, op: &'static str, t: Tensor<1, Int>) -> Result<(TensorData, Device)> {
+        check_words(self.comm.rank(), op, t.dtype())?;
+        let device = t.device();
+        let data = t
+            .try_into_data()
+            .map_err(|e| self.device_error(op, format!("reading the words failed: {e:?}")))?;
+        if !host_resident(&device) {
+            self.device_to_host
+                .fetch_add(data.bytes().len() as u64, Ordering::Relaxed);
+        }
+        Ok((data, device))
+    }
+
+    /// Host bytes of u32 words as a tensor on `device`.
+    fn write_words(&self, bytes: Vec<u8>, device: &Device) -> Tensor<1, Int> {
+        if !host_resident(device) {
+            self.host_to_device
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        }
+        let n = bytes.len() / 4;
+        let data = TensorData::from_bytes_vec(bytes, [n], DType::U32);
+        Tensor::from_data(data, (device, DType::U32))
     }
 
     fn view_error(&self, op: &'static str) -> impl Fn(String) -> CommError + '_ {
@@ -182,6 +207,25 @@ impl DeviceCollectives for HostCollectives {
             tag,
         )?;
         Ok(self.write(data, &device))
+    }
+
+    fn all_to_all_words(&self, t: Tensor<1, Int>) -> Result<Tensor<1, Int>> {
+        check_equal_chunks(self.rank(), self.world_size(), t.dims()[0])?;
+        let (data, device) = self.read_words("all_to_all_words", t)?;
+        let mut out = vec![0u8; data.as_bytes().len()];
+        self.comm
+            .all_to_all_buf(Buf::U8(data.as_bytes()), BufMut::U8(&mut out))?;
+        Ok(self.write_words(out, &device))
+    }
+
+    fn all_gather_words(&self, t: Tensor<1, Int>) -> Result<Tensor<1, Int>> {
+        let (data, device) = self.read_words("all_gather_words", t)?;
+        let bytes = data.as_bytes();
+        let mut out = vec![0u8; bytes.len() * self.world_size()];
+        let counts = vec![bytes.len(); self.world_size()];
+        self.comm
+            .all_gather_buf(Buf::U8(bytes), BufMut::U8(&mut out), &counts)?;
+        Ok(self.write_words(out, &device))
     }
 
     fn barrier(&self) -> Result<()> {

@@ -5,6 +5,7 @@
 
 mod bootstrap;
 mod collectives;
+mod compressed;
 pub mod conformance;
 mod host;
 #[cfg(feature = "cuda")]
@@ -13,6 +14,7 @@ mod select;
 
 pub use bootstrap::*;
 pub use collectives::{DeviceCollectives, DeviceTraffic};
+pub use compressed::*;
 pub use host::*;
 #[cfg(feature = "cuda")]
 pub use nccl::*;

@@ -11,7 +11,7 @@ use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
 
 use burn::backend::Cube;
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Device, Int, Tensor};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
@@ -22,6 +22,7 @@ use cudarc::nccl::{Comm, Id, NcclType};
 use super::bootstrap::bootstrap_id;
 use super::collectives::{
     DeviceCollectives, DeviceTraffic, check_counts, check_dtype, check_equal_chunks, check_peer,
+    check_words,
 };
 use crate::comm::{Communicator, ReduceOp};
 use crate::{CommError, Result};
@@ -121,14 +122,33 @@ impl NcclCollectives {
     /// finished.
     fn lend(&self, op: &'static str, t: Tensor<1>) -> Result<Lent> {
         check_dtype(self.host.rank(), op, t.dtype())?;
-        let len = t.dims()[0];
-        let device = t.device();
+        let (len, device) = (t.dims()[0], t.device());
         let prim = t.try_into_primitive::<Cube>().map_err(|e| {
             self.error(
                 op,
                 format!("NCCL moves CUDA tensors without autodiff: {e:?}"),
             )
         })?;
+        self.lend_primitive(op, prim, &device, len)
+    }
+
+    /// A u32 word tensor's buffer, as [`lend`](Self::lend).
+    fn lend_words(&self, op: &'static str, t: Tensor<1, Int>) -> Result<Lent> {
+        check_words(self.host.rank(), op, t.dtype())?;
+        let (len, device) = (t.dims()[0], t.device());
+        let prim = t
+            .try_into_primitive::<Cube>()
+            .map_err(|e| self.error(op, format!("NCCL moves CUDA tensors: {e:?}")))?;
+        self.lend_primitive(op, prim, &device, len)
+    }
+
+    fn lend_primitive(
+        &self,
+        op: &'static str,
+        prim: CubeTensor,
+        device: &Device,
+        len: usize,
+    ) -> Result<Lent> {
         let tensor = into_contiguous(prim);
         device
             .sync()
@@ -229,6 +249,15 @@ impl NcclCollectives {
     fn back(lent: Lent) -> Tensor<1> {
         Tensor::from_primitive::<Cube>(lent.tensor)
     }
+
+    fn back_words(lent: Lent) -> Tensor<1, Int> {
+        Tensor::<1, Int>::from_primitive::<Cube>(lent.tensor)
+    }
+
+    /// A new u32 buffer of `n` words on `device`, lent.
+    fn output_words(&self, op: &'static str, device: &Device, n: usize) -> Result<Lent> {
+        self.lend_words(op, Tensor::<1, Int>::empty([n], (device, DType::U32)))
+    }
 }
 
 fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
@@ -237,6 +266,39 @@ fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
         ReduceOp::Mean => cudarc::nccl::ReduceOp::Avg,
         ReduceOp::Max => cudarc::nccl::ReduceOp::Max,
     }
+}
+
+/// The views of an all-to-all: `world` chunks of `chunk` elements of `width` bytes of the
+/// input, then of the output.
+fn chunk_views(
+    input: &Lent,
+    out: &Lent,
+    world: usize,
+    chunk: usize,
+    width: u64,
+) -> Vec<(u64, usize)> {
+    let chunks = |ptr: u64| (0..world).map(move |j| (ptr + (j * chunk) as u64 * width, chunk));
+    chunks(input.ptr).chain(chunks(out.ptr)).collect()
+}
+
+/// One group of sends and receives, one pair per rank (this rank's own included), on the
+/// disjoint chunk views of [`chunk_views`]: the first `world` are sent, the rest received.
+fn exchange_chunks<T: NcclType>(
+    comm: &Comm,
+    s: &mut [ManuallyDrop<CudaSlice<T>>],
+    world: usize,
+) -> std::result::Result<(), String> {
+    let (srcs, dsts) = s.split_at_mut(world);
+    let mut group = comm.group();
+    for (peer, (src, dst)) in srcs.iter().zip(dsts.iter_mut()).enumerate() {
+        group.send(src.slice(..), peer as i32).map_err(e)?;
+        group
+            .recv(dst.slice_mut(..), peer as i32)
+            .map(drop)
+            .map_err(e)?;
+    }
+    drop(group);
+    Ok(())
 }
 
 fn e<E: std::fmt::Debug>(x: E) -> String {
@@ -404,24 +466,9 @@ impl DeviceCollectives for NcclCollectives {
         let chunk = n / world;
         let input = self.lend("all_to_all", t)?;
         let out = self.output("all_to_all", dtype, &device, n)?;
-        // One group of sends and receives, one pair per rank (this rank's own included), on
-        // disjoint views of each chunk.
-        let width = if dtype == DType::F32 { 4 } else { 2 } as u64;
-        let chunks = |ptr: u64| (0..world).map(move |j| (ptr + (j * chunk) as u64 * width, chunk));
-        let raw: Vec<(u64, usize)> = chunks(input.ptr).chain(chunks(out.ptr)).collect();
-        let (a, b, c) = each_dtype!(|comm, s| {
-            let (srcs, dsts) = s.split_at_mut(world);
-            let mut group = comm.group();
-            for (peer, (src, dst)) in srcs.iter().zip(dsts.iter_mut()).enumerate() {
-                group.send(src.slice(..), peer as i32).map_err(e)?;
-                group
-                    .recv(dst.slice_mut(..), peer as i32)
-                    .map(drop)
-                    .map_err(e)?;
-            }
-            drop(group);
-            Ok(())
-        });
+        let width = if dtype == DType::F32 { 4 } else { 2 };
+        let raw = chunk_views(&input, &out, world, chunk, width);
+        let (a, b, c) = each_dtype!(|comm, s| exchange_chunks(comm, s, world));
         self.run("all_to_all", dtype, &raw, a, b, c)?;
         Ok(Self::back(out))
     }
@@ -443,6 +490,39 @@ impl DeviceCollectives for NcclCollectives {
         let (a, b, c) = each_dtype!(|comm, s| comm.recv(&mut *s[0], peer).map(drop).map_err(e));
         self.run("recv", dtype, &[Self::raw(&out)], a, b, c)?;
         Ok(Self::back(out))
+    }
+
+    fn all_to_all_words(&self, t: Tensor<1, Int>) -> Result<Tensor<1, Int>> {
+        let (rank, world) = (self.rank(), self.world_size());
+        let n = t.dims()[0];
+        check_equal_chunks(rank, world, n)?;
+        let device = t.device();
+        let chunk = n / world;
+        let input = self.lend_words("all_to_all_words", t)?;
+        let out = self.output_words("all_to_all_words", &device, n)?;
+        let raw = chunk_views(&input, &out, world, chunk, 4);
+        self.post("all_to_all_words", |comm| {
+            self.typed::<u32>(&raw, |comm, s| exchange_chunks(comm, s, world), comm)
+        })?;
+        Ok(Self::back_words(out))
+    }
+
+    fn all_gather_words(&self, t: Tensor<1, Int>) -> Result<Tensor<1, Int>> {
+        let (n, device) = (t.dims()[0], t.device());
+        let input = self.lend_words("all_gather_words", t)?;
+        let out = self.output_words("all_gather_words", &device, n * self.world_size())?;
+        let raw = [Self::raw(&input), Self::raw(&out)];
+        self.post("all_gather_words", |comm| {
+            self.typed::<u32>(
+                &raw,
+                |comm, s| {
+                    let (src, dst) = s.split_at_mut(1);
+                    comm.all_gather(&*src[0], &mut *dst[0]).map(drop).map_err(e)
+                },
+                comm,
+            )
+        })?;
+        Ok(Self::back_words(out))
     }
 
     fn barrier(&self) -> Result<()> {

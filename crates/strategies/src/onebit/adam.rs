@@ -13,7 +13,7 @@
 //! not.
 
 use super::state::OneBitState;
-use super::{OneBitOptimizer, check_lengths, coefficients};
+use super::{OneBitOptimizer, OneBitPhase, check_lengths, coefficients};
 use crate::Result;
 use crate::comm::{Communicator, CommunicatorExt, ReduceOp};
 use crate::compressed::{CompressionErrors, compressed_all_reduce};
@@ -92,15 +92,9 @@ impl OneBitAdam {
     }
 }
 
+one_bit_phase!(OneBitAdam);
+
 impl OneBitOptimizer for OneBitAdam {
-    fn steps(&self) -> u64 {
-        self.step
-    }
-
-    fn freeze_step(&self) -> u64 {
-        self.config.freeze_step
-    }
-
     fn export(&self) -> OneBitState {
         OneBitState {
             step: self.step,

@@ -19,11 +19,11 @@
 
 use std::ops::Range;
 
-use super::state::OneBitState;
-use super::{OneBitOptimizer, check_lengths, coefficients};
+use super::state::{LambBuffers, OneBitState};
+use super::{OneBitOptimizer, OneBitPhase, check_lengths, coefficients, consecutive};
+use crate::Result;
 use crate::comm::Communicator;
 use crate::compressed::{CompressionErrors, compressed_all_reduce};
-use crate::{CommError, Result};
 
 /// Hyper-parameters of [`OneBitLamb`] (DeepSpeed's defaults in [`Default`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -100,12 +100,8 @@ impl OneBitLamb {
     /// State for consecutive tensors of `lengths` elements (the trust ratio is per tensor) in a
     /// world of `world` ranks.
     pub fn new(lengths: &[usize], world: usize, config: OneBitLambConfig) -> Self {
-        let mut tensors = Vec::with_capacity(lengths.len());
-        let mut offset = 0;
-        for &len in lengths {
-            tensors.push(offset..offset + len);
-            offset += len;
-        }
+        let tensors = consecutive(lengths);
+        let offset = tensors.last().map_or(0, |r| r.end);
         let k = tensors.len();
         Self {
             config,
@@ -249,15 +245,9 @@ impl OneBitLamb {
     }
 }
 
+one_bit_phase!(OneBitLamb);
+
 impl OneBitOptimizer for OneBitLamb {
-    fn steps(&self) -> u64 {
-        self.step
-    }
-
-    fn freeze_step(&self) -> u64 {
-        self.config.freeze_step
-    }
-
     fn state_bytes(&self) -> u64 {
         let elems = self.m.len()
             + self.v.len()
@@ -270,44 +260,25 @@ impl OneBitOptimizer for OneBitLamb {
     }
 
     fn export(&self) -> OneBitState {
-        OneBitState {
-            step: self.step,
-            buffers: vec![
-                ("m".into(), self.m.clone()),
-                ("v".into(), self.v.clone()),
-                ("v_fresh".into(), self.v_fresh.clone()),
-                ("coeff_freeze".into(), self.coeff_freeze.clone()),
-                ("last_factor".into(), self.last_factor.clone()),
-                ("scaling".into(), self.scaling.clone()),
-            ],
+        LambBuffers {
+            m: self.m.clone(),
+            v: self.v.clone(),
+            v_fresh: self.v_fresh.clone(),
+            coeff_freeze: self.coeff_freeze.clone(),
+            last_factor: self.last_factor.clone(),
+            scaling: self.scaling.clone(),
         }
+        .into_state(self.step)
     }
 
     fn restore(&mut self, state: OneBitState) -> Result<()> {
         let (n, k) = (self.m.len(), self.tensors.len());
-        let mut state = state;
-        let m = state.take("m", n)?;
-        let v = state.take("v", n)?;
-        let v_fresh = state.take("v_fresh", usize::MAX)?;
-        let coeff_freeze = state.take("coeff_freeze", k)?;
-        let last_factor = state.take("last_factor", k)?;
-        let scaling = state.take("scaling", usize::MAX)?;
-        if !(v_fresh.is_empty() || v_fresh.len() == n)
-            || !(scaling.is_empty() || scaling.len() == k)
-        {
-            return Err(CommError::Optimizer {
-                optimizer: "1-bit LAMB",
-                detail: format!(
-                    "saved v_fresh ({}) or scaling ({}) fits neither {n} elements nor {k} tensors",
-                    v_fresh.len(),
-                    scaling.len()
-                ),
-            });
-        }
-        (self.m, self.v, self.v_fresh) = (m, v, v_fresh);
-        (self.coeff_freeze, self.last_factor, self.scaling) = (coeff_freeze, last_factor, scaling);
+        let (step, b) = LambBuffers::take(state, n, k)?;
+        (self.m, self.v, self.v_fresh) = (b.m, b.v, b.v_fresh);
+        (self.coeff_freeze, self.last_factor, self.scaling) =
+            (b.coeff_freeze, b.last_factor, b.scaling);
         self.errors = CompressionErrors::new(n, self.world);
-        self.step = state.step;
+        self.step = step;
         Ok(())
     }
 

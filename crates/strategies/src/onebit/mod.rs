@@ -2,20 +2,37 @@
 //! (arXiv 2102.02888) and 1-bit LAMB (arXiv 2104.06069), both over the error-compensated
 //! 1-bit all-reduce of [`crate::compressed`].
 
+/// Implements [`OneBitPhase`] for an optimizer with fields `step` and `config.freeze_step`.
+macro_rules! one_bit_phase {
+    ($t:ty) => {
+        impl $crate::onebit::OneBitPhase for $t {
+            fn steps(&self) -> u64 {
+                self.step
+            }
+
+            fn freeze_step(&self) -> u64 {
+                self.config.freeze_step
+            }
+        }
+    };
+}
+
 mod adam;
+mod device;
 mod lamb;
 mod state;
 
 pub use adam::*;
+pub use device::*;
 pub use lamb::*;
 pub use state::*;
 
 use crate::comm::Communicator;
 use crate::{CommError, Result};
 
-/// What a 1-bit optimizer offers its engine: a step on flat buffers, its phase, and the state a
-/// checkpoint keeps.
-pub trait OneBitOptimizer: std::fmt::Debug + Send {
+/// The phase of a 1-bit optimizer, on the host or on a device: warm-up, then compression from
+/// `freeze_step` on.
+pub trait OneBitPhase: std::fmt::Debug + Send {
     /// Optimizer steps taken.
     fn steps(&self) -> u64;
 
@@ -26,7 +43,11 @@ pub trait OneBitOptimizer: std::fmt::Debug + Send {
     fn compressing(&self) -> bool {
         self.steps() >= self.freeze_step()
     }
+}
 
+/// What a 1-bit optimizer on host buffers offers its engine: a step on flat buffers, its
+/// phase, and the state a checkpoint keeps.
+pub trait OneBitOptimizer: OneBitPhase {
     /// One step on a prepared gradient: during warm-up the mean over ranks (the caller's own,
     /// e.g. bucketed, all-reduce), once compressing this rank's local gradient. Every rank
     /// must call it with the same `lr`.
@@ -73,4 +94,16 @@ fn coefficients(betas: (f64, f64), eps: f64, weight_decay: f64) -> (f32, f32, f3
         eps as f32,
         weight_decay as f32,
     )
+}
+
+/// The ranges of consecutive tensors of `lengths` elements in one flat buffer.
+fn consecutive(lengths: &[usize]) -> Vec<std::ops::Range<usize>> {
+    let mut offset = 0;
+    lengths
+        .iter()
+        .map(|&len| {
+            offset += len;
+            offset - len..offset
+        })
+        .collect()
 }

@@ -38,6 +38,61 @@ impl OneBitState {
     }
 }
 
+/// 1-bit LAMB's saved buffers, host or device: the moments (`n` elements), the fresh variance
+/// (`n`, or empty before the last warm-up step), and per tensor (`k`) the frozen trust ratio,
+/// the last factor and the momentum scale (empty before the first compressed step).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(crate) struct LambBuffers {
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    pub v_fresh: Vec<f32>,
+    pub coeff_freeze: Vec<f32>,
+    pub last_factor: Vec<f32>,
+    pub scaling: Vec<f32>,
+}
+
+impl LambBuffers {
+    /// The buffers of a saved state for `n` elements in `k` tensors, checked.
+    pub fn take(mut state: OneBitState, n: usize, k: usize) -> Result<(u64, Self)> {
+        let b = Self {
+            m: state.take("m", n)?,
+            v: state.take("v", n)?,
+            v_fresh: state.take("v_fresh", usize::MAX)?,
+            coeff_freeze: state.take("coeff_freeze", k)?,
+            last_factor: state.take("last_factor", k)?,
+            scaling: state.take("scaling", usize::MAX)?,
+        };
+        if !(b.v_fresh.is_empty() || b.v_fresh.len() == n)
+            || !(b.scaling.is_empty() || b.scaling.len() == k)
+        {
+            return Err(CommError::Optimizer {
+                optimizer: "1-bit LAMB",
+                detail: format!(
+                    "saved v_fresh ({}) or scaling ({}) fits neither {n} elements nor {k} tensors",
+                    b.v_fresh.len(),
+                    b.scaling.len()
+                ),
+            });
+        }
+        Ok((state.step, b))
+    }
+
+    /// The state a checkpoint keeps at optimizer step `step`.
+    pub fn into_state(self, step: u64) -> OneBitState {
+        OneBitState {
+            step,
+            buffers: vec![
+                ("m".into(), self.m),
+                ("v".into(), self.v),
+                ("v_fresh".into(), self.v_fresh),
+                ("coeff_freeze".into(), self.coeff_freeze),
+                ("last_factor".into(), self.last_factor),
+                ("scaling".into(), self.scaling),
+            ],
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

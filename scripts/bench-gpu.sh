@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks and the GPU section of BENCHMARKS.md (issue 17): the CUDA kernels' tests,
-# the NCCL conformance, GPT `tiny` on CUDA against Flex at ZeRO stages 0-3, the engine against
-# a plain Burn loop on the GPU, GPT `small` tokens/s at stages 0-3, and the fused AdamW against
-# a device copy. Needs an NVIDIA GPU, its driver and libnccl (on the library path, or in a
-# Python environment's `nvidia/nccl`, as PyTorch installs it).
+# the NCCL conformance, GPT `tiny` on CUDA against Flex at ZeRO stages 0-3, with 1-bit
+# Adam/LAMB and in the pipeline, the engine against a plain Burn loop on the GPU, GPT `small`
+# tokens/s at stages 0-3, and the fused AdamW against a device copy. Needs an NVIDIA GPU, its
+# driver and libnccl (on the library path, or in a Python environment's `nvidia/nccl`, as
+# PyTorch installs it).
 #
 #   bash scripts/bench-gpu.sh                     # build (feature cuda), run, write BENCHMARKS.md
 #   bash scripts/bench-gpu.sh build DIR           # build only; the binaries go to DIR
@@ -11,6 +12,8 @@
 #                                                 # cannot build), results in RES
 #   OUT=RES bash scripts/bench-gpu.sh report      # write the section from RES
 #   BIN=DIR OUT=RES bash scripts/bench-gpu.sh flex  # only the Flex references (no GPU needed)
+#   BIN=DIR OUT=RES bash scripts/bench-gpu.sh tests|small|onebit  # one part of `run`
+#                                                 # (onebit: DEVICE=flex for its references)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-all}"
@@ -85,18 +88,11 @@ run() {
     nproc > "$OUT/cores.txt"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
         | tee "$OUT/gpu.txt"
-    step kernels-tests 150 "$BIN/kernels-tests" --test-threads 4
-    grep "test result" "$OUT/kernels-tests.out"
-    step strategies-tests 150 "$BIN/strategies-tests" device --include-ignored
-    grep "test result\|FAILED\|panicked" "$OUT/strategies-tests.out" "$OUT/strategies-tests.err" | head
+    gpu_tests
     tiny_on cuda
     step overhead-small 240 "$BIN/overhead_bench" --device cuda --model small --steps 40 \
         --warm-up 10 --rounds 2 --json
-    for stage in 0 1 2 3; do
-        sed "s/\"stage\": 0/\"stage\": $stage/" examples/gpt/configs/default.json > "$OUT/small$stage.json"
-        step "small-cuda-s$stage" 120 "$BIN/gpt" --device cuda --ranks 1 --model small \
-            --steps 40 --config "$OUT/small$stage.json" --json
-    done
+    small_on_cuda
     step kernel-bench 120 "$BIN/kernel-bench" --device cuda --json
     for stage in 0 1 2 3; do
         step "medium-cuda-s$stage" 120 "$BIN/gpt" --device cuda --ranks 1 --model medium \
@@ -126,6 +122,23 @@ PY
     [ "${FLEX:-1}" = 1 ] && tiny_on flex
 }
 
+# The CubeCL kernels' tests on CUDA and the device collectives' tests with the GPU ones.
+gpu_tests() {
+    step kernels-tests 150 "$BIN/kernels-tests" --test-threads 4
+    grep "test result" "$OUT/kernels-tests.out"
+    step strategies-tests 150 "$BIN/strategies-tests" device --include-ignored
+    grep "test result\|FAILED\|panicked" "$OUT/strategies-tests.out" "$OUT/strategies-tests.err" | head
+}
+
+# GPT `small`, one rank (NCCL), the example's default config at stages 0-3, 40 steps.
+small_on_cuda() {
+    for stage in 0 1 2 3; do
+        sed "s/\"stage\": 0/\"stage\": $stage/" examples/gpt/configs/default.json > "$OUT/small$stage.json"
+        step "small-cuda-s$stage" 120 "$BIN/gpt" --device cuda --ranks 1 --model small \
+            --steps 40 --config "$OUT/small$stage.json" --json
+    done
+}
+
 # GPT `tiny` on `device`, 20 steps: 2 ranks at stages 0-3 and 1 rank at stages 0 and 3 (the
 # device test's config), then the 16-bit runs.
 tiny_on() {
@@ -139,10 +152,27 @@ tiny_on() {
             --config "$OUT/zero$stage.json" --json
     done
     mixed_on "$1"
+    onebit_on "$1"
+}
+
+# 1-bit Adam and 1-bit LAMB (the example's configs, compressing from step 8) on `device`,
+# GPT `tiny`, 20 steps, at 2 ranks (sharing one GPU: host-staged) and 1 rank (NCCL), and the
+# pipeline (2 stages, 2 ranks).
+onebit_on() {
+    for opt in adam lamb; do
+        sed 's/"freeze_step": [0-9]*/"freeze_step": 8/' "examples/gpt/configs/onebit_$opt.json" \
+            > "$OUT/onebit-$opt.json"
+        for ranks in 2 1; do
+            step "tiny-$1-onebit-$opt-r$ranks" 120 "$BIN/gpt" --device "$1" --ranks "$ranks" \
+                --steps 20 --config "$OUT/onebit-$opt.json" --json
+        done
+    done
+    step "tiny-$1-pipeline" 120 "$BIN/gpt" --device "$1" --ranks 2 --steps 20 \
+        --config examples/gpt/configs/pipeline.json --json
 }
 
 # ZeRO-Offload on the GPU: GPT `small`, one rank, the optimizer on the CPU at stage 2 and the
-# parameters too at stage 3, beside the device-resident runs of the same stages above.
+# parameters too at stage 3, each beside a device-resident run of the same stage.
 offload_on_cuda() {
     python3 - examples/gpt/configs/default.json "$OUT" <<'PY'
 import json, sys
@@ -157,6 +187,10 @@ PY
     for stage in 2 3; do
         step "small-cuda-s$stage-offload" 120 "$BIN/gpt" --device cuda --ranks 1 --model small \
             --steps 40 --config "$OUT/small$stage-offload.json" --json
+        # The device-resident baseline of the same stage, in the same session.
+        sed "s/\"stage\": 0/\"stage\": $stage/" examples/gpt/configs/default.json > "$OUT/small$stage.json"
+        step "small-cuda-s$stage-resident" 120 "$BIN/gpt" --device cuda --ranks 1 --model small \
+            --steps 40 --config "$OUT/small$stage.json" --json
     done
 }
 
@@ -186,6 +220,16 @@ mixed)
     mkdir -p "${OUT:?}"
     find_nccl
     mixed_on "${DEVICE:-cuda}"
+    ;;
+onebit | tests | small)
+    # One part of `run` (1-bit and pipeline runs, the GPU tests, GPT `small` at stages 0-3).
+    mkdir -p "${OUT:?}"
+    find_nccl
+    case "$mode" in
+    onebit) onebit_on "${DEVICE:-cuda}" ;;
+    tests) gpu_tests ;;
+    small) small_on_cuda ;;
+    esac
     ;;
 flex)
     mkdir -p "${OUT:?}"

@@ -20,11 +20,18 @@ fi
 bundle="$XDG_DATA_HOME/tracel/tracel-llvm-23.1.0-4"
 mkdir -p "$bundle/bin"
 # Debian's llvm-config names libz3 by its full path, which the build script cannot link by;
-# the wrapper turns it into -lz3.
-cat > "$bundle/bin/llvm-config" <<'WRAP'
+# the wrapper turns it into -lz3. Files that exist with the same content are left alone: a new
+# timestamp would make cubecl's build script, and every crate above it, build again.
+wrapper=$(mktemp)
+cat > "$wrapper" <<'WRAP'
 #!/bin/sh
 /usr/lib/llvm-22/bin/llvm-config "$@" | sed 's#/usr/lib/x86_64-linux-gnu/libz3.so#-lz3#g'
 WRAP
-chmod +x "$bundle/bin/llvm-config"
-touch "$bundle/.tracel-llvm-installed"
+chmod +x "$wrapper"
+if cmp -s "$wrapper" "$bundle/bin/llvm-config"; then
+    rm "$wrapper"
+else
+    mv "$wrapper" "$bundle/bin/llvm-config"
+fi
+[ -e "$bundle/.tracel-llvm-installed" ] || touch "$bundle/.tracel-llvm-installed"
 echo "LLVM $("$bundle/bin/llvm-config" --version) presented at $bundle"

@@ -6,6 +6,7 @@
 //! NCCL runs), the pointer is lent to `cudarc` as a slice that is never freed, Burn's queued
 //! work is synchronised before the collective is posted on this rank's NCCL stream, and that
 //! stream is synchronised before the result is handed back. Nothing is copied to the host.
+//! At one rank every collective is the identity and returns its input at once.
 
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
@@ -48,6 +49,9 @@ pub struct NcclCollectives {
     comm: Mutex<Shared>,
     stream: Arc<CudaStream>,
     ordinal: usize,
+    /// Whether a world of one rank skips NCCL (the default; off for the conformance test,
+    /// which exercises NCCL itself on a machine with one GPU).
+    shortcut: bool,
 }
 
 impl std::fmt::Debug for NcclCollectives {
@@ -107,7 +111,20 @@ impl NcclCollectives {
             comm: Mutex::new(Shared(comm)),
             stream,
             ordinal,
+            shortcut: true,
         })
+    }
+
+    /// Runs every collective through NCCL, also at one rank (for tests of NCCL itself).
+    pub fn without_shortcut(mut self) -> Self {
+        self.shortcut = false;
+        self
+    }
+
+    /// A world of one rank: every collective is the identity on its input (after the argument
+    /// checks), with no synchronisation of Burn's queue or the NCCL stream.
+    fn alone(&self) -> bool {
+        self.shortcut && self.host.world_size() == 1
     }
 
     fn error(&self, op: &'static str, detail: String) -> CommError {
@@ -330,6 +347,10 @@ impl DeviceCollectives for NcclCollectives {
     }
 
     fn all_reduce(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>> {
+        if self.alone() {
+            check_dtype(self.rank(), "all_reduce", t.dtype())?;
+            return Ok(t);
+        }
         let (dtype, device, n) = (t.dtype(), t.device(), t.dims()[0]);
         let input = self.lend("all_reduce", t)?;
         let out = self.output("all_reduce", dtype, &device, n)?;
@@ -354,6 +375,10 @@ impl DeviceCollectives for NcclCollectives {
     fn reduce_scatter(&self, t: Tensor<1>, counts: &[usize]) -> Result<Tensor<1>> {
         let (rank, world) = (self.rank(), self.world_size());
         check_counts(rank, world, "reduce_scatter", counts, t.dims()[0])?;
+        if self.alone() {
+            check_dtype(rank, "reduce_scatter", t.dtype())?;
+            return Ok(t);
+        }
         let (dtype, device) = (t.dtype(), t.device());
         let m = counts.iter().copied().max().unwrap_or(0);
         // NCCL splits evenly: uneven chunks are padded to the largest on the device.
@@ -398,6 +423,10 @@ impl DeviceCollectives for NcclCollectives {
     fn all_gather(&self, t: Tensor<1>, counts: &[usize]) -> Result<Tensor<1>> {
         let (rank, world) = (self.rank(), self.world_size());
         check_counts(rank, world, "all_gather", counts, t.dims()[0])?;
+        if self.alone() {
+            check_dtype(rank, "all_gather", t.dtype())?;
+            return Ok(t);
+        }
         let (dtype, device) = (t.dtype(), t.device());
         let m = counts.iter().copied().max().unwrap_or(0);
         let even = counts.iter().all(|&c| c == m);
@@ -437,6 +466,10 @@ impl DeviceCollectives for NcclCollectives {
 
     fn broadcast(&self, t: Tensor<1>, root: usize) -> Result<Tensor<1>> {
         check_peer(self.rank(), self.world_size(), "broadcast", root, true)?;
+        if self.alone() {
+            check_dtype(self.rank(), "broadcast", t.dtype())?;
+            return Ok(t);
+        }
         let (dtype, device, n) = (t.dtype(), t.device(), t.dims()[0]);
         let input = self.lend("broadcast", t)?;
         let out = self.output("broadcast", dtype, &device, n)?;
@@ -462,6 +495,10 @@ impl DeviceCollectives for NcclCollectives {
         let (rank, world) = (self.rank(), self.world_size());
         let n = t.dims()[0];
         check_equal_chunks(rank, world, n)?;
+        if self.alone() {
+            check_dtype(rank, "all_to_all", t.dtype())?;
+            return Ok(t);
+        }
         let (dtype, device) = (t.dtype(), t.device());
         let chunk = n / world;
         let input = self.lend("all_to_all", t)?;
@@ -496,6 +533,10 @@ impl DeviceCollectives for NcclCollectives {
         let (rank, world) = (self.rank(), self.world_size());
         let n = t.dims()[0];
         check_equal_chunks(rank, world, n)?;
+        if self.alone() {
+            check_words(rank, "all_to_all_words", t.dtype())?;
+            return Ok(t);
+        }
         let device = t.device();
         let chunk = n / world;
         let input = self.lend_words("all_to_all_words", t)?;
@@ -508,6 +549,10 @@ impl DeviceCollectives for NcclCollectives {
     }
 
     fn all_gather_words(&self, t: Tensor<1, Int>) -> Result<Tensor<1, Int>> {
+        if self.alone() {
+            check_words(self.rank(), "all_gather_words", t.dtype())?;
+            return Ok(t);
+        }
         let (n, device) = (t.dims()[0], t.device());
         let input = self.lend_words("all_gather_words", t)?;
         let out = self.output_words("all_gather_words", &device, n * self.world_size())?;

@@ -232,7 +232,10 @@ mod nccl {
         for world in 1..=gpus.min(4) {
             for (rank, result) in run(world, |comm| {
                 let rank = comm.rank();
-                let c = NcclCollectives::new(comm, rank).map_err(|e| e.to_string())?;
+                // NCCL itself, also at one rank (where the engine's collectives skip it).
+                let c = NcclCollectives::new(comm, rank)
+                    .map_err(|e| e.to_string())?
+                    .without_shortcut();
                 let device = Device::cuda(rank);
                 let checks =
                     conformance::check_all(&c, &device, &[DType::F32, DType::F16, DType::BF16])?;
@@ -243,10 +246,21 @@ mod nccl {
             {
                 let (checks, traffic) =
                     result.unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
-                assert!(checks >= 21, "only {checks} checks");
+                assert!(checks >= 23, "only {checks} checks");
                 assert_eq!(traffic.total(), 0, "NCCL moves device memory directly");
             }
         }
+        // The engine's one-rank collectives: the identity, without NCCL or a synchronisation.
+        let out = run(1, |comm| {
+            let c = NcclCollectives::new(comm, 0).map_err(|e| e.to_string())?;
+            conformance::check_all(&c, &Device::cuda(0), &[DType::F32, DType::BF16])
+        });
+        let checks = out
+            .into_iter()
+            .next()
+            .expect("rank 0")
+            .expect("the shortcut");
+        assert!(checks >= 15, "only {checks} checks");
     }
 }
 

@@ -490,10 +490,23 @@ mod tests {
         device_opt: impl Fn() -> Box<dyn DeviceOneBitOptimizer> + Sync,
         host_opt: impl Fn() -> Box<dyn OneBitOptimizer> + Sync,
     ) -> Vec<(Vec<f32>, Vec<f32>, OneBitState, OneBitState)> {
+        let host = |comm| Box::new(HostCollectives::new(comm)) as Box<dyn DeviceCollectives>;
+        both_over(world, device, steps, host, device_opt, host_opt)
+    }
+
+    /// [`both`] with the device collectives `collectives` makes for each rank.
+    fn both_over(
+        world: usize,
+        device: &Device,
+        steps: usize,
+        collectives: impl Fn(Arc<dyn Communicator>) -> Box<dyn DeviceCollectives> + Sync,
+        device_opt: impl Fn() -> Box<dyn DeviceOneBitOptimizer> + Sync,
+        host_opt: impl Fn() -> Box<dyn OneBitOptimizer> + Sync,
+    ) -> Vec<(Vec<f32>, Vec<f32>, OneBitState, OneBitState)> {
         ThreadWorld::run(world, ThreadWorldOptions::default(), |c| {
             let rank = c.rank();
             let comm: Arc<dyn Communicator> = Arc::new(c);
-            let coll = HostCollectives::new(comm.clone());
+            let coll = collectives(comm.clone());
             let (mut dev, mut host) = (device_opt(), host_opt());
             let mut p = to_device(start(), device);
             let mut q = start();
@@ -509,7 +522,7 @@ mod tests {
                 }
                 let gd = to_device(g.clone(), device);
                 p = dev
-                    .apply(&coll, comm.as_ref(), p, gd, 0.01)
+                    .apply(coll.as_ref(), comm.as_ref(), p, gd, 0.01)
                     .expect("device step");
                 host.apply(comm.as_ref(), &mut q, &g, 0.01)
                     .expect("host step");
@@ -642,6 +655,50 @@ mod tests {
         );
         for (p, q, _, _) in out {
             assert_close("1-bit LAMB on wgpu", &p, &q, 1e-5);
+        }
+    }
+
+    /// On CUDA (the CubeCL compression kernels) both optimizers follow the host ones: at 2
+    /// ranks sharing GPU 0 through the host-staged word collectives, and at 1 rank through
+    /// NCCL itself (its one-rank shortcut off).
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "needs a CUDA GPU and libnccl: run with --include-ignored on a GPU machine"]
+    fn device_one_bit_optimizers_on_cuda_follow_the_host_ones() {
+        use crate::device::NcclCollectives;
+        let device = Device::cuda(0);
+        let host = |comm| Box::new(HostCollectives::new(comm)) as Box<dyn DeviceCollectives>;
+        let nccl = |comm| {
+            let c = NcclCollectives::new(comm, 0).expect("NCCL on GPU 0");
+            Box::new(c.without_shortcut()) as Box<dyn DeviceCollectives>
+        };
+        let cases: [(
+            usize,
+            &(dyn Fn(Arc<dyn Communicator>) -> Box<dyn DeviceCollectives> + Sync),
+        ); 2] = [(2, &host), (1, &nccl)];
+        for (world, collectives) in cases {
+            let out = both_over(
+                world,
+                &device,
+                6,
+                collectives,
+                || Box::new(DeviceOneBitAdam::new(N, world, adam(), &device)),
+                || Box::new(OneBitAdam::new(N, world, adam())),
+            );
+            for (p, q, _, _) in out {
+                assert_close(&format!("1-bit Adam on CUDA, world {world}"), &p, &q, 1e-5);
+            }
+            let out = both_over(
+                world,
+                &device,
+                6,
+                collectives,
+                || Box::new(DeviceOneBitLamb::new(&LENGTHS, world, lamb(0.01), &device)),
+                || Box::new(OneBitLamb::new(&LENGTHS, world, lamb(0.01))),
+            );
+            for (p, q, _, _) in out {
+                assert_close(&format!("1-bit LAMB on CUDA, world {world}"), &p, &q, 1e-5);
+            }
         }
     }
 }

@@ -131,6 +131,12 @@ where
         ));
     }
     let world = ThreadWorld::new(threads, ThreadWorldOptions { timeout })?;
+    // A leader may hold state that cannot move to a pool's thread: with one, every rank keeps
+    // the global pool.
+    let pool_threads = match leader {
+        Some(_) => None,
+        None => rank_pool_threads(threads)?,
+    };
     let mut comms = world.communicators().into_iter();
     let leader = leader.map(|l| (l, comms.next().expect("a world has rank 0")));
     let first_follower = usize::from(leader.is_some());
@@ -141,13 +147,63 @@ where
             .map(|(i, (comm, run))| {
                 std::thread::Builder::new()
                     .name(format!("rank-{}", i + first_follower))
-                    .spawn_scoped(scope, move || run(Arc::new(comm)))
+                    .spawn_scoped(scope, move || {
+                        in_rank_pool(pool_threads, i + first_follower, || run(Arc::new(comm)))
+                    })
                     .expect("failed to spawn a rank thread")
             })
             .collect();
         let first = leader.map(|(run, comm)| run(Arc::new(comm)));
         (first, handles.into_iter().map(|h| h.join()).collect())
     }))
+}
+
+/// The environment variable that sizes each thread rank's compute pool.
+pub const RANK_THREADS_VAR: &str = "BURN_DEEPSPEED_RANK_THREADS";
+
+/// Threads of each thread rank's own rayon pool (Flex's kernels and ours run on the pool of the
+/// thread that calls them) for a world of `ranks` threads: `BURN_DEEPSPEED_RANK_THREADS` when
+/// set (`0`: every rank shares the process's global pool), otherwise the machine's cores
+/// divided among the ranks (at least 1 each), so that ranks do not fight over cores. `None`:
+/// the shared global pool.
+pub fn rank_pool_threads(ranks: usize) -> Result<Option<usize>> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    pool_threads(
+        std::env::var(RANK_THREADS_VAR).ok().as_deref(),
+        ranks,
+        cores,
+    )
+}
+
+/// [`rank_pool_threads`] for the variable's value `set`, `ranks` ranks and `cores` cores.
+fn pool_threads(set: Option<&str>, ranks: usize, cores: usize) -> Result<Option<usize>> {
+    match set.map(|v| (v, v.trim().parse::<usize>())) {
+        Some((_, Ok(0))) => Ok(None),
+        Some((_, Ok(n))) => Ok(Some(n)),
+        Some((v, Err(_))) => Err(DeepSpeedError::InvalidValue {
+            path: RANK_THREADS_VAR.into(),
+            message: format!("`{v}` is not a number of threads (0 shares one pool)"),
+        }),
+        None => Ok(Some((cores / ranks.max(1)).max(1))),
+    }
+}
+
+/// Runs rank `rank`'s `f` on a rayon pool of its own of `threads` threads, which Flex's and our
+/// kernels then use (`None`: on the calling thread with the global pool, also when the pool
+/// cannot be built). The pool's threads are named after the rank, as its thread is, so that
+/// traces and debuggers show the rank's work under its name.
+fn in_rank_pool<R: Send>(threads: Option<usize>, rank: usize, f: impl FnOnce() -> R + Send) -> R {
+    let pool = threads.and_then(|n| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(move |_| format!("rank-{rank}"))
+            .build()
+            .ok()
+    });
+    match pool {
+        Some(pool) => pool.install(f),
+        None => f(),
+    }
 }
 
 /// Runs one rank; when it fails, aborts its world with the error before returning it.
@@ -189,4 +245,48 @@ pub(crate) fn mpi_world() -> Result<Arc<dyn Communicator>> {
                  `--features mpi`"
             .into(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_rank_gets_its_share_of_the_cores_unless_told() {
+        assert_eq!(pool_threads(None, 2, 2).unwrap(), Some(1));
+        assert_eq!(pool_threads(None, 2, 16).unwrap(), Some(8));
+        assert_eq!(pool_threads(None, 4, 2).unwrap(), Some(1));
+        assert_eq!(pool_threads(Some("0"), 2, 16).unwrap(), None);
+        assert_eq!(pool_threads(Some(" 3 "), 2, 16).unwrap(), Some(3));
+        let e = pool_threads(Some("many"), 2, 2).unwrap_err().to_string();
+        assert!(e.contains(RANK_THREADS_VAR) && e.contains("`many`"), "{e}");
+    }
+
+    /// Thread ranks run on pools of their own (of the size the environment gives), so that a
+    /// rank's ops use its own threads; with a leader every rank keeps the global pool.
+    #[test]
+    fn thread_ranks_compute_on_their_own_pools() {
+        let want = rank_pool_threads(3).unwrap();
+        let (_, sizes) = launch(3, Duration::from_secs(60), |_| {
+            Ok((
+                rayon::current_num_threads(),
+                rayon::current_thread_index().is_some(),
+            ))
+        })
+        .unwrap();
+        for (threads, on_pool) in sizes {
+            match want {
+                Some(n) => assert!(on_pool && threads == n, "{threads} threads, want {n}"),
+                None => assert!(!on_pool),
+            }
+        }
+        let (_, leader_on_pool) = launch_with_leader(
+            2,
+            Duration::from_secs(60),
+            |_| Ok(rayon::current_thread_index().is_some()),
+            || |_| Ok(rayon::current_thread_index().is_some()),
+        )
+        .unwrap();
+        assert!(!leader_on_pool);
+    }
 }

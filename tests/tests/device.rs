@@ -546,6 +546,55 @@ fn device_resident_stage_0_in_fp16_matches_flex() {
     assert_only_the_staged_all_reduce(&wgpu);
 }
 
+/// Host/device bytes per step of a device-resident 1-bit run of `params` parameters on 2 wgpu
+/// ranks compressing from `freeze`: the dense steps stage the fp32 all-reduce (down and up)
+/// and read the norm; the compressed ones stage the packed signs only (the all-to-all's words
+/// down and up, the all-gather's chunk down and the whole up: 1 bit each per padded element)
+/// and read the norm and the two scales.
+fn one_bit_bytes(params: u64, freeze: usize, steps: usize) -> Vec<u64> {
+    let padded = params.div_ceil(64) * 64;
+    (0..steps)
+        .map(|step| match step < freeze {
+            true => 8 * params + 4,
+            false => 3 * padded / 8 + padded / 16 + 4 + 8,
+        })
+        .collect()
+}
+
+/// 1-bit LAMB in fp16 (fp32 masters on the device, compressing from step 4) on wgpu against
+/// Flex: the same overflows, the losses together, and only the staged collectives, the norm
+/// and the scales crossing.
+#[test]
+fn device_one_bit_lamb_in_fp16_matches_flex() {
+    let run = |device| {
+        let (mut config, _) = DeepSpeedConfig::from_json_str(
+            r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+                "fp16": {"enabled": true, "initial_scale_power": 8},
+                "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-2, "freeze_step": 4}}}"#,
+        )
+        .expect("a valid config");
+        config.fp16.enabled = true;
+        let mut s = RunSpec::on_embedded_corpus(config, GPT_MINI, 10, 3, 5);
+        s.keep_final_state = false;
+        s.device = device;
+        run_spec(&s)
+    };
+    let (flex, wgpu) = (run(ModelDevice::Flex), run(ModelDevice::Wgpu));
+    let worst = max_rel_diff(&flex.losses, &wgpu.losses);
+    println!(
+        "fp16 1-bit LAMB: flex {:?}, wgpu {:?}, max rel diff {worst:.2e}, bytes {:?}",
+        flex.losses, wgpu.losses, wgpu.host_device_bytes_per_step
+    );
+    assert_eq!(wgpu.dtype, "fp16");
+    assert_eq!(flex.skipped_steps, wgpu.skipped_steps, "the same overflows");
+    assert!(worst <= 1e-2, "fp16 1-bit LAMB on wgpu vs Flex: {worst:e}");
+    assert!(wgpu.losses[9] < wgpu.losses[0], "it trains");
+    assert_eq!(
+        wgpu.host_device_bytes_per_step,
+        one_bit_bytes(wgpu.params as u64, 4, 10)
+    );
+}
+
 /// The pipeline (2 stages, 2 ranks; a host regime, its copies counted) and 1-bit Adam and
 /// 1-bit LAMB (compressing from step 4, device-resident) on wgpu against Flex.
 #[test]
@@ -609,17 +658,8 @@ fn pipeline_and_one_bit_optimizers_on_wgpu_match_flex() {
             assert!(bytes.iter().all(|&b| b > 0), "{what}");
             continue;
         }
-        // Device-resident 1-bit: the dense steps stage the fp32 all-reduce (down and up) and
-        // read the norm; the compressed ones stage the packed signs only (the all-to-all's
-        // words down and up, the all-gather's chunk down and the whole up: 1 bit each per
-        // padded element) and read the norm and the two scales. Parameters, gradients and
-        // optimizer state never cross.
-        let params = runs[1].params as u64;
-        let padded = params.div_ceil(64) * 64;
-        let compressed = 3 * padded / 8 + padded / 16 + 4 + 8;
-        let want: Vec<u64> = (0..10)
-            .map(|step| if step < 4 { 8 * params + 4 } else { compressed })
-            .collect();
+        // Device-resident 1-bit: parameters, gradients and optimizer state never cross.
+        let want = one_bit_bytes(runs[1].params as u64, 4, 10);
         assert_eq!(bytes, &want, "{what}: host/device bytes per step");
     }
 }

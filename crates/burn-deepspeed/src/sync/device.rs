@@ -34,7 +34,9 @@ use burn_deepspeed_strategies::zero::{FlatPartition, PartitionState};
 
 use super::ModelParallelNorm;
 use super::buffer::merge_presence;
-use super::device_step::{DeviceOptimizer, StepState, clip_to, device_step, squared_norm, staged};
+use super::device_step::{
+    DeviceOptimizer, StepState, accumulated, clip_to, device_step, scaled, squared_norm, staged,
+};
 use super::scale::{Scaling, sum_across};
 use super::{GradSync, Reduced, SavedState, SyncOptions};
 use crate::config::ZeroStage;
@@ -316,10 +318,7 @@ impl<M: Module> GradSync<M> for DeviceSync {
         let flat = match self.stage {
             ZeroStage::Gradients => {
                 let pre = Scaling::mean(self.predivide, self.coll.world_size(), 1).pre;
-                let flat = match pre {
-                    1.0 => flat,
-                    pre => flat.mul_scalar(pre),
-                };
+                let flat = scaled(flat, pre);
                 match self.collective(|c| c.reduce_scatter(flat, &self.counts)) {
                     Ok(own) => own,
                     Err(e) => {
@@ -331,10 +330,7 @@ impl<M: Module> GradSync<M> for DeviceSync {
             }
             _ => flat,
         };
-        self.grads = Some(match self.grads.take() {
-            Some(acc) => acc + flat,
-            None => flat,
-        });
+        self.grads = Some(accumulated(self.grads.take(), flat));
         self.micro_steps += 1;
         let held = GradSync::<M>::held(self, model);
         self.meter.observe(held, 4 * self.layout.numel as u64);
@@ -376,10 +372,7 @@ impl<M: Module> GradSync<M> for DeviceSync {
             ZeroStage::Gradients => grads,
             _ => self.collective(|c| c.reduce_scatter(grads, &self.counts))?,
         };
-        let grads = match scaling.post {
-            1.0 => grads,
-            post => grads.mul_scalar(post),
-        };
+        let grads = scaled(grads, scaling.post);
         // The norm's square is the one value the host reads (summed over the slices at
         // stages 1-2, in f64, over the host communicator).
         let local = match &self.slices {

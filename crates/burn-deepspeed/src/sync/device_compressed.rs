@@ -24,7 +24,7 @@ use burn_deepspeed_strategies::device::DeviceCollectives;
 use burn_deepspeed_strategies::onebit::{DeviceOneBitOptimizer, OneBitPhase};
 
 use super::device::{flat_grads, flat_params, write_back};
-use super::device_step::{clip_to, squared_norm, staged};
+use super::device_step::{accumulated, clip_to, scaled, squared_norm, staged};
 use super::scale::Scaling;
 use super::{GradSync, Reduced, SavedState, SyncOptions};
 use crate::config::OptimizerConfig;
@@ -114,10 +114,7 @@ impl<M: Module> GradSync<M> for DeviceCompressedSync {
 
     fn accumulate(&mut self, model: &M, grads: &GradientsParams) {
         let flat = flat_grads(model, &self.layout, grads, &self.device, &mut self.present);
-        self.grads = Some(match self.grads.take() {
-            Some(acc) => acc + flat,
-            None => flat,
-        });
+        self.grads = Some(accumulated(self.grads.take(), flat));
         self.micro_steps += 1;
         let held = GradSync::<M>::held(self, model);
         self.meter.observe(held, 4 * self.layout.numel as u64);
@@ -135,31 +132,24 @@ impl<M: Module> GradSync<M> for DeviceCompressedSync {
             .unwrap_or_else(|| Tensor::zeros([self.layout.numel], &self.device));
         let grads = if compressed {
             // Each rank keeps its own gradient: the mean over its micro-batches.
-            let post = Scaling::mean(None, 1, self.micro_steps)
-                .unscaled(loss_scale)
-                .post;
-            match post {
-                1.0 => grads,
-                post => grads.mul_scalar(post),
-            }
+            scaled(
+                grads,
+                Scaling::mean(None, 1, self.micro_steps)
+                    .unscaled(loss_scale)
+                    .post,
+            )
         } else {
             let world = self.coll.world_size();
             let scaling =
                 Scaling::mean(self.predivide, world, self.micro_steps).unscaled(loss_scale);
-            let grads = match scaling.pre {
-                1.0 => grads,
-                pre => grads.mul_scalar(pre),
-            };
+            let grads = scaled(grads, scaling.pre);
             let grads = match world {
                 1 => grads,
                 _ => staged(self.coll.as_ref(), &self.device, |c| {
                     c.all_reduce(grads, ReduceOp::Sum)
                 })?,
             };
-            match scaling.post {
-                1.0 => grads,
-                post => grads.mul_scalar(post),
-            }
+            scaled(grads, scaling.post)
         };
         let norm = squared_norm(&grads).sqrt();
         self.grads = Some(clip_to(grads, norm, self.clip));

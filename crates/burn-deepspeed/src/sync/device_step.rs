@@ -42,6 +42,22 @@ pub(super) fn squared_norm(grads: &Tensor<1>) -> f64 {
     squared.first().copied().unwrap_or(0.0) as f64
 }
 
+/// `t` times `factor` (itself when the factor is 1).
+pub(super) fn scaled(t: Tensor<1>, factor: f32) -> Tensor<1> {
+    match factor {
+        1.0 => t,
+        f => t.mul_scalar(f),
+    }
+}
+
+/// The step's accumulated gradient with one more micro-batch's `flat` added.
+pub(super) fn accumulated(acc: Option<Tensor<1>>, flat: Tensor<1>) -> Tensor<1> {
+    match acc {
+        Some(acc) => acc + flat,
+        None => flat,
+    }
+}
+
 /// `grads` scaled down to the global norm `clip` when clipping is on (`clip > 0`) and the
 /// finite global `norm` exceeds it (DeepSpeed's `clip / (norm + 1e-6)`).
 pub(super) fn clip_to(grads: Tensor<1>, norm: f64, clip: f64) -> Tensor<1> {

@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# The test command: unit and integration tests, then the MPI tests under mpirun.
+# The test command: one build, then every test in groups (each crate's unit tests, each file of
+# the integration suite, the doc tests, the runs under mpirun, the `cuda` feature check). Each
+# group prints one line, `group NAME: N passed, F failed, S s`; the end prints the build time,
+# the test time and the total, and fails when the whole run took longer than its budget:
+# BURN_DEEPSPEED_CI_BUDGET_MIN minutes, 50 by default (CI has 90 on 2 cores; a slower machine
+# raises the bound).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+run_start=$(date +%s)
+budget_min="${BURN_DEEPSPEED_CI_BUDGET_MIN:-50}"
 bash scripts/install-deps.sh
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -17,49 +24,144 @@ out=$(mktemp -d)
 target_dir="${CARGO_TARGET_DIR:-target}"
 
 # One build for everything below (tests, the MPI conformance binary, the examples), so that
-# Burn is compiled with one set of features; the paths of the binaries come from its JSON.
+# Burn is compiled with one set of features. Its JSON names each binary: target name, kind
+# (lib, bin, test, example), whether it is a test harness, its package's folder, its path.
+build_start=$(date +%s)
 cargo test --workspace --features "$FEATURES" --no-run --message-format=json-render-diagnostics \
-    | python3 -c 'import json,sys
+    | python3 -c 'import json, os, sys
 for l in sys.stdin:
     m = json.loads(l)
-    # The test harness of a binary shares its name: keep the binary.
-    harness = m.get("profile", {}).get("test") and "bin" in m.get("target", {}).get("kind", [])
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and not harness:
-        print(m["target"]["name"], m["executable"])' > "$out/binaries.txt"
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        t = m["target"]
+        harness = "harness" if m["profile"]["test"] else "plain"
+        folder = os.path.dirname(m["manifest_path"])
+        print(t["name"], t["kind"][0], harness, folder, m["executable"])' > "$out/binaries.txt"
+build_s=$(($(date +%s) - build_start))
+echo "build: ${build_s} s"
+
+# The path of a target's binary (a binary's own, not its test harness).
 binary() {
     local path
-    path=$(awk -v name="$1" '$1 == name { print $2 }' "$out/binaries.txt" | tail -n 1)
+    path=$(awk -v name="$1" '$1 == name && ($2 != "bin" || $3 == "plain") { print $5 }' \
+        "$out/binaries.txt" | tail -n 1)
     [ -n "$path" ] || { echo "test.sh: no binary named $1 was built" >&2; exit 1; }
     echo "$path"
 }
 
-# Every crate's tests (threads at world sizes 1-4; MPI conformance as a world of one).
-cargo test --workspace --features "$FEATURES" 2>&1 | tee "$out/cargo-test.log"
-# The memory-capped ZeRO-Infinity run says whether its cgroup could be made (issue 19).
-grep -m 1 "^offload cgroup:" "$out/cargo-test.log" || echo "offload cgroup: no line (the test did not run)"
-# One line per fault-injection group (issue 16's suite), from the harnesses' own counts.
-awk '
-    /^ *Running / { group = $2; sub(/^.*\//, "", group); sub(/\.rs$/, "", group) }
-    /^test result:/ && group ~ /^(faults|checkpoint_faults|crash|config_fuzz|soak|consolidate|learner_strategy)$/ {
-        passed = $4; failed = $6; sub(/;/, "", passed); sub(/;/, "", failed)
-        printf "fault group %s: %s passed, %s failed\n", group, passed, failed
-    }' "$out/cargo-test.log"
+# group NAME COMMAND...: runs the command (with `set -e`, its output in the log as it comes),
+# counts the tests it reports (libtest's `test result:` lines, and the checks' own
+# `NAME: N passed, F failed` lines; a command that reports none is one check), and prints
+# `group NAME: N passed, F failed, S s`. A failing group fails the run at the end, after every
+# other group has run.
+test_start=$(date +%s)
+groups_failed=()
+: > "$out/groups.txt"
+group() {
+    local name=$1
+    shift
+    local log="$out/group-${#groups_failed[@]}-$RANDOM.log" start rc counts passed failed ignored took
+    start=$(date +%s)
+    set +e
+    (set -e; "$@") 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    took=$(($(date +%s) - start))
+    counts=$(awk '
+        /^test result: / {
+            n++; p += $4; f += $6; i += $8
+        }
+        /: [0-9]+ passed, [0-9]+ failed$/ && !/^test result: / {
+            n++; p += $(NF - 3); f += $(NF - 1)
+        }
+        END { print n + 0, p + 0, f + 0, i + 0 }' "$log")
+    read -r reports passed failed ignored <<< "$counts"
+    if [ "$reports" -eq 0 ]; then
+        if [ "$rc" -eq 0 ]; then passed=1; else failed=1; fi
+    fi
+    if [ "$rc" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=1; fi
+    echo "group $name: $passed passed, $failed failed, $took s" | tee -a "$out/groups.txt"
+    echo "$passed $failed $ignored $took $name" >> "$out/counts.txt"
+    case "$name" in
+        # One line per fault-injection group (the fault suite's own lines).
+        faults | checkpoint_faults | crash | config_fuzz | soak | consolidate | learner_strategy)
+            echo "fault group $name: $passed passed, $failed failed" ;;
+        offload_cgroup)
+            # The memory-capped ZeRO-Infinity run says whether its cgroup could be made.
+            grep -m 1 "^offload cgroup:" "$log" || echo "offload cgroup: no line (the test did not run)" ;;
+    esac
+    if [ "$rc" -ne 0 ] || [ "$failed" -ne 0 ]; then groups_failed+=("$name"); fi
+}
+
+# A test binary run as `cargo test` runs it: from its package's folder.
+in_package() {
+    local folder=$1
+    shift
+    cd "$folder" && CARGO_MANIFEST_DIR="$folder" "$@"
+}
+
+# The integration suite (one binary, one module per file of tests/tests/): one group per
+# module, each run in a process of its own as when each file was a binary (a test that
+# measures the process's memory or sets its environment sees only its own file's tests).
+suite_by_module() {
+    local exe=$1 folder=$2 listed=0 run=0 module
+    "$exe" --list --format terse | sed -n 's/: test$//p' > "$out/suite.txt"
+    listed=$(wc -l < "$out/suite.txt")
+    for module in $(sed 's/::.*//' "$out/suite.txt" | sort -u); do
+        # --exact with every name of the module: no other module's test matches a filter.
+        mapfile -t names < <(awk -v m="$module" 'index($0, m "::") == 1' "$out/suite.txt")
+        group "$module" in_package "$folder" "$exe" --exact "${names[@]}"
+        run=$((run + ${#names[@]}))
+    done
+    [ "$run" -eq "$listed" ] || { echo "test.sh: $listed tests listed, $run run by module" >&2; exit 1; }
+}
+
+# Every crate's unit tests and integration tests (threads at world sizes 1-4; MPI conformance
+# as a world of one); the integration suite module by module.
+while read -r name kind harness folder exe <&3; do
+    case "$kind" in
+        lib | bin)
+            # A library's or a binary's unit tests: its test harness.
+            if [ "$harness" = harness ]; then
+                label="unit $name"
+                if [ "$kind" = bin ]; then label="$label (binary)"; fi
+                group "$label" in_package "$folder" "$exe"
+            fi ;;
+        test)
+            if [ "$name" = integration ] || [ "$name" = process ]; then
+                suite_by_module "$exe" "$folder"
+            else
+                group "$name" in_package "$folder" "$exe"
+            fi ;;
+    esac
+done 3< "$out/binaries.txt"
+group "doc tests" cargo test --workspace --features "$FEATURES" --doc
+
+# The binaries the runs under mpirun use.
+conformance=$(binary mpi_conformance)
+victim=$(binary fault-victim)
+gpt=$(binary gpt)
+cli=$(binary burn-deepspeed)
+generate=$(binary generate)
+lb=$(binary learner_bench)
 
 # The communicator conformance suite over MPI at 2 and 3 ranks.
-conformance=$(binary mpi_conformance)
+mpi_conformance() {
 for n in 2 3; do
     mpirun -n "$n" "$conformance"
 done
+}
 
 # The same suite with every MPI call capped at 64 bytes: buffers travel in pieces (what a
 # message over 2 GiB does), and the results are unchanged.
+mpi_conformance_small() {
 for n in 2 3; do
     BURN_DEEPSPEED_MPI_MAX_MESSAGE=64 mpirun -n "$n" -x BURN_DEEPSPEED_MPI_MAX_MESSAGE "$conformance"
 done
+}
 
 # Faults under MPI: a rank that returns an error, and a rank killed with SIGKILL, end every
 # process of the job (non-zero) within 60 s, with the cause on stderr.
-victim=$(binary fault-victim)
+mpi_faults() {
 fault_passed=0
 fault_failed=0
 fault_case() {
@@ -120,9 +222,10 @@ fi
 fault_case "a killed rank ends the job" "$ok"
 echo "mpi faults: $fault_passed passed, $fault_failed failed"
 [ "$fault_failed" -eq 0 ]
+}
 
 # The GPT example over MPI prints the same losses as the same run in threads.
-gpt=$(binary gpt)
+mpi_gpt() {
 args=(--steps 4 --seed 7 --json)
 "$gpt" --ranks 2 "${args[@]}" | tail -n 1 > "$out/gpt-threads.json"
 mpirun -n 2 "$gpt" "${args[@]}" | tail -n 1 > "$out/gpt-mpi.json"
@@ -142,9 +245,12 @@ ok = len(a["losses"]) == len(b["losses"]) == 4 and worst <= 1e-4 and bytes_ok
 print("mpi gpt parity: 1 passed, 0 failed" if ok else "mpi gpt parity: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+}
 
 # Stage 2 with overlap_comm under mpirun -n 2 (each rank's communication thread reduces the
 # buckets through the same MPI as the rank thread) computes the same steps as without it.
+mpi_overlap2() {
+args=(--steps 4 --seed 7 --json)
 python3 - examples/gpt/configs/zero2.json "$out" <<'PY'
 import json, sys
 config = json.load(open(sys.argv[1]))
@@ -166,10 +272,13 @@ ok = ok and b["peak_model_state_bytes_per_rank"] > a["peak_model_state_bytes_per
 print("mpi overlap_comm: 1 passed, 0 failed" if ok else "mpi overlap_comm: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+}
 
 # Stage 3 under mpirun -n 2: the forward's prefetch bundles gathered ahead on each rank's
 # communication thread (overlap_comm, the default at stage 3) compute the same steps with the
 # same bytes as gathering them on the rank thread, and the bundles did go to the thread.
+mpi_overlap3() {
+args=(--steps 4 --seed 7 --json)
 python3 - examples/gpt/configs/zero3.json "$out" <<'PY'
 import json, sys
 config = json.load(open(sys.argv[1]))
@@ -193,10 +302,11 @@ ok = ok and ga["all_gathers"] == gb["all_gathers"]
 print("mpi stage 3 overlap_comm: 1 passed, 0 failed" if ok else "mpi stage 3 overlap_comm: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+}
 
 # A stage-2 checkpoint written by mpirun -n 2 becomes one safetensors file with the CLI
 # (plain Burn loading it is tested in tests/tests/consolidate.rs).
-cli=$(binary burn-deepspeed)
+mpi_consolidate() {
 mpirun -n 2 "$gpt" --config examples/gpt/configs/zero2.json --steps 2 --seed 7 \
     --save-dir "$out/ckpt" > /dev/null
 "$cli" checkpoint consolidate "$out/ckpt" --out "$out/model.safetensors"
@@ -213,9 +323,11 @@ print(f"consolidated: {len(header)} f32 tensors, {size} bytes of weights, metada
 print("checkpoint consolidate: 1 passed, 0 failed" if ok else "checkpoint consolidate: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+}
 
 # The monitor's files from an MPI run (issue 23): TensorBoard itself reads the event file
 # (in a virtual environment of its own), and the CSV has one row per step.
+mpi_monitor() {
 venv="$target_dir/tensorboard-venv"
 "$venv/bin/python" -c "import tensorboard" 2>/dev/null \
     || { python3 -m venv "$venv" && "$venv/bin/pip" install -q tensorboard; }
@@ -239,8 +351,10 @@ ok = [e.step for e in loss] == [16, 32, 48, 64, 80] and len(rows) == 5 and all(
 print("monitor files: 1 passed, 0 failed" if ok else "monitor files: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+}
 
 # The pipelined GPT ((pp, dp) = (2, 2)) under mpirun -n 4 prints the same losses as in threads.
+mpi_pipeline() {
 args=(--config examples/gpt/configs/pipeline.json --steps 3 --seed 7 --json)
 "$gpt" --ranks 4 "${args[@]}" | tail -n 1 > "$out/pipe-threads.json"
 # The MPI run also writes its timeline: one Chrome trace per process (issue 23).
@@ -265,10 +379,12 @@ ok = len(a["losses"]) == len(b["losses"]) == 3 and worst <= 1e-4
 print("mpi pipeline parity: 1 passed, 0 failed" if ok else "mpi pipeline parity: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+}
 
 # The 3D grid (tp 2 x pp 2 x dp 2) under mpirun -n 8 and in 8 threads follows one rank
 # training the same global batch (the same config without the pipeline and the slicing),
 # and a checkpoint saved by the threads' grid continues under mpirun -n 4 (tp 2 x pp 2 x dp 1).
+mpi_3d() {
 args=(--config examples/gpt/configs/3d.json --steps 3 --seed 7 --json)
 "$gpt" --ranks 8 "${args[@]}" | tail -n 1 > "$out/3d-threads.json"
 mpirun -n 8 "$gpt" "${args[@]}" | tail -n 1 > "$out/3d-mpi.json"
@@ -296,10 +412,11 @@ ok = len(one["losses"]) == len(a["losses"]) == len(b["losses"]) == 3 and worst <
 print("mpi 3d grid parity: 1 passed, 0 failed" if ok else "mpi 3d grid parity: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+}
 
 # Generation from a trained checkpoint: the GPT sliced over 2 and 4 ranks, in threads and
 # under mpirun, generates the greedy tokens of one rank (issue 21).
-generate=$(binary generate)
+mpi_generate() {
 "$gpt" --steps 60 --seed 7 --save-dir "$out/gen-ckpt" > /dev/null
 gen_args=(--checkpoint "$out/gen-ckpt" --prompt "The " --prompt "It was the best" --max-new-tokens 32 --json)
 "$generate" --tp 1 "${gen_args[@]}" | tail -n 1 > "$out/gen-1.json"
@@ -319,9 +436,11 @@ for k, r in runs.items():
 print("mpi generation parity: 1 passed, 0 failed" if ok else "mpi generation parity: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+}
 
 # 1-bit Adam (freeze_step 2) under mpirun -n 2 prints the same losses as in threads: the
 # compressed all-reduce (all-to-all of packed signs, all-gathers) over MPI.
+mpi_onebit() {
 python3 - examples/gpt/configs/onebit_adam.json > "$out/onebit.json" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))
@@ -342,11 +461,13 @@ ok = (len(a["losses"]) == len(b["losses"]) == 5 and worst <= 1e-4
 print("mpi 1-bit parity: 1 passed, 0 failed" if ok else "mpi 1-bit parity: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+}
 
 # GPT tiny-moe (issue 22): 4 ranks in threads with every expert on every rank (ep 1), and
 # under mpirun -n 4 with the experts split over groups of 2 and 4 processes (the tokens
 # exchanged by MPI all-to-alls, the experts reduced over their expert-data groups): the
 # same losses over 20 steps.
+mpi_moe() {
 args=(--model tiny-moe --steps 20 --seed 7 --json)
 "$gpt" --ranks 4 --ep-size 1 "${args[@]}" | tail -n 1 > "$out/moe-threads.json"
 for ep in 2 4; do
@@ -368,11 +489,12 @@ for b in cut:
 print("mpi moe parity: 1 passed, 0 failed" if ok else "mpi moe parity: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+}
 
 # The Learner strategy (SupervisedTraining) at ZeRO stage 3 under mpirun -n 2 trains the same
 # model as its two ranks in threads: prepare_model on every process, chunks from rank 0's
 # values, gathers over MPI, the whole model back on every rank.
-lb=$(binary learner_bench)
+mpi_learner() {
 args=(--strategy deepspeed --stage 3 --world 2 --model tiny --batch 2 --steps 3 --json)
 "$lb" "${args[@]}" | tail -n 1 > "$out/learner-threads.json"
 mpirun -n 2 "$lb" "${args[@]}" | grep '^{' > "$out/learner-mpi.json"
@@ -388,17 +510,61 @@ ok = worst <= 1e-5
 print("mpi learner stage 3 parity: 1 passed, 0 failed" if ok else "mpi learner stage 3 parity: 0 passed, 1 failed")
 sys.exit(0 if ok else 1)
 PY
+}
+
+# Each block above, one group each.
+group "mpi conformance" mpi_conformance
+group "mpi conformance 64-byte messages" mpi_conformance_small
+group "mpi faults" mpi_faults
+group "mpi gpt parity" mpi_gpt
+group "mpi overlap_comm" mpi_overlap2
+group "mpi stage 3 overlap_comm" mpi_overlap3
+group "checkpoint consolidate" mpi_consolidate
+group "monitor files" mpi_monitor
+group "mpi pipeline parity" mpi_pipeline
+group "mpi 3d grid parity" mpi_3d
+group "mpi generation parity" mpi_generate
+group "mpi 1-bit parity" mpi_onebit
+group "mpi moe parity" mpi_moe
+group "mpi learner stage 3 parity" mpi_learner
 
 # The `cuda` feature compiles: the CubeCL kernels, the extension's Cube arm, the NCCL device
-# collectives, the engine's custom ops and the GPT example for CUDA, with
-# Debian's LLVM standing in for the bundle cubecl-cuda would download. (CI has no GPU; the
-# CUDA tests run on one with the command in the README.)
-case "$target_dir" in
-    /*) export XDG_DATA_HOME="$target_dir/xdg" ;;
-    *) export XDG_DATA_HOME="$PWD/$target_dir/xdg" ;;
-esac
-bash scripts/offline-llvm.sh
-CUDA="burn-deepspeed-cubecl-kernels/cuda,burn-deepspeed-strategies/cuda,burn-deepspeed/cuda,burn-deepspeed-example-gpt/cuda"
-cargo check -p burn-deepspeed-cubecl-kernels -p burn-deepspeed-strategies -p burn-deepspeed \
-    -p burn-deepspeed-example-gpt --features "$CUDA" --tests --benches --examples
-echo "cuda feature: compiles (kernels, NCCL device collectives, engine, GPT example)"
+# collectives, the engine's custom ops and the GPT example for CUDA, with Debian's LLVM
+# standing in for the bundle cubecl-cuda would download. (CI has no GPU; the CUDA tests run on
+# one with the command in the README.)
+cuda_check() {
+    case "$target_dir" in
+        /*) export XDG_DATA_HOME="$target_dir/xdg" ;;
+        *) export XDG_DATA_HOME="$PWD/$target_dir/xdg" ;;
+    esac
+    bash scripts/offline-llvm.sh
+    local cuda="burn-deepspeed-cubecl-kernels/cuda,burn-deepspeed-strategies/cuda,burn-deepspeed/cuda,burn-deepspeed-example-gpt/cuda"
+    cargo check -p burn-deepspeed-cubecl-kernels -p burn-deepspeed-strategies -p burn-deepspeed \
+        -p burn-deepspeed-example-gpt --features "$cuda" --tests --benches --examples
+    echo "cuda feature: compiles (kernels, NCCL device collectives, engine, GPT example)"
+}
+cuda_start=$(date +%s)
+group "cuda feature" cuda_check
+cuda_s=$(($(date +%s) - cuda_start))
+
+# The totals, and the budget.
+end=$(date +%s)
+test_s=$((end - test_start - cuda_s))
+total_s=$((end - run_start))
+read -r passed failed ignored <<< "$(awk '{ p += $1; f += $2; i += $3 } END { print p + 0, f + 0, i + 0 }' "$out/counts.txt")"
+echo
+echo "groups:"
+cat "$out/groups.txt"
+echo "tests: $passed passed, $failed failed, $ignored ignored, in $(wc -l < "$out/groups.txt") groups"
+echo "time: build ${build_s} s, cuda check ${cuda_s} s, tests ${test_s} s, total ${total_s} s (budget ${budget_min} min)"
+if [ ${#groups_failed[@]} -gt 0 ]; then
+    printf 'test.sh: failed groups:'; printf ' [%s]' "${groups_failed[@]}"; echo
+    exit 1
+fi
+if [ "$total_s" -gt $((budget_min * 60)) ]; then
+    echo "test.sh: the run took $((total_s / 60)) min $((total_s % 60)) s, over its budget of" \
+        "$budget_min min. CI has 90 minutes on 2 cores and must stay under 45: make the newest" \
+        "tests cheaper (smaller models, fewer steps; the slowest groups are above). On a slower" \
+        "machine, raise the bound with BURN_DEEPSPEED_CI_BUDGET_MIN=<minutes>." >&2
+    exit 1
+fi

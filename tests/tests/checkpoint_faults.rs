@@ -12,7 +12,7 @@ use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunSpec, run_rank};
 
-mod common;
+use crate::common;
 
 const SHAPE: GptShape = GptShape {
     d_model: 32,

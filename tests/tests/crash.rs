@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use burn_deepspeed_tests::{crash_spec, splitmix};
 
-mod common;
+use crate::common;
 
 /// Kills per stage.
 const KILLS: usize = 10;

@@ -3,14 +3,14 @@
 
 use std::time::Duration;
 
-mod common;
+use crate::common;
 
+use crate::common::max_rel_diff;
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
-use common::max_rel_diff;
 
 const SHAPE: GptShape = GptShape {
     d_model: 64,
@@ -165,7 +165,7 @@ fn a_failing_rank_fails_the_run_instead_of_hanging() {
 /// The difference helpers the parity tests use cannot pass a NaN.
 #[test]
 fn a_nan_is_an_infinite_difference() {
-    use common::{max_abs_diff, rel_norm_diff};
+    use crate::common::{max_abs_diff, rel_norm_diff};
     assert_eq!(max_rel_diff(&[1.0, 2.0], &[1.0, f64::NAN]), f64::INFINITY);
     assert_eq!(max_rel_diff(&[f64::NAN], &[1.0]), f64::INFINITY);
     assert_eq!(max_abs_diff(&[1.0], &[f32::NAN]), f64::INFINITY);

@@ -276,4 +276,4 @@ fn progressive_layer_drop_at_stage_3_matches_stage_0() {
     assert!(diff < 1e-4, "stage 3 vs 0 with layer drop: {diff:e}");
 }
 
-mod common;
+use crate::common;

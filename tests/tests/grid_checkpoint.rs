@@ -2,15 +2,15 @@
 //! checkpoint saved at (tp 2, pp 2, dp 2) holds whole tensors, and loads at (1, 1, 1),
 //! (4, 1, 2) and (1, 2, 4), each continuing with the losses of the uninterrupted run.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
+use crate::common::max_rel_diff;
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::engine::checkpoint::consolidate;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec};
-use common::max_rel_diff;
 
 const SHAPE: GptShape = GptShape {
     d_model: 32,

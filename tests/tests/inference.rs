@@ -2,7 +2,7 @@
 //! the tokens of full recomputation, for one prompt and for a batch of prompts of different
 //! lengths, and a GPT sliced over 2 and 4 ranks generates the same tokens as the whole one.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,10 +3,11 @@
 //! rank holds every expert; ZeRO stages 1-2 partition the experts in their own groups; what
 //! cannot run is refused by key.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
+use crate::common::{max_abs_diff, max_rel_diff};
 use burn::tensor::Device;
 use burn_deepspeed::engine::checkpoint::consolidate;
 use burn_deepspeed::grid::Grid;
@@ -14,9 +15,17 @@ use burn_deepspeed::launch::launch;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
 use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
-use common::{max_abs_diff, max_rel_diff};
 
 const STEPS: u64 = 20;
+
+/// `tiny-moe`'s blocks (4, experts in blocks 2 and 4, top-1) at a quarter of its width and an
+/// eighth of its context: the routing, the all-to-alls and the partitions are the same.
+const SHAPE: GptShape = GptShape {
+    d_model: 32,
+    heads: 2,
+    seq_len: 16,
+    ..GptShape::TINY_MOE
+};
 
 fn config(stage: u8) -> DeepSpeedConfig {
     config_micro(stage, 2)
@@ -37,7 +46,7 @@ fn config_micro(stage: u8, micro: usize) -> DeepSpeedConfig {
 }
 
 fn spec(stage: u8, ep_size: usize) -> RunSpec {
-    let mut spec = common::spec(config(stage), GptShape::TINY_MOE, STEPS, 3, 7);
+    let mut spec = common::spec(config(stage), SHAPE, STEPS, 3, 7);
     spec.ep_size = ep_size;
     spec
 }
@@ -138,7 +147,7 @@ fn zero_stages_1_and_2_partition_experts_in_their_groups() {
 #[test]
 fn zero_stage_2_without_accumulation_is_stage_0_exactly() {
     let run = |stage: u8| {
-        let mut spec = common::spec(config_micro(stage, 4), GptShape::TINY_MOE, 8, 3, 7);
+        let mut spec = common::spec(config_micro(stage, 4), SHAPE, 8, 3, 7);
         spec.ep_size = 2;
         common::train(4, &spec)
     };
@@ -201,7 +210,7 @@ fn mixed_precision_expert_parallel_runs_follow_ep_1() {
         );
         let config = DeepSpeedConfig::from_json_str(&text).expect("valid").0;
         let run = |ep: usize| {
-            let mut spec = common::spec(config.clone(), GptShape::TINY_MOE, 6, 3, 7);
+            let mut spec = common::spec(config.clone(), SHAPE, 6, 3, 7);
             spec.ep_size = ep;
             common::train(4, &spec)
         };
@@ -229,7 +238,7 @@ fn checkpoints_hold_every_expert_and_reload_at_another_ep_size() {
     const SAVED_AT: u64 = 6;
     const STEPS: u64 = 12;
     let short = |stage: u8, ep: usize, steps: u64| {
-        let mut spec = common::spec(config(stage), GptShape::TINY_MOE, steps, 3, 7);
+        let mut spec = common::spec(config(stage), SHAPE, steps, 3, 7);
         spec.ep_size = ep;
         spec
     };

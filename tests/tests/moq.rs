@@ -3,7 +3,7 @@
 //! bits, data parallelism reproduces the single rank's trajectory with MoQ on, and what MoQ
 //! cannot run with is refused by key.
 
-mod common;
+use crate::common;
 
 use std::collections::HashSet;
 

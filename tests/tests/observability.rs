@@ -2,7 +2,7 @@
 //! communicators' own counters, the monitor's TensorBoard and CSV files read back, and the
 //! wall-clock breakdown's phases against the step time.
 
-mod common;
+use crate::common;
 
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::monitor::{MonitorRecord, read_scalars, tensorboard_tag};

@@ -3,14 +3,14 @@
 
 use std::time::Duration;
 
-mod common;
+use crate::common;
 
+use crate::common::{assert_learns, max_abs_diff, max_rel_diff, train};
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::pld::ProgressiveLayerDrop;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunSpec, run_rank};
-use common::{assert_learns, max_abs_diff, max_rel_diff, train};
 
 const SHAPE: GptShape = GptShape {
     d_model: 64,

@@ -4,13 +4,13 @@
 
 use std::time::Duration;
 
-mod common;
+use crate::common;
 
+use crate::common::max_rel_diff;
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, run_rank};
-use common::max_rel_diff;
 
 /// Four pipeline layers: the embeddings, two blocks, the head.
 const SHAPE: GptShape = GptShape {

@@ -5,7 +5,7 @@
 //! every rank and moves the scale exactly as DeepSpeed's scaler does; 16-bit checkpoints
 //! resume exactly and load into fp32 runs and back.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
@@ -548,15 +548,15 @@ fn measured_16_bit_model_states_follow_their_formula() {
     }
 }
 
-/// GPT `small` on 4 ranks in fp16: the model states each rank holds (measured where they are
+/// GPT `tiny` on 4 ranks in fp16: the model states each rank holds (measured where they are
 /// allocated) are within 5% of the paper's mixed-precision formulas (arXiv 1910.02054 §5):
 /// 2Ψ + 2Ψ + 12Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N, never below (stage 3 pads its chunks),
 /// and what `estimate-memory --precision mixed` prints is that formula. Stage 3's gathers
 /// (measured by the transport) move at most half of the fp32 run's bytes.
 #[test]
-fn fp16_model_states_on_gpt_small_follow_the_papers_formulas() {
+fn fp16_model_states_on_gpt_tiny_follow_the_papers_formulas() {
     use burn_deepspeed::engine::estimate::{StatePrecision, estimate_model_states};
-    let shape = GptShape::preset("small").expect("preset");
+    let shape = GptShape::TINY;
     let world = 4u64;
     let mut gathers = Vec::new();
     for (stage, precision) in [

@@ -11,7 +11,7 @@ use burn_deepspeed_example_gpt::model::Gpt;
 use burn_deepspeed_example_gpt::run::train_step;
 use burn_deepspeed_tests::crash_spec;
 
-mod common;
+use crate::common;
 
 const STEPS: u64 = 2_000;
 const EVERY: u64 = 100;

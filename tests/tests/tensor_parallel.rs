@@ -3,15 +3,15 @@
 //! gathered whole after the run), alone and with data parallelism at ZeRO stages 0-2; what
 //! slicing does not run yet is refused by key.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
+use crate::common::{assert_learns, max_abs_diff, max_rel_diff};
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, run_rank};
-use common::{assert_learns, max_abs_diff, max_rel_diff};
 
 /// The GPT example's default config (AdamW with warmup, clipping at 1.0, 16 sequences per
 /// step) sliced over `tp` ranks at ZeRO `stage`.

@@ -3,7 +3,7 @@
 //!
 //! Its own test binary: the trace installs the process's global `tracing` subscriber.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -2,12 +2,12 @@
 //! world size, with AdamW and LAMB, with and without gradient accumulation; each rank holds
 //! the model state the ZeRO formulas predict; per-rank checkpoints resume exactly.
 
-mod common;
+use crate::common;
 
+use crate::common::{assert_learns, max_abs_diff, max_rel_diff, rel_norm_diff};
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::RunReport;
-use common::{assert_learns, max_abs_diff, max_rel_diff, rel_norm_diff};
 
 const SHAPE: GptShape = GptShape {
     d_model: 32,

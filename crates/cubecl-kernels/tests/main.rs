@@ -1,0 +1,5 @@
+//! This crate's integration tests in one binary (one link), one module per file;
+//! `scripts/test.sh` runs each module in a process of its own.
+
+mod against_burn;
+mod extension;

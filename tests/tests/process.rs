@@ -1,0 +1,28 @@
+//! The integration tests that use process-wide state, in a binary of their own: the heap's
+//! counters (the counting allocator is this binary's global allocator, so that the engine and
+//! the tests measure activations and gathered weights) and the environment. Each test holds
+//! [`alone`] throughout, so that none runs beside another even under a plain `cargo test`;
+//! `scripts/test.sh` also runs each module in a process of its own.
+
+use std::sync::{Mutex, MutexGuard};
+
+use burn_deepspeed::engine::heap::CountingAllocator;
+
+#[global_allocator]
+static HEAP: CountingAllocator = CountingAllocator;
+
+static ALONE: Mutex<()> = Mutex::new(());
+
+/// Keeps every other test of this binary from running until the guard drops (a test that
+/// failed while holding it leaves the lock usable).
+fn alone() -> MutexGuard<'static, ()> {
+    ALONE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+mod common;
+
+mod activation;
+mod offload_pread;
+mod zero3_memory;

@@ -143,6 +143,21 @@ gpt=$(binary gpt)
 cli=$(binary burn-deepspeed)
 generate=$(binary generate)
 lb=$(binary learner_bench)
+own_loop=$(binary own_loop)
+
+# The book's own-loop example: a user's MLP at ZeRO stage 3 on 2 thread ranks, from its own
+# loop, learns (its last loss under a tenth of its first).
+example_own_loop() {
+"$own_loop" | tee "$out/own_loop.txt"
+python3 - "$out/own_loop.txt" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", text)]
+final = float(re.search(r"final loss ([0-9.]+)", text).group(1))
+assert len(losses) == 5 and final < 0.1 * losses[0], (losses, final)
+print(f"own_loop: 1 passed, 0 failed (loss {losses[0]:.4f} -> {final:.4f})")
+PY
+}
 
 # The communicator conformance suite over MPI at 2 and 3 ranks.
 mpi_conformance() {
@@ -513,6 +528,7 @@ PY
 }
 
 # Each block above, one group each.
+group "example own_loop" example_own_loop
 group "mpi conformance" mpi_conformance
 group "mpi conformance 64-byte messages" mpi_conformance_small
 group "mpi faults" mpi_faults

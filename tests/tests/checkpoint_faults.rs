@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedConfig;
-use burn_deepspeed::engine::checkpoint::sha256_hex;
+use burn_deepspeed::checkpoint::sha256_hex;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunSpec, run_rank};

@@ -499,9 +499,8 @@ fn toy_stage(stage: u8, optimizer: &str) {
         optimizer,
     );
     assert!(!burn_optim, "wgpu takes the device-resident regime");
-    let layout = burn_deepspeed::engine::flat::ParamLayout::of(&Toy::new(3, &Device::flex()));
-    let initial =
-        burn_deepspeed::engine::flat::params_to_flat(&Toy::new(3, &Device::flex()), &layout);
+    let layout = burn_deepspeed::flat::ParamLayout::of(&Toy::new(3, &Device::flex()));
+    let initial = burn_deepspeed::flat::params_to_flat(&Toy::new(3, &Device::flex()), &layout);
     assert_ne!(host, initial, "the parameters moved");
     for (a, b) in host_norms.iter().zip(&dev_norms) {
         assert!(

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use crate::common::max_rel_diff;
 use burn_deepspeed::DeepSpeedConfig;
-use burn_deepspeed::engine::checkpoint::consolidate;
+use burn_deepspeed::checkpoint::consolidate;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec};
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_deepspeed::DeepSpeedConfig;
-use burn_deepspeed::engine::flat::{ParamLayout, params_from_flat};
+use burn_deepspeed::flat::{ParamLayout, params_from_flat};
 use burn_deepspeed::grid::Grid;
 use burn_deepspeed::inference::{GenerateOptions, Sampling, generate};
 use burn_deepspeed::launch::launch;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::common::{max_abs_diff, max_rel_diff};
 use burn::tensor::Device;
-use burn_deepspeed::engine::checkpoint::consolidate;
+use burn_deepspeed::checkpoint::consolidate;
 use burn_deepspeed::grid::Grid;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};

@@ -9,7 +9,7 @@ use std::collections::HashSet;
 
 use burn::tensor::Device;
 use burn_deepspeed::DeepSpeedConfig;
-use burn_deepspeed::engine::flat::ParamLayout;
+use burn_deepspeed::flat::ParamLayout;
 use burn_deepspeed::moq::MoqSchedule;
 use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
 

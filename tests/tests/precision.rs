@@ -12,7 +12,7 @@ use std::time::Duration;
 use burn::module::Module;
 use burn::tensor::{DType, Device, FloatDType};
 use burn::train::TrainStep;
-use burn_deepspeed::engine::flat::{ParamLayout, for_each_grad};
+use burn_deepspeed::flat::{ParamLayout, for_each_grad};
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::precision::{DynamicLossScaler, cast_module};
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
@@ -555,7 +555,7 @@ fn measured_16_bit_model_states_follow_their_formula() {
 /// (measured by the transport) move at most half of the fp32 run's bytes.
 #[test]
 fn fp16_model_states_on_gpt_tiny_follow_the_papers_formulas() {
-    use burn_deepspeed::engine::estimate::{StatePrecision, estimate_model_states};
+    use burn_deepspeed::memory::estimate::{StatePrecision, estimate_model_states};
     let shape = GptShape::TINY;
     let world = 4u64;
     let mut gathers = Vec::new();

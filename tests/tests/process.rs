@@ -6,7 +6,7 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use burn_deepspeed::engine::heap::CountingAllocator;
+use burn_deepspeed::memory::heap::CountingAllocator;
 
 #[global_allocator]
 static HEAP: CountingAllocator = CountingAllocator;

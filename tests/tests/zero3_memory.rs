@@ -10,9 +10,9 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Distribution, Tensor};
-use burn_deepspeed::engine::flat::ParamLayout;
-use burn_deepspeed::engine::heap;
+use burn_deepspeed::flat::ParamLayout;
 use burn_deepspeed::launch::launch;
+use burn_deepspeed::memory::heap;
 use burn_deepspeed::zero3::{GatherGroup, shard_module};
 use burn_deepspeed_strategies::zero::ShardPlan;
 

@@ -58,7 +58,11 @@ pub enum DeepSpeedError {
     Checkpoint(String),
     /// The Learner strategy was used in a way it cannot run.
     #[error("Learner strategy: {0}")]
-    Strategy(String),
+    LearnerStrategy(String),
+    /// A gradient regime was asked for what it does not do (a caller's misuse of
+    /// [`GradSync`](crate::sync::GradSync), or a layout that does not fit the model).
+    #[error("gradient regime: {0}")]
+    Regime(String),
     /// The training data cannot feed the configured batch.
     #[error("data: {0}")]
     Data(String),

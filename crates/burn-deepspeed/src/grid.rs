@@ -232,9 +232,13 @@ pub struct AxisBytes {
 /// A world of this rank alone.
 pub(crate) fn alone() -> Result<Arc<dyn Communicator>> {
     let mut world = ThreadWorld::new(1, ThreadWorldOptions::default())?.communicators();
-    let comm = world
-        .pop()
-        .ok_or_else(|| DeepSpeedError::Strategy("a world of one has one rank".into()))?;
+    let comm = world.pop().ok_or_else(|| {
+        DeepSpeedError::Comm(burn_deepspeed_strategies::CommError::InvalidArgument {
+            rank: 0,
+            op: "ThreadWorld::communicators",
+            detail: "a world of one rank made no communicator".into(),
+        })
+    })?;
     Ok(Arc::new(comm))
 }
 

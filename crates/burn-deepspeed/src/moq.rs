@@ -20,7 +20,7 @@ use burn_deepspeed_compress::moq::{FakeQuantizer, MixedRatio, MoqState};
 pub use burn_deepspeed_compress::moq::{MoqSchedule, fake_quantize};
 
 use crate::config::{MoqSettings, QuantizationType, Rounding};
-use crate::engine::flat::param_entries;
+use crate::flat::param_entries;
 use crate::inference::{Sampler, Sampling};
 use crate::{DeepSpeedError, Result};
 

@@ -102,8 +102,8 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         Some(dir) => GenerateSpec::params_from_checkpoint(dir, shape)?,
         None => {
             let model = Gpt::new(shape, 42, &burn::tensor::Device::flex());
-            let layout = burn_deepspeed::engine::flat::ParamLayout::of(&model);
-            burn_deepspeed::engine::flat::params_to_flat(&model, &layout)
+            let layout = burn_deepspeed::flat::ParamLayout::of(&model);
+            burn_deepspeed::flat::params_to_flat(&model, &layout)
         }
     };
     let sampling = match args.temperature {

@@ -5,7 +5,7 @@
 //!     [--device flex|wgpu|cuda] [--ranks N] [--ep-size N]
 //!     [--steps N] [--data PATH] [--heldout-bytes N] [--seed S] [--json]
 //!     [--teacher DIR --teacher-model PRESET [--kd-stop-step N] [--kd-temperature T]]
-//!     [--trace FILE]
+//!     [--trace FILE] [--params-digest]
 //! mpirun -n N target/release/examples/gpt ...        # built with --features mpi
 //! ```
 
@@ -28,8 +28,8 @@ use clap::Parser;
 
 /// Counts the heap, so that the report's `peak_activation_bytes` is measured.
 #[global_allocator]
-static HEAP: burn_deepspeed::engine::heap::CountingAllocator =
-    burn_deepspeed::engine::heap::CountingAllocator;
+static HEAP: burn_deepspeed::memory::heap::CountingAllocator =
+    burn_deepspeed::memory::heap::CountingAllocator;
 
 #[derive(Parser)]
 #[command(about = "Train a byte-level GPT with burn-deepspeed")]
@@ -114,6 +114,11 @@ struct Args {
     /// `mpirun`, each process writes FILE.rank<r>).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    /// Gather the parameters after the last step and add their digest to the JSON summary
+    /// (`params_digest`, FNV-1a over the f32 bits; pipelined runs: rank 0's stage), so that
+    /// two builds can be compared bit for bit.
+    #[arg(long)]
+    params_digest: bool,
 }
 
 fn main() -> ExitCode {
@@ -207,7 +212,7 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         progress: !args.json,
         save_dir: args.save_dir.clone(),
         resume_from: args.resume.clone(),
-        keep_final_state: false,
+        keep_final_state: args.params_digest,
         device,
         ep_size: args.ep_size,
         teacher,
@@ -247,10 +252,11 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
             eprint!("communication of rank 0:\n{}", comms.summary);
         }
         if args.json {
-            println!(
-                "{}",
-                serde_json::to_string(&report).expect("the report serializes")
-            );
+            let mut json = serde_json::to_value(&report).expect("the report serializes");
+            if args.params_digest {
+                json["params_digest"] = report.final_params.digest().into();
+            }
+            println!("{json}");
         }
     }
     Ok(())

@@ -24,7 +24,7 @@ use burn::train::{
     TrainingStrategy,
 };
 use burn_deepspeed::DeepSpeedConfig;
-use burn_deepspeed::strategy::DeepSpeedStrategy;
+use burn_deepspeed::learner::DeepSpeedStrategy;
 use burn_deepspeed_example_gpt::data::{EMBEDDED_CORPUS, WindowBatcher, windows};
 use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
 use burn_deepspeed_example_gpt::run::peak_rss_bytes;

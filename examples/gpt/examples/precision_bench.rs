@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use burn_deepspeed::DeepSpeedConfig;
-use burn_deepspeed::engine::heap::CountingAllocator;
+use burn_deepspeed::memory::heap::CountingAllocator;
 use burn_deepspeed::progress::TaskProgress;
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_in_threads};

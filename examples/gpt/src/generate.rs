@@ -9,9 +9,9 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::module::Module;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
+use burn_deepspeed::checkpoint::read_model;
 use burn_deepspeed::comm::Communicator;
-use burn_deepspeed::engine::checkpoint::read_model;
-use burn_deepspeed::engine::flat::ParamLayout;
+use burn_deepspeed::flat::ParamLayout;
 use burn_deepspeed::grid::Grid;
 use burn_deepspeed::inference::{
     CausalLm, GenerateOptions, InferenceDtype, Sampler, Sampling, generate, next_tokens,

@@ -8,11 +8,12 @@ use std::time::{Duration, Instant};
 use burn::tensor::{Device, Int, Tensor};
 use burn_deepspeed::comm::{Communicator, CommunicatorExt, OpKind};
 use burn_deepspeed::distill::DistillationConfig;
-use burn_deepspeed::engine::transfer::{host_device_bytes, staged_collective_bytes};
+use burn_deepspeed::flat::{ParamLayout, params_to_flat};
 use burn_deepspeed::grid::{AxisBytes, Grid};
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::pipe::PipelineEngine;
 use burn_deepspeed::progress::TrainProgress;
+use burn_deepspeed::transfer::{host_device_bytes, staged_collective_bytes};
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine, DeepSpeedError, Result, StepReport};
 use serde::Serialize;
 
@@ -620,6 +621,20 @@ impl std::fmt::Debug for FlatParams {
     }
 }
 
+impl FlatParams {
+    /// FNV-1a (64-bit) over the values' bits in order: equal digests mean bit-identical
+    /// parameters (up to a hash collision), for comparing runs across builds.
+    pub fn digest(&self) -> String {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for v in &self.0 {
+            for b in v.to_bits().to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+        format!("{h:016x}")
+    }
+}
+
 impl std::ops::Deref for FlatParams {
     type Target = [f32];
     fn deref(&self) -> &[f32] {
@@ -1090,7 +1105,17 @@ fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunRepor
         offload_param: "none".into(),
         param_store: None,
         disk_baseline: None,
-        final_params: FlatParams::default(),
+        // This rank's pipeline stage only (rank 0: the first stage's layers).
+        final_params: match spec.keep_final_state {
+            true => FlatParams(
+                engine
+                    .layers()
+                    .iter()
+                    .flat_map(|l| params_to_flat(l, &ParamLayout::of(l)))
+                    .collect(),
+            ),
+            false => FlatParams::default(),
+        },
         final_moments: None,
         ep_size: 1,
         heldout_loss: None,

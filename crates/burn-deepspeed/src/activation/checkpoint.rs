@@ -9,8 +9,8 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use super::op::{self, FlatGrad, Recompute, Recomputed};
 use super::options::{CheckpointOptions, current_options, record};
-use crate::engine::primitive::autodiff_like;
-use crate::engine::transfer;
+use crate::primitive::autodiff_like;
+use crate::transfer;
 
 /// `forward(module, input)`, with only `input` kept for backward: the activations inside the
 /// closure are freed as the forward goes, and recomputed when the backward reaches them. A

@@ -23,7 +23,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};
 use burn::tensor::{DType, Shape, Tensor};
 
-use crate::engine::primitive::FlatPrimitive;
+use crate::primitive::FlatPrimitive;
 
 /// A gradient passed between the ops and the recompute: flat, on its device (no copy to the
 /// host), with its shape.

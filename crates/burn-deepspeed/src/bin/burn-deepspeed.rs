@@ -13,8 +13,8 @@
 use std::process::ExitCode;
 
 use burn_deepspeed::DeepSpeedConfig;
-use burn_deepspeed::engine::checkpoint::consolidate;
-use burn_deepspeed::engine::{StatePrecision, estimate_model_states, offload_estimates};
+use burn_deepspeed::checkpoint::consolidate;
+use burn_deepspeed::memory::{StatePrecision, estimate_model_states, offload_estimates};
 use burn_deepspeed_strategies::pipe::{PipeInstruction, TrainSchedule};
 use clap::{Parser, Subcommand};
 

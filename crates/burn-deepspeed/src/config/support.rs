@@ -14,7 +14,7 @@ pub enum EntryPoint {
     Engine,
     /// [`PipelineEngine`](crate::pipe::PipelineEngine): pipeline x data parallelism.
     Pipeline,
-    /// [`DeepSpeedStrategy`](crate::strategy::DeepSpeedStrategy) inside Burn's
+    /// [`DeepSpeedStrategy`](crate::learner::DeepSpeedStrategy) inside Burn's
     /// `SupervisedTraining`; `checkpointer` says whether the Learner checkpoints.
     Strategy {
         /// The `SupervisedTraining` has a checkpointer.

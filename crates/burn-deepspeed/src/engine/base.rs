@@ -16,24 +16,24 @@ use burn_deepspeed_strategies::comm::{
 use burn_deepspeed_strategies::onebit::OneBitPhase;
 use burn_deepspeed_strategies::zero::PartitionState;
 
-use super::checkpoint::{self, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta};
-use super::estimate::{StatePrecision, estimate_model_states};
-use super::flat::param_paths;
-use super::heap::HeapWindow;
-use super::memory::ModelStateBytes;
-use super::{BreakdownWindow, StepLoss, StepReport};
 use crate::activation::{CheckpointStats, take_stats, with_config_options};
+use crate::checkpoint::{self, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta};
 use crate::config::{
     BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, ZeroStage, check_supported,
 };
+use crate::flat::param_paths;
 use crate::grid::Grid;
-use crate::monitor::{Monitor, MonitorRecord};
+use crate::memory::ModelStateBytes;
+use crate::memory::estimate::{StatePrecision, estimate_model_states};
+use crate::memory::heap::HeapWindow;
+use crate::monitor::MonitorRecord;
 use crate::moq::Moq;
 use crate::precision::{
-    DynamicLossScaler, LossScalerState, take_backward_time, unscaled_backward_message,
-    with_loss_scale,
+    LossScalerState, take_backward_time, unscaled_backward_message, with_loss_scale,
 };
 use crate::profiler::{ProfileOptions, StepFigures, get_model_profile};
+use crate::step::core::StepCore;
+use crate::step::{StepLoss, StepReport};
 use crate::sync::{self, GradSync, ModelParallelNorm};
 use crate::tensor_parallel::join_flat;
 use crate::{DeepSpeedError, Result, agreed};
@@ -68,9 +68,8 @@ pub struct DeepSpeedEngine<M: Module> {
     config: DeepSpeedConfig,
     batch: BatchSizes,
     loss_sum: f64,
-    global_step: u64,
-    /// Steps skipped because the gradient norm was not finite (DeepSpeed's `skipped_steps`).
-    skipped_steps: u64,
+    /// The step protocol: loss scale, step counters, breakdown and monitor.
+    core: StepCore,
     fb_time: Duration,
     /// Time in `TrainStep::step` this step (forward and backward).
     train_step_time: Duration,
@@ -81,20 +80,10 @@ pub struct DeepSpeedEngine<M: Module> {
     bwd_time: Option<Duration>,
     /// When this step's first micro-batch started.
     step_start: Option<Instant>,
-    /// `wall_clock_breakdown`: the phases' sums since the last print.
-    breakdown: BreakdownWindow,
-    /// `tensorboard` / `csv_monitor` (global rank 0).
-    monitor: Option<Monitor>,
-    /// A monitor write that failed, refused at the next step on every rank.
-    monitor_failure: Option<String>,
-    /// Tokens per sample, for the monitor's tokens/s.
-    tokens_per_sample: Option<u64>,
     /// The forward the flops profiler runs at `flops_profiler.profile_step`.
     profile_forward: Option<ProfileForward<M>>,
     /// Counters before this step's first micro-batch (stages 2-3 communicate in backward).
     stats_at_step_start: Option<CommStats>,
-    /// fp16: the loss scaler (`None` in fp32 and bf16).
-    scaler: Option<DynamicLossScaler>,
     /// fp16: a micro-batch of this step ran a plain `loss.backward()`, so its gradients are not
     /// scaled: the step is refused.
     unscaled: bool,
@@ -188,10 +177,6 @@ where
             Some(dtype) => sync.keep_masters(model, dtype)?,
             None => model,
         };
-        let scaler = match config.fp16.enabled {
-            true => Some(DynamicLossScaler::new(&config.fp16)?),
-            false => None,
-        };
         // MoQ quantizes the weights the model computes with (the working copy in mixed
         // precision; check_supported refused stage 3).
         let moq = match config.moq()? {
@@ -205,7 +190,7 @@ where
                 theta: config.progressive_layer_drop.theta,
                 gamma: config.progressive_layer_drop.gamma,
             });
-        let monitor = Monitor::agreed(&config, grid.world().as_ref())?;
+        let core = StepCore::with_monitor(&config, grid.world().as_ref())?;
         Ok(Self {
             model,
             sync,
@@ -215,20 +200,14 @@ where
             config,
             batch,
             loss_sum: 0.0,
-            global_step: 0,
-            skipped_steps: 0,
+            core,
             fb_time: Duration::ZERO,
             train_step_time: Duration::ZERO,
             accumulate_time: Duration::ZERO,
             bwd_time: Some(Duration::ZERO),
             step_start: None,
-            breakdown: BreakdownWindow::default(),
-            monitor,
-            monitor_failure: None,
-            tokens_per_sample: None,
             profile_forward: None,
             stats_at_step_start: None,
-            scaler,
             unscaled: false,
             activation_peak: None,
             moq,
@@ -248,7 +227,7 @@ where
         self.stats_at_step_start
             .get_or_insert_with(|| self.comm.stats());
         take_backward_time();
-        let scale = self.scaler.as_ref().map(DynamicLossScaler::scale);
+        let scale = self.core.loss_scale();
         let window = HeapWindow::open();
         let train_step = Instant::now();
         let (out, scaled) = {
@@ -328,10 +307,7 @@ where
             Some(e) => Some(format!("an expert-parallel all-to-all failed: {e}")),
             None => failure,
         };
-        let failure = match self.monitor_failure.take() {
-            Some(e) => Some(format!("the monitor could not write the last step: {e}")),
-            None => failure,
-        };
+        let failure = self.core.take_monitor_failure().or(failure);
         let local = failure.map_or(Ok(()), |f| Err(DeepSpeedError::Data(f)));
         if let Err(e) = agreed(self.grid.world().as_ref(), "step", local) {
             self.sync.discard();
@@ -350,7 +326,7 @@ where
             .stats_at_step_start
             .take()
             .unwrap_or_else(|| self.comm.stats());
-        let lr = self.lr_at(self.global_step - self.skipped_steps);
+        let lr = self.core.lr(&self.config);
         // `wall_clock_breakdown`: the time this rank waits for the slowest one, apart from
         // the reduction's own (a barrier first; without the breakdown the reduction's first
         // collective waits instead).
@@ -363,7 +339,7 @@ where
             false => None,
         };
         let start = Instant::now();
-        let loss_scale = self.scaler.as_ref().map(DynamicLossScaler::scale);
+        let loss_scale = self.core.loss_scale();
         let reduced = {
             let _span = tracing::debug_span!("reduce", rank = self.comm.rank()).entered();
             self.sync.reduce(loss_scale.unwrap_or(1.0))?
@@ -380,28 +356,17 @@ where
             _ => reduced.overflow,
         };
         let start = Instant::now();
-        if overflow {
-            self.sync.discard();
-            self.skipped_steps += 1;
-            tracing::warn!(
-                step = self.global_step + 1,
-                grad_norm = reduced.norm,
-                skipped_steps = self.skipped_steps,
-                "the gradient norm is not finite: step skipped on every rank"
-            );
-        } else {
+        // The overflow flag is the same on every rank, and so is the core's decision.
+        if self.core.decide(overflow, reduced.norm)? {
             self.model = self.sync.step(self.model.clone(), lr)?;
             if let Some(moq) = &mut self.moq {
-                let taken = self.global_step + 1 - self.skipped_steps;
+                let taken = self.core.global_step() + 1 - self.core.skipped_steps();
                 self.model = moq.after_step(self.model.clone(), taken);
             }
+        } else {
+            self.sync.discard();
         }
         let optimizer = start.elapsed();
-        // The overflow flag is the same on every rank, and so is the scaler's state; at the
-        // minimum scale the update errors on every rank alike.
-        if let Some(scaler) = &mut self.scaler {
-            scaler.update(overflow)?;
-        }
         let mut scalars = [
             (self.loss_sum / micro_steps as f64) as f32,
             reduced.local_norm_sq.unwrap_or(0.0) as f32,
@@ -414,7 +379,6 @@ where
             None => reduced.norm,
         };
         let pld_theta = self.pld_theta();
-        self.global_step += 1;
         let moved = self.comm.stats().since(&before);
         let forward_backward = std::mem::take(&mut self.fb_time);
         let train_step = std::mem::take(&mut self.train_step_time);
@@ -425,7 +389,7 @@ where
             .take()
             .map_or(Duration::ZERO, |t| t.elapsed());
         let report = StepReport {
-            step: self.global_step,
+            step: self.core.global_step() + 1,
             loss: scalars[0] as f64,
             lr,
             grad_norm,
@@ -448,43 +412,27 @@ where
             step_time,
         };
         self.loss_sum = 0.0;
-        if self.config.wall_clock_breakdown {
-            self.breakdown.add(&report.phases());
-            let every = self.config.steps_per_print.max(1);
-            let rank = self.grid.world().rank();
-            if rank == 0 && self.global_step.is_multiple_of(every) {
-                eprintln!("{}", self.breakdown.take_line(rank, self.global_step));
-            }
-        }
-        self.write_monitor(&report);
+        let print_as = (self.grid.world().rank() == 0).then_some((0, ""));
+        let (sync, model) = (&self.sync, &self.model);
+        let ms = |d: Duration| Some(d.as_secs_f64() * 1e3);
+        self.core
+            .finish(&report.phases(), print_as, report.step_time, |timed| {
+                MonitorRecord {
+                    train_loss: report.loss,
+                    lr: report.lr,
+                    loss_scale: report.loss_scale.map(f64::from),
+                    grad_norm: report.grad_norm,
+                    model_state_bytes: Some(sync.held(model).total() as f64),
+                    forward_ms: report.forward.and_then(ms),
+                    backward_ms: report.backward.and_then(ms),
+                    accumulate_ms: ms(report.accumulate),
+                    reduce_ms: ms(report.reduce),
+                    optimizer_ms: ms(report.optimizer),
+                    ..timed
+                }
+            });
         self.profile_at_step(&report);
         Ok(report)
-    }
-
-    /// Writes the step's scalars to the monitor (global rank 0, when configured); a failure
-    /// is kept and refused by every rank at the next step.
-    fn write_monitor(&mut self, report: &StepReport) {
-        let Some(monitor) = &mut self.monitor else {
-            return;
-        };
-        let ms = |d: Duration| Some(d.as_secs_f64() * 1e3);
-        let batch = self.batch.train_batch_size;
-        let record = MonitorRecord {
-            train_loss: report.loss,
-            lr: report.lr,
-            loss_scale: report.loss_scale.map(f64::from),
-            grad_norm: report.grad_norm,
-            model_state_bytes: Some(self.sync.held(&self.model).total() as f64),
-            forward_ms: report.forward.and_then(ms),
-            backward_ms: report.backward.and_then(ms),
-            accumulate_ms: ms(report.accumulate),
-            reduce_ms: ms(report.reduce),
-            optimizer_ms: ms(report.optimizer),
-            ..MonitorRecord::timed(report.step, batch, report.step_time, self.tokens_per_sample)
-        };
-        if let Err(e) = monitor.write(&record) {
-            self.monitor_failure = Some(e.to_string());
-        }
     }
 
     /// The forward the flops profiler runs (`flops_profiler.enabled`): given the model and a
@@ -543,15 +491,12 @@ where
     /// Declares how many tokens one sample holds, so that the monitor also records
     /// tokens per second (a sequence model's sequence length).
     pub fn set_tokens_per_sample(&mut self, tokens: u64) {
-        self.tokens_per_sample = Some(tokens);
+        self.core.set_tokens_per_sample(tokens);
     }
 
     /// The files the monitor writes on this rank (empty when it has none).
     pub fn monitor_paths(&self) -> Vec<PathBuf> {
-        self.monitor
-            .as_ref()
-            .map(Monitor::paths)
-            .unwrap_or_default()
+        self.core.monitor_paths()
     }
 
     /// This rank's communication log, when the config enables `comms_logger` (or the
@@ -593,7 +538,7 @@ where
     /// that dropped different layers would pair different gathers (the communicator's labels
     /// then refuse the step).
     pub fn pld_theta(&self) -> Option<f64> {
-        self.pld.map(|p| p.theta_at(self.global_step))
+        self.pld.map(|p| p.theta_at(self.core.global_step()))
     }
 
     /// Saves the model, the optimizer state and the step as checkpoint `tag` (default
@@ -607,7 +552,10 @@ where
     pub fn save_checkpoint(&self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
         self.refuse_sliced_checkpoint()?;
         self.sync.settle();
-        let tag = tag.map_or_else(|| format!("global_step{}", self.global_step), String::from);
+        let tag = tag.map_or_else(
+            || format!("global_step{}", self.core.global_step()),
+            String::from,
+        );
         let meta = self.meta();
         checkpoint::save(
             dir.as_ref(),
@@ -633,25 +581,16 @@ where
         self.sync.settle();
         let comm = self.comm.clone();
         let loaded = checkpoint::load(dir.as_ref(), tag, &self.meta(), comm.as_ref())?;
-        let mut scaler = self.scaler.clone();
+        // The step protocol's position is checked before the regime takes the state.
         let restored = self
-            .sync
-            .load(self.model.clone(), &loaded)
-            .and_then(|model| {
-                // A static scale is the config's; a dynamic one continues where it stood.
-                if let (Some(scaler), Some(state)) = (&mut scaler, loaded.meta.loss_scaler)
-                    && scaler.is_dynamic()
-                {
-                    scaler.restore(state)?;
-                }
-                Ok(model)
-            });
-        self.model = agreed(comm.as_ref(), "checkpoint restore", restored)?;
-        self.scaler = scaler;
-        self.global_step = loaded.meta.global_step;
-        self.skipped_steps = loaded.meta.skipped_steps;
+            .core
+            .restorable(&loaded.meta.position())
+            .and_then(|position| Ok((self.sync.load(self.model.clone(), &loaded)?, position)));
+        let (model, position) = agreed(comm.as_ref(), "checkpoint restore", restored)?;
+        self.model = model;
+        self.core.restore(position);
         self.loss_sum = 0.0;
-        Ok(self.global_step)
+        Ok(self.core.global_step())
     }
 
     /// Checkpoints store whole tensors' slices with their layout only from the grid-aware
@@ -673,11 +612,12 @@ where
         let layout = self.sync.layout();
         // Expert parallelism stores the whole model, every expert.
         let stored = self.sync.stored_layout();
+        let position = self.core.position();
         CheckpointMeta {
             format: CHECKPOINT_FORMAT.into(),
             version: CHECKPOINT_VERSION,
-            global_step: self.global_step,
-            skipped_steps: self.skipped_steps,
+            global_step: position.global_step,
+            skipped_steps: position.skipped_steps,
             world_size: self.comm.world_size(),
             zero_stage: self.config.zero_optimization.stage.into(),
             optimizer: format!("{:?}", self.config.optimizer_kind()),
@@ -694,7 +634,7 @@ where
                 Some(w) => w.paths.clone(),
                 None => param_paths(&self.model, layout),
             },
-            loss_scaler: self.scaler.as_ref().map(DynamicLossScaler::state),
+            loss_scaler: position.loss_scaler,
             dtype: self
                 .config
                 .working_dtype()
@@ -711,6 +651,13 @@ impl<M: Module> DeepSpeedEngine<M> {
     /// collective: every rank must read them together, as a forward pass does).
     pub fn model(&self) -> &M {
         &self.model
+    }
+    /// The device to make a micro-batch's float tensors on: the one the model's parameters
+    /// live on, with the gradient checkpointing ZeRO stage 3 turns on (under autodiff, a
+    /// float input made on a device without it cannot meet the gathered weights in one op).
+    /// `None` for a model without float parameters.
+    pub fn device(&self) -> Option<Device> {
+        sync::module_device(&self.model)
     }
     /// The whole parameters, flat in layout order (the order the module visits them). At
     /// ZeRO stage 3, and with bf16 masters (gathered in fp32), a collective: every rank calls
@@ -796,27 +743,27 @@ impl<M: Module> DeepSpeedEngine<M> {
     }
     /// Optimizer steps taken, skipped ones included (DeepSpeed's `global_steps`).
     pub fn global_step(&self) -> u64 {
-        self.global_step
+        self.core.global_step()
     }
     /// Steps skipped because the gradient norm was not finite (DeepSpeed's `skipped_steps`).
     pub fn skipped_steps(&self) -> u64 {
-        self.skipped_steps
+        self.core.skipped_steps()
     }
     /// fp16: the loss scale the next micro-batches' backward passes use (`None` without
     /// fp16).
     pub fn loss_scale(&self) -> Option<f32> {
-        self.scaler.as_ref().map(DynamicLossScaler::scale)
+        self.core.loss_scale()
     }
     /// fp16: the loss scaler's position (`None` without fp16).
     pub fn loss_scaler_state(&self) -> Option<LossScalerState> {
-        self.scaler.as_ref().map(DynamicLossScaler::state)
+        self.core.loss_scaler_state()
     }
     /// Number of float parameters this rank holds (its slices under tensor slicing).
     pub fn num_params(&self) -> usize {
         self.sync.layout().numel
     }
     /// The model state this rank holds now, measured where it is allocated (see
-    /// [`memory`](super::memory)).
+    /// [`memory`](crate::memory)).
     pub fn model_state_bytes(&self) -> ModelStateBytes {
         self.sync.held(&self.model)
     }

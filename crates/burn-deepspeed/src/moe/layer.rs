@@ -232,7 +232,7 @@ impl<E: Expert> MoE<E> {
         self.keep_share(size, ep.rank(), "moe.ep_size", "ep_size")?;
         if size > 1 {
             let ids = |e: &E| {
-                let layout = crate::engine::flat::ParamLayout::of(e);
+                let layout = crate::flat::ParamLayout::of(e);
                 layout.slots.iter().map(|s| s.id).collect()
             };
             ep.record_layer(ExpertLayer {
@@ -474,7 +474,7 @@ mod tests {
     use burn::module::Param;
 
     use super::*;
-    use crate::engine::flat::ParamLayout;
+    use crate::flat::ParamLayout;
     use crate::launch::launch;
 
     const D: usize = 4;
@@ -725,7 +725,7 @@ mod tests {
         let layout = ParamLayout::of(expert);
         let mut out = vec![0.0f32; layout.numel];
         let mut device = None;
-        crate::engine::flat::for_each_grad(expert, &layout, grads, &mut device, |i, g| {
+        crate::flat::for_each_grad(expert, &layout, grads, &mut device, |i, g| {
             let slot = &layout.slots[i];
             if let Some(g) = g {
                 out[slot.offset..slot.offset + slot.numel].copy_from_slice(&g);

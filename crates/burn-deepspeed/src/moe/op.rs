@@ -12,7 +12,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Dispatch, Flex, TensorMetadata, backend_extension};
 use burn::tensor::Tensor;
 
-use crate::engine::primitive::FlatPrimitive;
+use crate::primitive::FlatPrimitive;
 use crate::tensor_parallel::resolve;
 
 /// Backends that run expert-parallel MoE layers.

@@ -21,11 +21,12 @@ use burn_deepspeed_strategies::zero::PartitionState;
 
 use super::engine::{PipelineEngine, StageGrads};
 use super::layer::{PipeBatch, PipeLayer};
-use crate::engine::checkpoint::{
+use crate::checkpoint::{
     self as format, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta, Loaded,
     all_gather_bytes, f32_bytes, f32_values, partition_file, partition_state_bytes,
     partition_state_from_bytes,
 };
+use crate::step::core::RestoredPosition;
 use crate::sync::GradSync;
 use crate::tensor_parallel::{cut_flat, join_flat};
 use crate::{DeepSpeedError, Result, agreed};
@@ -42,14 +43,17 @@ where
     /// the checkpoint stores (stage 1 trains the same losses as stage 0 here).
     pub fn save_checkpoint(&self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
         let dir = dir.as_ref();
-        let tag = tag.map_or_else(|| format!("global_step{}", self.global_step), String::from);
+        let tag = tag.map_or_else(
+            || format!("global_step{}", self.core.global_step()),
+            String::from,
+        );
         let world = self.grid.world().as_ref();
         let sync = self.flat_state()?;
         agreed(world, "checkpoint tag", format::check_tag(&tag))?;
         // This stage's slices, whole over the replicas (collectives over the data group)...
         let state = sync
             .whole_moments()?
-            .ok_or_else(crate::engine::checkpoint::no_state_to_restore)?;
+            .ok_or_else(crate::checkpoint::no_state_to_restore)?;
         let params = sync.whole_params(&self.layers, true)?.unwrap_or_default();
         // ...then whole over the slices (collectives over the tensor group).
         let (tensor, tp, layout) = (
@@ -102,12 +106,10 @@ where
         let expected = self.whole_meta();
         let loaded = format::load(dir.as_ref(), tag, &expected, world.as_ref())?;
         let restored = self.restore(&loaded);
-        let (layers, scaler) = agreed(world.as_ref(), "checkpoint restore", restored)?;
+        let (layers, position) = agreed(world.as_ref(), "checkpoint restore", restored)?;
         self.layers = layers;
-        self.scaler = scaler;
-        self.global_step = loaded.meta.global_step;
-        self.skipped_steps = loaded.meta.skipped_steps;
-        Ok(self.global_step)
+        self.core.restore(position);
+        Ok(self.core.global_step())
     }
 
     /// The regime whose flat state a checkpoint stores (ZeRO stage 1).
@@ -127,11 +129,12 @@ where
     /// The metadata of a checkpoint of the whole model, as one rank at ZeRO stage 1 writes
     /// it.
     fn whole_meta(&self) -> CheckpointMeta {
+        let position = self.core.position();
         CheckpointMeta {
             format: CHECKPOINT_FORMAT.into(),
             version: CHECKPOINT_VERSION,
-            global_step: self.global_step,
-            skipped_steps: self.skipped_steps,
+            global_step: position.global_step,
+            skipped_steps: position.skipped_steps,
             world_size: 1,
             zero_stage: 1,
             optimizer: format!("{:?}", self.config.optimizer_kind()),
@@ -141,7 +144,7 @@ where
             param_ids: (0..self.catalog.len() as u64).collect(),
             shapes: self.catalog.iter().map(|t| t.shape.clone()).collect(),
             paths: self.catalog.iter().map(|t| t.name.clone()).collect(),
-            loss_scaler: self.scaler.as_ref().map(crate::DynamicLossScaler::state),
+            loss_scaler: position.loss_scaler,
             dtype: self
                 .config
                 .working_dtype()
@@ -187,7 +190,7 @@ where
     /// This rank's layers and loss scaler restored from a whole checkpoint: its stage's
     /// tensors cut for its slice, as one rank's checkpoint of its layout, which the regime
     /// cuts again for its data-parallel partition.
-    fn restore(&mut self, loaded: &Loaded) -> Result<(Vec<L>, Option<crate::DynamicLossScaler>)> {
+    fn restore(&mut self, loaded: &Loaded) -> Result<(Vec<L>, RestoredPosition)> {
         let sizes: Vec<usize> = self.catalog.iter().map(|t| t.numel()).collect();
         let numel: usize = sizes.iter().sum();
         let whole = loaded.slice_state(&sizes, std::slice::from_ref(&(0..numel)))?;
@@ -217,18 +220,14 @@ where
             params,
             files: vec![partition_state_bytes(&PartitionState { steps, m, v })],
         };
-        let mut scaler = self.scaler.clone();
-        if let (Some(scaler), Some(state)) = (&mut scaler, loaded.meta.loss_scaler)
-            && scaler.is_dynamic()
-        {
-            scaler.restore(state)?;
-        }
+        // The step protocol's position is checked before the regime takes the state.
+        let position = self.core.restorable(&loaded.meta.position())?;
         let layers = self.layers.clone();
         let layers = match &mut self.grads {
             StageGrads::Partitioned(sync) => sync.load(layers, &local)?,
             StageGrads::Replicated(_) => return Err(no_flat_state()),
         };
-        Ok((layers, scaler))
+        Ok((layers, position))
     }
 }
 

@@ -22,14 +22,15 @@ use super::wire::{self, TAG_ACTIVATION, TAG_GRADIENT};
 use crate::activation::{checkpoint, with_config_options};
 use crate::config::ZeroStage;
 use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
-use crate::engine::estimate::{StatePrecision, estimate_model_states};
-use crate::engine::flat::{ParamLayout, param_paths, params_from_flat, params_to_flat};
-use crate::engine::memory::{ModelStateBytes, burn_state_bytes_per_elem, param_bytes};
-use crate::engine::partitioned_kind;
-use crate::engine::{BreakdownWindow, build_optimizer};
+use crate::flat::{ParamLayout, param_paths, params_from_flat, params_to_flat};
 use crate::grid::Grid;
-use crate::monitor::{Monitor, MonitorRecord};
-use crate::precision::{DynamicLossScaler, cast_module};
+use crate::memory::estimate::{StatePrecision, estimate_model_states};
+use crate::memory::{ModelStateBytes, burn_state_bytes_per_elem, param_bytes};
+use crate::monitor::MonitorRecord;
+use crate::optim::build_optimizer;
+use crate::optim::partitioned_kind;
+use crate::precision::cast_module;
+use crate::step::core::StepCore;
 use crate::sync::scale::clip_to;
 use crate::sync::{
     GradBuffer, GradSync, ModelParallelNorm, PartitionedSync, Reduced, SyncOptions,
@@ -65,24 +66,56 @@ pub struct PipeStepReport {
     pub schedule_time: Duration,
     /// Time of this stage in forward and backward passes.
     pub compute_time: Duration,
-    /// This stage's time per phase of the step (`wall_clock_breakdown`): forward and
-    /// backward passes, activation and gradient sends and receives (waiting for the
-    /// neighbour included), gradient reductions, the optimizer step, and the whole step.
-    pub phases: Vec<(&'static str, Duration)>,
+    /// This stage's time per phase of the step (`wall_clock_breakdown`).
+    pub phases: PipePhases,
 }
 
-/// The `wall_clock_breakdown` phase an instruction's time counts in.
-fn phase_of(inst: PipeInstruction) -> &'static str {
-    match inst {
-        PipeInstruction::LoadMicroBatch { .. } => "load",
-        PipeInstruction::ForwardPass { .. } => "forward",
-        PipeInstruction::BackwardPass { .. } => "backward",
-        PipeInstruction::SendActivation { .. }
-        | PipeInstruction::RecvActivation { .. }
-        | PipeInstruction::SendGrad { .. }
-        | PipeInstruction::RecvGrad { .. } => "send/recv",
-        PipeInstruction::ReduceTiedGrads | PipeInstruction::ReduceGrads => "reduce",
-        PipeInstruction::OptimizerStep => "optimizer",
+/// A pipeline stage's time per phase of one step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PipePhases {
+    /// Loading micro-batches (first and last stage).
+    pub load: Duration,
+    /// Forward passes.
+    pub forward: Duration,
+    /// Backward passes.
+    pub backward: Duration,
+    /// Activation and gradient sends and receives, waiting for the neighbour included.
+    pub send_recv: Duration,
+    /// Tied-gradient sums and the gradient reduction over the replicas.
+    pub reduce: Duration,
+    /// The optimizer step.
+    pub optimizer: Duration,
+    /// The whole step.
+    pub step: Duration,
+}
+
+impl PipePhases {
+    /// The phase an instruction's time counts in.
+    fn of(&mut self, inst: PipeInstruction) -> &mut Duration {
+        match inst {
+            PipeInstruction::LoadMicroBatch { .. } => &mut self.load,
+            PipeInstruction::ForwardPass { .. } => &mut self.forward,
+            PipeInstruction::BackwardPass { .. } => &mut self.backward,
+            PipeInstruction::SendActivation { .. }
+            | PipeInstruction::RecvActivation { .. }
+            | PipeInstruction::SendGrad { .. }
+            | PipeInstruction::RecvGrad { .. } => &mut self.send_recv,
+            PipeInstruction::ReduceTiedGrads | PipeInstruction::ReduceGrads => &mut self.reduce,
+            PipeInstruction::OptimizerStep => &mut self.optimizer,
+        }
+    }
+
+    /// The phases by name, in the order `wall_clock_breakdown` prints them.
+    pub fn named(&self) -> [(&'static str, Duration); 7] {
+        [
+            ("load", self.load),
+            ("forward", self.forward),
+            ("backward", self.backward),
+            ("send/recv", self.send_recv),
+            ("reduce", self.reduce),
+            ("optimizer", self.optimizer),
+            ("step", self.step),
+        ]
     }
 }
 
@@ -122,7 +155,7 @@ pub struct PipelineEngine<L, B> {
     pub(super) layers: Vec<L>,
     parts: Vec<usize>,
     topo: PipeDataTopology,
-    pub(super) stage: usize,
+    pub(super) pipe_stage: usize,
     pub(super) replica: usize,
     /// The grid: its world, pipe, data and tensor groups, and the tensor-parallel group
     /// the layers are sliced over.
@@ -152,22 +185,11 @@ pub struct PipelineEngine<L, B> {
     kind: ScheduleKind,
     device: Device,
     total_params: usize,
-    pub(super) global_step: u64,
-    /// `wall_clock_breakdown`: the phases' sums since the last print.
-    pub(super) breakdown: BreakdownWindow,
-    /// `tensorboard` / `csv_monitor` (global rank 0).
-    monitor: Option<Monitor>,
-    /// A monitor write that failed, refused at the next step on every rank.
-    monitor_failure: Option<String>,
-    /// Tokens per sample, for the monitor's tokens/s.
-    tokens_per_sample: Option<u64>,
-    /// Steps skipped because the gradient norm was not finite.
-    pub(super) skipped_steps: u64,
+    /// The step protocol: loss scale, step counters, breakdown and monitor.
+    pub(super) core: StepCore,
     /// Mixed precision: the fp32 masters of this stage's layers, which the optimizer steps
     /// (`layers` is their 16-bit working copy).
     masters: Option<Vec<L>>,
-    /// fp16: the loss scaler.
-    pub(super) scaler: Option<DynamicLossScaler>,
     _batch: PhantomData<fn(&B)>,
 }
 
@@ -427,22 +449,14 @@ where
                 (StageGrads::Partitioned(sync), layers, None)
             }
         };
-        let scaler = match config.fp16.enabled {
-            true => Some(DynamicLossScaler::new(&config.fp16)?),
-            false => None,
-        };
-        let monitor = Monitor::agreed(&config, grid.world().as_ref())?;
+        let core = StepCore::with_monitor(&config, grid.world().as_ref())?;
         Ok(Self {
             layers,
             masters,
-            scaler,
-            monitor,
-            monitor_failure: None,
-            tokens_per_sample: None,
-            skipped_steps: 0,
+            core,
             parts,
             topo,
-            stage,
+            pipe_stage: stage,
             replica,
             grid: grid.clone(),
             norm,
@@ -460,8 +474,6 @@ where
             kind: ScheduleKind::default(),
             device,
             total_params,
-            global_step: 0,
-            breakdown: BreakdownWindow::default(),
             _batch: PhantomData,
         })
     }
@@ -469,36 +481,7 @@ where
     /// Declares how many tokens one sample holds, so that the monitor also records
     /// tokens per second.
     pub fn set_tokens_per_sample(&mut self, tokens: u64) {
-        self.tokens_per_sample = Some(tokens);
-    }
-
-    /// Writes the step's scalars to the monitor (global rank 0, when configured).
-    fn write_monitor(&mut self, report: &PipeStepReport) {
-        if self.monitor.is_none() {
-            return;
-        }
-        let phase = |name: &str| {
-            let t = report.phases.iter().find(|(p, _)| *p == name);
-            t.map(|(_, d)| d.as_secs_f64() * 1e3)
-        };
-        let step_time = report.phases.iter().find(|(p, _)| *p == "step");
-        let step_time = step_time.map_or(Duration::ZERO, |(_, d)| *d);
-        let batch = self.batch.train_batch_size;
-        let record = MonitorRecord {
-            train_loss: report.loss,
-            lr: report.lr,
-            loss_scale: report.loss_scale.map(f64::from),
-            grad_norm: report.grad_norm,
-            model_state_bytes: Some(self.model_state_bytes().total() as f64),
-            forward_ms: phase("forward"),
-            backward_ms: phase("backward"),
-            reduce_ms: phase("reduce"),
-            optimizer_ms: phase("optimizer"),
-            ..MonitorRecord::timed(report.step, batch, step_time, self.tokens_per_sample)
-        };
-        if let Some(Err(e)) = self.monitor.as_mut().map(|m| m.write(&record)) {
-            self.monitor_failure = Some(e.to_string());
-        }
+        self.core.set_tokens_per_sample(tokens);
     }
 
     /// Runs `kind` instead of 1F1B (GPipe, for comparison).
@@ -513,41 +496,26 @@ where
     pub fn train_batch(&mut self, mut load: impl FnMut(usize) -> B) -> Result<PipeStepReport> {
         if self.config.tensorboard.enabled || self.config.csv_monitor.enabled {
             // Rank 0's failed write of the last step fails this one everywhere.
-            let failure = self.monitor_failure.take();
-            let local = failure.map_or(Ok(()), |e| {
-                Err(DeepSpeedError::Data(format!(
-                    "the monitor could not write the last step: {e}"
-                )))
-            });
+            let failure = self.core.take_monitor_failure();
+            let local = failure.map_or(Ok(()), |e| Err(DeepSpeedError::Data(e)));
             agreed(self.grid.world().as_ref(), "monitor", local)?;
         }
         let stages = self.topo.stages;
         let micro = self.batch.gradient_accumulation_steps as usize;
-        let schedule = self.kind.schedule(micro, stages, self.stage);
+        let schedule = self.kind.schedule(micro, stages, self.pipe_stage);
         let mut run = Run::new(schedule.num_pipe_buffers(), Mode::Train);
         let loss_scale = self.loss_scale();
         let mut grad_norm = 0.0;
-        // A skipped step does not advance the schedule.
-        let lr = self.lr_at(self.global_step - self.skipped_steps);
+        let lr = self.core.lr(&self.config);
         let mut overflow = false;
         let start = Instant::now();
-        let mut phases: Vec<(&'static str, Duration)> = [
-            "load",
-            "forward",
-            "backward",
-            "send/recv",
-            "reduce",
-            "optimizer",
-        ]
-        .map(|p| (p, Duration::ZERO))
-        .to_vec();
+        let mut phases = PipePhases::default();
         for step in schedule.steps() {
             for inst in step {
-                let _span = instruction_span(inst, self.stage).entered();
+                let _span = instruction_span(inst, self.pipe_stage).entered();
                 let t0 = Instant::now();
                 let _timer = PhaseTimer {
-                    phases: &mut phases,
-                    phase: phase_of(inst),
+                    phase: phases.of(inst),
                     t0,
                 };
                 if self.data_instruction(inst, &mut run, &mut load)? {
@@ -557,7 +525,7 @@ where
                     PipeInstruction::RecvGrad { buffer } => {
                         let dy = wire::recv(
                             self.grid.pipe().as_ref(),
-                            self.stage + 1,
+                            self.pipe_stage + 1,
                             TAG_GRADIENT,
                             &self.device,
                             self.wire_dtype(),
@@ -566,7 +534,7 @@ where
                     }
                     PipeInstruction::BackwardPass { buffer } => {
                         let t0 = Instant::now();
-                        let last = self.stage == stages - 1;
+                        let last = self.pipe_stage == stages - 1;
                         self.backward_stage(&mut run.slots[buffer], last)?;
                         run.live -= 1;
                         run.compute += t0.elapsed();
@@ -576,7 +544,7 @@ where
                             pipeline_error(format!("no input gradient in buffer {buffer} to send"))
                         })?;
                         let (pipe, dtype) = (self.grid.pipe().as_ref(), self.wire_dtype());
-                        wire::send(pipe, &dx, self.stage - 1, TAG_GRADIENT, dtype)?;
+                        wire::send(pipe, &dx, self.pipe_stage - 1, TAG_GRADIENT, dtype)?;
                     }
                     PipeInstruction::ReduceTiedGrads => {
                         run.schedule_time = start.elapsed();
@@ -602,10 +570,9 @@ where
                         // The norm is summed over the pipeline and the gradient averaged over
                         // the replicas: every rank sees the same norm, and skips together.
                         overflow = !grad_norm.is_finite();
-                        if let Some(scaler) = &mut self.scaler {
-                            scaler.update(overflow)?;
-                        }
-                        if overflow {
+                        if self.core.decide(overflow, grad_norm)? {
+                            self.optimizer_step(lr)?;
+                        } else {
                             match &mut self.grads {
                                 StageGrads::Replicated(buffer) => {
                                     buffer.reset();
@@ -613,14 +580,6 @@ where
                                 }
                                 StageGrads::Partitioned(sync) => sync.discard(),
                             }
-                            self.skipped_steps += 1;
-                            tracing::warn!(
-                                stage = self.stage,
-                                skipped_steps = self.skipped_steps,
-                                "the gradient norm is not finite: step skipped on every rank"
-                            );
-                        } else {
-                            self.optimizer_step(lr)?;
                         }
                     }
                     other => {
@@ -640,25 +599,36 @@ where
         if self.grid.world().world_size() > 1 {
             self.grid.world().all_reduce(&mut bubble, ReduceOp::Mean)?;
         }
-        self.global_step += 1;
-        phases.push(("step", start.elapsed()));
-        if self.config.wall_clock_breakdown {
-            self.breakdown.add(&phases);
-            let every = self.config.steps_per_print.max(1);
-            // One line per stage: its first replica's.
-            if self.replica == 0 && self.global_step.is_multiple_of(every) {
-                let rank = self.grid.world().rank();
-                let line = self.breakdown.take_line(rank, self.global_step);
-                eprintln!("{line} (stage {})", self.stage);
-            }
-        }
+        phases.step = start.elapsed();
+        // One breakdown line per stage: its first replica's.
+        let suffix = format!(" (stage {})", self.pipe_stage);
+        let print_as = (self.replica == 0).then_some((self.grid.world().rank(), suffix.as_str()));
+        let state_bytes = (self.core.monitoring()).then(|| self.model_state_bytes().total() as f64);
+        let report_scale = self.core.loss_scale().map(|_| loss_scale);
+        let ms = |d: Duration| Some(d.as_secs_f64() * 1e3);
+        let step = self
+            .core
+            .finish(&phases.named(), print_as, phases.step, |timed| {
+                MonitorRecord {
+                    train_loss: loss,
+                    lr,
+                    loss_scale: report_scale.map(f64::from),
+                    grad_norm,
+                    model_state_bytes: state_bytes,
+                    forward_ms: ms(phases.forward),
+                    backward_ms: ms(phases.backward),
+                    reduce_ms: ms(phases.reduce),
+                    optimizer_ms: ms(phases.optimizer),
+                    ..timed
+                }
+            });
         let report = PipeStepReport {
-            step: self.global_step,
+            step,
             loss,
             lr,
             grad_norm,
             overflow,
-            loss_scale: self.scaler.as_ref().map(|_| loss_scale),
+            loss_scale: report_scale,
             stage_bubble_fraction: stage_bubble,
             bubble_fraction: bubble[0] as f64,
             peak_live_activations: run.peak,
@@ -666,7 +636,6 @@ where
             compute_time: run.compute,
             phases,
         };
-        self.write_monitor(&report);
         Ok(report)
     }
 
@@ -675,7 +644,7 @@ where
     /// all replicas. `load` is called as in [`train_batch`](Self::train_batch).
     pub fn eval_batch(&mut self, mut load: impl FnMut(usize) -> B) -> Result<f64> {
         let micro = self.batch.gradient_accumulation_steps as usize;
-        let schedule = InferenceSchedule::new(micro, self.topo.stages, self.stage);
+        let schedule = InferenceSchedule::new(micro, self.topo.stages, self.pipe_stage);
         let mut run = Run::new(schedule.num_pipe_buffers(), Mode::Eval);
         for inst in schedule.steps().into_iter().flatten() {
             if !self.data_instruction(inst, &mut run, &mut load)? {
@@ -695,7 +664,7 @@ where
         load: &mut impl FnMut(usize) -> B,
     ) -> Result<bool> {
         let train = run.mode == Mode::Train;
-        let last = self.stage == self.topo.stages - 1;
+        let last = self.pipe_stage == self.topo.stages - 1;
         match inst {
             PipeInstruction::LoadMicroBatch { buffer } => {
                 run.slots[buffer].batch = Some(load(run.loaded));
@@ -704,7 +673,7 @@ where
             PipeInstruction::RecvActivation { buffer } => {
                 let x = wire::recv(
                     self.grid.pipe().as_ref(),
-                    self.stage - 1,
+                    self.pipe_stage - 1,
                     TAG_ACTIVATION,
                     &self.device,
                     self.wire_dtype(),
@@ -752,7 +721,7 @@ where
                     pipeline_error(format!("no activation in buffer {buffer} to send"))
                 })?;
                 let (pipe, dtype) = (self.grid.pipe().as_ref(), self.wire_dtype());
-                wire::send(pipe, &y, self.stage + 1, TAG_ACTIVATION, dtype)?;
+                wire::send(pipe, &y, self.pipe_stage + 1, TAG_ACTIVATION, dtype)?;
             }
             _ => return Ok(false),
         }
@@ -762,11 +731,14 @@ where
     /// Refuses a run in which this stage loaded another number of micro-batches than the
     /// schedule has (only the first and the last stage load them).
     fn check_loaded(&self, loaded: usize, micro: usize) -> Result<()> {
-        let (first, last) = (self.stage == 0, self.stage == self.topo.stages - 1);
+        let (first, last) = (
+            self.pipe_stage == 0,
+            self.pipe_stage == self.topo.stages - 1,
+        );
         if loaded != if first || last { micro } else { 0 } {
             return Err(pipeline_error(format!(
                 "stage {} loaded {loaded} micro-batches for {micro}",
-                self.stage
+                self.pipe_stage
             )));
         }
         Ok(())
@@ -777,7 +749,7 @@ where
     fn share_loss(&self, loss_sum: f64, micro: usize) -> Result<f64> {
         let stages = self.topo.stages;
         let mut loss = [(loss_sum / micro as f64) as f32];
-        if self.stage == stages - 1 && self.grid.data().world_size() > 1 {
+        if self.pipe_stage == stages - 1 && self.grid.data().world_size() > 1 {
             self.grid.data().all_reduce(&mut loss, ReduceOp::Mean)?;
         }
         if stages > 1 {
@@ -793,7 +765,7 @@ where
 
     /// fp16: the current loss scale; 1 otherwise.
     fn loss_scale(&self) -> f32 {
-        self.scaler.as_ref().map_or(1.0, DynamicLossScaler::scale)
+        self.core.loss_scale().unwrap_or(1.0)
     }
 
     /// Steps this stage's layers with the averaged, clipped gradient (under mixed precision,
@@ -838,7 +810,7 @@ where
     /// the micro-batch, not a tensor, so it runs as it is and the runs start after it.
     fn forward_stage(&self, slot: &mut Slot<B>) -> Result<Tensor<3>> {
         let mut layers = self.layers.as_slice();
-        let hidden = if self.stage == 0 {
+        let hidden = if self.pipe_stage == 0 {
             let batch = slot.batch.as_ref().ok_or_else(|| {
                 pipeline_error("the first stage has no micro-batch loaded".into())
             })?;
@@ -876,8 +848,8 @@ where
                 .take()
                 .ok_or_else(|| pipeline_error("a backward pass found no loss".into()))?;
             // fp16: the loss times the scale, which the gradient average divides out.
-            match &self.scaler {
-                Some(scaler) => (loss * scaler.scale()).backward(),
+            match self.core.loss_scale() {
+                Some(scale) => (loss * scale).backward(),
                 None => loss.backward(),
             }
         } else {
@@ -891,14 +863,14 @@ where
             // d(sum(y * dy))/dy = dy: backpropagates the received gradient.
             (y * dy).sum().backward()
         };
-        if self.stage > 0 {
+        if self.pipe_stage > 0 {
             let x = slot.input.take().ok_or_else(|| {
                 pipeline_error("a backward pass found no input activation".into())
             })?;
             let dx = x.grad(&grads).ok_or_else(|| {
                 pipeline_error(format!(
                     "stage {}'s output does not depend on its input: no gradient to send back",
-                    self.stage
+                    self.pipe_stage
                 ))
             })?;
             slot.input_grad = Some(dx);
@@ -946,9 +918,9 @@ where
         self.config.lr_at(step)
     }
 
-    /// This rank's stage.
-    pub fn stage(&self) -> usize {
-        self.stage
+    /// This rank's pipeline stage (not to be confused with the ZeRO stage).
+    pub fn pipe_stage(&self) -> usize {
+        self.pipe_stage
     }
     /// This rank's replica (its index on the data-parallel axis).
     pub fn replica(&self) -> usize {
@@ -972,11 +944,11 @@ where
     }
     /// Steps skipped because the gradient norm was not finite (DeepSpeed's `skipped_steps`).
     pub fn skipped_steps(&self) -> u64 {
-        self.skipped_steps
+        self.core.skipped_steps()
     }
     /// fp16: the loss scale the next step's gradients are computed with.
     pub fn current_loss_scale(&self) -> Option<f32> {
-        self.scaler.as_ref().map(DynamicLossScaler::scale)
+        self.core.loss_scale()
     }
     /// Consumes the engine and returns this stage's layers.
     pub fn into_layers(self) -> Vec<L> {
@@ -992,7 +964,7 @@ where
     }
     /// Optimizer steps taken.
     pub fn global_step(&self) -> u64 {
-        self.global_step
+        self.core.global_step()
     }
     /// Float parameters of the whole model.
     pub fn total_params(&self) -> usize {
@@ -1061,15 +1033,12 @@ where
 /// Adds the time since `t0` to `phase` when dropped (after the instruction, whichever way
 /// its arm leaves the loop body).
 struct PhaseTimer<'a> {
-    phases: &'a mut Vec<(&'static str, Duration)>,
-    phase: &'static str,
+    phase: &'a mut Duration,
     t0: Instant,
 }
 
 impl Drop for PhaseTimer<'_> {
     fn drop(&mut self) {
-        if let Some((_, sum)) = self.phases.iter_mut().find(|(p, _)| *p == self.phase) {
-            *sum += self.t0.elapsed();
-        }
+        *self.phase += self.t0.elapsed();
     }
 }

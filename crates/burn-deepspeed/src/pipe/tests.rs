@@ -10,7 +10,7 @@ use burn_deepspeed_strategies::comm::{Communicator, ThreadWorld, ThreadWorldOpti
 
 use super::*;
 use crate::DeepSpeedConfig;
-use crate::engine::flat::{ParamLayout, params_to_flat};
+use crate::flat::{ParamLayout, params_to_flat};
 
 const D: usize = 6;
 
@@ -163,7 +163,7 @@ fn train_with(
                 "eval {eval} vs first training loss {}",
                 losses[0]
             );
-            let stage = engine.stage();
+            let stage = engine.pipe_stage();
             let flats = engine
                 .layers()
                 .iter()

@@ -30,8 +30,7 @@ pub(crate) fn send(
         .flat_map(|&d| (d as u64).to_le_bytes())
         .collect();
     comm.send(&header, dst, tag)?;
-    let data =
-        crate::engine::transfer::staging(|| crate::engine::transfer::read(t.clone().cast(dtype)));
+    let data = crate::transfer::staging(|| crate::transfer::read(t.clone().cast(dtype)));
     let converted = "a tensor cast to the wire's dtype reads as that dtype";
     match dtype {
         FloatDType::F16 => comm.send(&data.try_into_vec::<f16>().expect(converted), dst, tag)?,
@@ -88,8 +87,8 @@ pub(crate) fn recv(
             TensorData::new(values, dims)
         }
     };
-    Ok(crate::engine::transfer::staging(|| {
-        crate::engine::transfer::write(data, device, dtype.into())
+    Ok(crate::transfer::staging(|| {
+        crate::transfer::write(data, device, dtype.into())
     }))
 }
 

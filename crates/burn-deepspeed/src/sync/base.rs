@@ -9,9 +9,9 @@ use burn_deepspeed_strategies::swap::SwapSummary;
 use burn_deepspeed_strategies::zero::PartitionState;
 
 use crate::Result;
-use crate::engine::checkpoint::Loaded;
-use crate::engine::flat::{ParamLayout, params_to_flat};
-use crate::engine::memory::ModelStateBytes;
+use crate::checkpoint::Loaded;
+use crate::flat::{ParamLayout, params_to_flat};
+use crate::memory::ModelStateBytes;
 use crate::zero3::GatherStats;
 
 /// What [`GradSync::reduce`] leaves for the step.
@@ -113,7 +113,7 @@ pub trait GradSync<M: Module> {
     /// does, applies the coefficient here). Regimes that cannot refuse.
     fn scale_reduced(&mut self, factor: f32) -> Result<()> {
         let _ = factor;
-        Err(crate::DeepSpeedError::Strategy(
+        Err(crate::DeepSpeedError::Regime(
             "this gradient regime cannot rescale its reduced gradient".into(),
         ))
     }
@@ -135,7 +135,7 @@ pub trait GradSync<M: Module> {
         Ok(None)
     }
 
-    /// The model state this rank holds now, measured (see [`crate::engine::memory`]).
+    /// The model state this rank holds now, measured (see [`crate::memory`]).
     fn held(&self, model: &M) -> ModelStateBytes;
 
     /// The largest model state (held plus the step's transient buffers) observed so far.
@@ -260,7 +260,7 @@ pub(crate) fn caller_optimizer_keeps_no_masters(dtype: FloatDType) -> crate::Dee
 /// The refusal of a device-resident regime asked for its gradients by a caller that steps
 /// with its own optimizer: the regime steps its fused optimizer on the device.
 pub(crate) fn steps_its_own_fused_optimizer(stage: u8) -> crate::DeepSpeedError {
-    crate::DeepSpeedError::Strategy(format!(
+    crate::DeepSpeedError::Regime(format!(
         "the device-resident stage {stage} steps its own fused optimizer"
     ))
 }

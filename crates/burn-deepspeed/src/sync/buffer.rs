@@ -12,10 +12,8 @@ use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
 use super::SyncOptions;
 use super::elem::{GradElem, add_into};
 use super::scale::{Scaling, all_reduce_mean};
-use crate::engine::flat::{
-    ParamLayout, for_each_grad, grads_from_flat, params_from_flat, params_to_flat,
-};
-use crate::engine::memory::vec_bytes;
+use crate::flat::{ParamLayout, for_each_grad, grads_from_flat, params_from_flat, params_to_flat};
+use crate::memory::vec_bytes;
 use crate::{DeepSpeedError, Result};
 
 /// Makes every rank's `module` (laid out as `layout`) equal to rank 0's.

@@ -15,8 +15,8 @@ use super::{
     broadcast_params, module_device,
 };
 use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
-use crate::engine::flat::ParamLayout;
-use crate::engine::{build_optimizer, partitioned_kind};
+use crate::flat::ParamLayout;
+use crate::optim::{build_optimizer, partitioned_kind};
 use crate::{DeepSpeedError, Result, agreed};
 
 /// The regime a resolved `config` names for `model` on `comm`, and the model as that regime
@@ -68,7 +68,7 @@ fn build_with<M: Module, G: GradElem>(
         let coll = device_collectives(comm.clone(), &device)?;
         let sync =
             DeviceCompressedSync::new(&model, layout, comm, coll, &options, optimizer, device)?
-                .ok_or_else(|| DeepSpeedError::Strategy("not a 1-bit optimizer".into()))?;
+                .ok_or_else(|| DeepSpeedError::Regime("not a 1-bit optimizer".into()))?;
         return Ok((model, Box::new(sync)));
     }
     let on_device = match device.and_then(|d| device_optimizer(config).map(|o| (d, o))) {
@@ -220,7 +220,7 @@ pub fn for_caller_optimizer<M: Module>(
             PartitionedSync::<f32>::for_whole_tensors(layout, comm, options),
         ),
         ZeroStage::Parameters => {
-            return Err(DeepSpeedError::Strategy(
+            return Err(DeepSpeedError::Regime(
                 "ZeRO stage 3 needs the model sharded first: build a ShardedSync::for_learner"
                     .into(),
             ));

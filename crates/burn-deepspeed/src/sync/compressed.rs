@@ -18,11 +18,11 @@ use burn_deepspeed_strategies::onebit::{OneBitOptimizer, OneBitPhase};
 use super::buffer::GradBuffer;
 use super::scale::clip_local;
 use super::{GradSync, Reduced, SavedState, SyncOptions};
+use crate::checkpoint::{Loaded, one_bit_state_bytes, one_bit_state_from_bytes};
 use crate::config::OptimizerConfig;
-use crate::engine::build_one_bit;
-use crate::engine::checkpoint::{Loaded, one_bit_state_bytes, one_bit_state_from_bytes};
-use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat, restore_params};
-use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
+use crate::flat::{ParamLayout, params_from_flat, params_to_flat, restore_params};
+use crate::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
+use crate::optim::build_one_bit;
 use crate::precision::cast_module;
 use crate::{DeepSpeedError, Result};
 

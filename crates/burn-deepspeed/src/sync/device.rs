@@ -39,13 +39,13 @@ use super::device_step::{
 };
 use super::scale::{Scaling, sum_across};
 use super::{GradSync, Reduced, SavedState, SyncOptions};
+use crate::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
 use crate::config::ZeroStage;
-use crate::engine::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
-use crate::engine::flat::{ParamLayout, restore_params};
-use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes};
-use crate::engine::primitive::autodiff_like;
-use crate::engine::transfer;
+use crate::flat::{ParamLayout, restore_params};
+use crate::memory::{MemoryMeter, ModelStateBytes, param_bytes};
 use crate::precision::cast_module;
+use crate::primitive::autodiff_like;
+use crate::transfer;
 use crate::{DeepSpeedError, Result};
 
 /// The device of `module`'s first float parameter, if it has one.
@@ -403,7 +403,7 @@ impl<M: Module> GradSync<M> for DeviceSync {
         let grads = self
             .grads
             .take()
-            .ok_or_else(|| DeepSpeedError::Strategy("step before reduce".into()))?;
+            .ok_or_else(|| DeepSpeedError::Regime("step before reduce".into()))?;
         let own = self.own.clone();
         // Each parameter's part of this rank's slice, in slice coordinates.
         let pieces: Vec<(usize, Range<usize>)> = self

@@ -27,13 +27,13 @@ use super::device::{flat_grads, flat_params, write_back};
 use super::device_step::{accumulated, clip_to, scaled, squared_norm, staged};
 use super::scale::Scaling;
 use super::{GradSync, Reduced, SavedState, SyncOptions};
+use crate::checkpoint::{Loaded, one_bit_state_bytes, one_bit_state_from_bytes};
 use crate::config::OptimizerConfig;
-use crate::engine::build_device_one_bit;
-use crate::engine::checkpoint::{Loaded, one_bit_state_bytes, one_bit_state_from_bytes};
-use crate::engine::flat::{ParamLayout, restore_params};
-use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes};
-use crate::engine::transfer;
+use crate::flat::{ParamLayout, restore_params};
+use crate::memory::{MemoryMeter, ModelStateBytes, param_bytes};
+use crate::optim::build_device_one_bit;
 use crate::precision::cast_module;
+use crate::transfer;
 use crate::{DeepSpeedError, Result};
 
 /// A rank's stage-0 state under a 1-bit optimizer on the model's device.
@@ -161,7 +161,7 @@ impl<M: Module> GradSync<M> for DeviceCompressedSync {
         let grads = self
             .grads
             .take()
-            .ok_or_else(|| DeepSpeedError::Strategy("step before reduce".into()))?;
+            .ok_or_else(|| DeepSpeedError::Regime("step before reduce".into()))?;
         let before = self.optim.host_bytes();
         let coll = self.coll.clone();
         let stepped = staged(coll.as_ref(), &self.device, |c| {

@@ -37,12 +37,12 @@ use super::device_step::{DeviceOptimizer, StepState, clip_to, device_step, squar
 use super::scale::{Scaling, norm_across, sum_across};
 use super::sharded::{gather_group, gathered_copy};
 use super::{GradSync, Reduced, SavedState, SyncOptions};
-use crate::engine::checkpoint::{Loaded, gather_state, partition_state_bytes};
-use crate::engine::flat::{ParamLayout, set_param_ids};
-use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes};
-use crate::engine::primitive::autodiff_like;
-use crate::engine::transfer;
+use crate::checkpoint::{Loaded, gather_state, partition_state_bytes};
+use crate::flat::{ParamLayout, set_param_ids};
+use crate::memory::{MemoryMeter, ModelStateBytes, param_bytes};
 use crate::precision::cast_module;
+use crate::primitive::autodiff_like;
+use crate::transfer;
 use crate::zero3::{GatherGroup, GatherStats, chunk_shape, shard_module};
 use crate::{DeepSpeedError, Result, agreed};
 
@@ -590,7 +590,7 @@ impl<M: Module> GradSync<M> for DeviceShardedSync {
         let grads = self
             .reduced
             .take()
-            .ok_or_else(|| DeepSpeedError::Strategy("step before reduce".into()))?;
+            .ok_or_else(|| DeepSpeedError::Regime("step before reduce".into()))?;
         let pieces: Vec<(usize, Range<usize>)> = self
             .segments
             .iter()

@@ -31,8 +31,8 @@ pub enum DeviceOptimizer {
     Lamb(LambParams),
 }
 
-use crate::engine::transfer;
-pub(super) use crate::engine::transfer::staged_collective as staged;
+use crate::transfer;
+pub(super) use crate::transfer::staged_collective as staged;
 
 /// The squared L2 norm of this rank's gradient buffer, in f64: the one value a device regime
 /// reads to the host each step (its input to the norm's sum over ranks, so counted as
@@ -135,7 +135,7 @@ fn fused_adam_step(
             &hyper,
             step,
         )
-        .map_err(|e| DeepSpeedError::Strategy(format!("fused Adam on the device: {e}")))
+        .map_err(|e| DeepSpeedError::Regime(format!("fused Adam on the device: {e}")))
     };
     let StepState {
         m,

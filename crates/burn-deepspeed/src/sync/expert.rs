@@ -24,15 +24,15 @@ use super::{
     GradSync, ModelParallelNorm, PartitionedSync, Reduced, ReplicatedSync, SavedState, SyncOptions,
     WholeLayout, broadcast_params, module_device,
 };
-use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
-use crate::engine::checkpoint::{
+use crate::checkpoint::{
     Loaded, all_gather_bytes, f32_bytes, f32_values, partition_state_bytes,
     partition_state_from_bytes,
 };
-use crate::engine::flat::{ParamLayout, param_paths};
-use crate::engine::memory::ModelStateBytes;
-use crate::engine::{build_optimizer, partitioned_kind};
+use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
+use crate::flat::{ParamLayout, param_paths};
+use crate::memory::ModelStateBytes;
 use crate::moe::ExpertParallel;
+use crate::optim::{build_optimizer, partitioned_kind};
 use crate::{DeepSpeedError, Result, agreed};
 
 /// The dense and the expert regimes of one model (see the module docs).
@@ -64,7 +64,7 @@ pub fn build_expert_parallel<M: Module>(
     ep: &ExpertParallel,
 ) -> Result<(M, Box<dyn GradSync<M>>)> {
     let (Some(ep_group), Some(expert_data)) = (ep.ep_group(), ep.expert_data_group()) else {
-        return Err(DeepSpeedError::Strategy(
+        return Err(DeepSpeedError::Regime(
             "expert parallelism of one rank has no groups".into(),
         ));
     };

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use burn::module::ParamId;
 
-use crate::engine::flat::ParamLayout;
+use crate::flat::ParamLayout;
 use crate::moe::ExpertLayer;
 use crate::{DeepSpeedError, Result};
 
@@ -60,7 +60,7 @@ impl WholeLayout {
         ep_rank: usize,
         peer_ids: &[Vec<u64>],
     ) -> Result<Self> {
-        let refuse = |what: String| Err(DeepSpeedError::Strategy(what));
+        let refuse = |what: String| Err(DeepSpeedError::Regime(what));
         let mut place: HashMap<ParamId, (usize, usize, usize)> = HashMap::new();
         for (l, layer) in layers.iter().enumerate() {
             for (j, expert) in layer.experts.iter().enumerate() {
@@ -232,7 +232,7 @@ impl WholeLayout {
             Unit::Tensors => (self.dense.0, self.experts.0),
         };
         if dense.len() != d || experts.iter().any(|x| x.as_ref().len() != e) {
-            return Err(DeepSpeedError::Strategy(format!(
+            return Err(DeepSpeedError::Regime(format!(
                 "the whole model joins {d} dense and {e} expert values per rank; got {} and {:?}",
                 dense.len(),
                 experts.iter().map(|x| x.as_ref().len()).collect::<Vec<_>>()

@@ -15,7 +15,7 @@ use burn_deepspeed_strategies::comm::Communicator;
 use super::GradElem;
 use super::scale::{squared_sum, sum_across};
 use crate::Result;
-use crate::engine::flat::ParamLayout;
+use crate::flat::ParamLayout;
 use crate::tensor_parallel::TensorParallel;
 
 /// The model-parallel half of a gradient norm: which flat ranges this rank leaves out, and

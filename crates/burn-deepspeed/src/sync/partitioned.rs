@@ -33,13 +33,13 @@ use super::scale::{Scaling, clip_across, clip_to, scale, sum_across};
 use super::{
     GradSync, NvmeOffload, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters,
 };
+use crate::checkpoint::{Loaded, cut_state, save_slice};
 use crate::config::ZeroStage;
-use crate::engine::checkpoint::{Loaded, cut_state, save_slice};
-use crate::engine::flat::{
+use crate::flat::{
     ParamLayout, for_each_grad, grads_from_flat, params_from_flat, params_range, params_to_flat,
     restore_params,
 };
-use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
+use crate::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
 use crate::precision::cast_module;
 use crate::{DeepSpeedError, Result, agreed};
 
@@ -289,7 +289,7 @@ impl<G: GradElem> PartitionedSync<G> {
                 let masters = o.is_offloaded().then(|| &params[self.own.clone()]);
                 o.restore(own, masters)?
             }
-            None => return Err(crate::engine::checkpoint::no_state_to_restore()),
+            None => return Err(crate::checkpoint::no_state_to_restore()),
         }
         if self.master.is_some() {
             self.master = Some(params[self.own.clone()].to_vec());
@@ -611,11 +611,6 @@ impl<M: Module, G: GradElem> GradSync<M> for PartitionedSync<G> {
     fn whole_moments(&self) -> Result<Option<burn_deepspeed_strategies::zero::PartitionState>> {
         GradSync::<M>::settle(self);
         let sizes: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
-        crate::engine::checkpoint::gather_moments(
-            self.comm.as_ref(),
-            self.optim.as_ref(),
-            &sizes,
-            1,
-        )
+        crate::checkpoint::gather_moments(self.comm.as_ref(), self.optim.as_ref(), &sizes, 1)
     }
 }

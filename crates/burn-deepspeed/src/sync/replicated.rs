@@ -26,9 +26,9 @@ use super::elem::GradElem;
 use super::partitioned::check_whole;
 use super::scale::{clip_local, clip_to, scale};
 use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
-use crate::engine::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
-use crate::engine::flat::{ParamLayout, params_from_flat, params_to_flat, restore_params};
-use crate::engine::memory::{
+use crate::checkpoint::{Loaded, partition_state_bytes, partition_state_from_bytes};
+use crate::flat::{ParamLayout, params_from_flat, params_to_flat, restore_params};
+use crate::memory::{
     MemoryMeter, ModelStateBytes, burn_state_bytes_per_elem, grads_bytes, param_bytes, vec_bytes,
 };
 use crate::precision::cast_module;

@@ -28,9 +28,9 @@ use super::{
     GradSync, NvmeOffload, PieceReader, PieceWriter, Reduced, SavedState, SyncOptions,
     caller_optimizer_keeps_no_masters,
 };
-use crate::engine::checkpoint::{Loaded, gather_moments, no_state_to_restore, save_slice};
-use crate::engine::flat::{ParamLayout, for_each_grad, set_param_ids};
-use crate::engine::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
+use crate::checkpoint::{Loaded, gather_moments, no_state_to_restore, save_slice};
+use crate::flat::{ParamLayout, for_each_grad, set_param_ids};
+use crate::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
 use crate::precision::cast_module;
 use crate::zero3::{
     GatherGroup, GatherStats, ParamStore, ParamStoreSummary, shard_module, shard_module_to_store,

@@ -13,8 +13,8 @@ use super::elem::GradElem;
 use super::sharded::piece_of;
 use super::{PieceReader, ShardedSync};
 use crate::agreed;
-use crate::engine::flat::{ParamLayout, to_f32_vec};
-use crate::engine::transfer;
+use crate::flat::{ParamLayout, to_f32_vec};
+use crate::transfer;
 use crate::zero3::{chunk_of, chunk_shape};
 use crate::{DeepSpeedError, Result};
 

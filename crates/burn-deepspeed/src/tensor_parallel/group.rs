@@ -12,7 +12,7 @@ use burn_deepspeed_strategies::comm::ReduceOp;
 use burn_deepspeed_strategies::device::DeviceCollectives;
 
 use super::{SliceLayout, op};
-use crate::engine::transfer;
+use crate::transfer;
 
 /// The collectives of one tensor-parallel group and the first failure of its ops.
 pub(crate) struct Group {

@@ -5,7 +5,7 @@ use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt};
 
 use super::TensorParallel;
 use crate::Result;
-use crate::engine::flat::ParamLayout;
+use crate::flat::ParamLayout;
 
 /// How a sliced parameter's whole tensor is cut: along `dim`, which is `sections` equal
 /// sections stacked (1 for a plain layer; 3 for a fused `[q | k | v]` projection), each cut

@@ -13,7 +13,7 @@ use burn::tensor::Tensor;
 use burn_deepspeed_strategies::comm::ReduceOp;
 
 use super::group::resolve;
-use crate::engine::primitive::FlatPrimitive;
+use crate::primitive::FlatPrimitive;
 
 /// Backends that run tensor-parallel layers.
 #[backend_extension(Autodiff, Flex, Cube: cfg(feature = "cube"))]

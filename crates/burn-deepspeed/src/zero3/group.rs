@@ -39,7 +39,7 @@ use burn_deepspeed_strategies::device::DeviceCollectives;
 use burn_deepspeed_strategies::zero::ShardPlan;
 
 use super::store::ParamStore;
-use crate::engine::transfer;
+use crate::transfer;
 
 /// Why a tensor is fetched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -488,7 +488,7 @@ impl GatherGroup {
                     .get(j)
                     .cloned()
                     .flatten()
-                    .map(crate::engine::transfer::read_f32),
+                    .map(crate::transfer::read_f32),
             };
             if let Some(values) = values {
                 fetched.push(j);

@@ -22,7 +22,7 @@ use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};
 use burn::tensor::{Shape, Tensor, TensorData, read_sync};
 
 use super::group::{Phase, Resolved, resolve};
-use crate::engine::transfer;
+use crate::transfer;
 
 /// Backends that run the ZeRO stage-3 gather.
 #[backend_extension(Autodiff, Flex, Cube: cfg(feature = "cube"))]
@@ -113,7 +113,7 @@ mod cube {
     use burn::backend::Cube;
 
     use super::*;
-    use crate::engine::primitive::FlatPrimitive;
+    use crate::primitive::FlatPrimitive;
 
     impl ShardIo for Cube {
         fn gather_shard(shard: FloatTensor<Self>, key: u64, phase: Phase) -> FloatTensor<Self> {

@@ -77,7 +77,7 @@ impl Reparameterizer for Sharder<'_> {
         let param = param.map(|tensor| {
             let require_grad = tensor.is_require_grad();
             let device = checkpointing(tensor.device());
-            let values = crate::engine::transfer::read_f32(tensor);
+            let values = crate::transfer::read_f32(tensor);
             let (values, shape) = if s.persistent {
                 (values, whole_shape.clone())
             } else if let Some((store, failed)) = self.store {
@@ -99,7 +99,7 @@ impl Reparameterizer for Sharder<'_> {
             } else {
                 let chunk = chunk_of(&values, s.chunk, rank);
                 if let Some(group) = group {
-                    let flat = crate::engine::transfer::write_default::<1>(
+                    let flat = crate::transfer::write_default::<1>(
                         TensorData::new(chunk.clone(), [s.chunk]),
                         &device,
                     );
@@ -107,7 +107,7 @@ impl Reparameterizer for Sharder<'_> {
                 }
                 (chunk, chunk_shape(s.chunk, D))
             };
-            crate::engine::transfer::write_default::<D>(TensorData::new(values, shape), &device)
+            crate::transfer::write_default::<D>(TensorData::new(values, shape), &device)
                 .set_require_grad(require_grad)
         });
         let reparam = (!s.persistent).then(|| ShardGather {

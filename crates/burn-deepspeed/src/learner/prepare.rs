@@ -17,9 +17,9 @@ use burn::train::{Learner, LearnerModel};
 
 use super::{ConfigSchedule, DeepSpeedStrategy};
 use crate::config::{OptimizerConfig, ZeroStage};
-use crate::engine::build_optimizer;
-use crate::engine::flat::{ParamLayout, params_to_flat};
+use crate::flat::{ParamLayout, params_to_flat};
 use crate::launch::mpirun_world_size;
+use crate::optim::build_optimizer;
 use crate::sync::{SyncOptions, shard_plan};
 use crate::zero3::{prepared_id, shard_module_ahead};
 

@@ -6,13 +6,13 @@
 //! reads it when [`CountingAllocator`] is the global allocator, and reports nothing otherwise:
 //!
 //! ```
-//! use burn_deepspeed::engine::heap::CountingAllocator;
+//! use burn_deepspeed::memory::heap::CountingAllocator;
 //!
 //! #[global_allocator]
 //! static HEAP: CountingAllocator = CountingAllocator;
 //! # fn main() {
 //! let bytes = vec![0u8; 1 << 20];
-//! assert!(burn_deepspeed::engine::heap::live_bytes().unwrap() >= bytes.len() as u64);
+//! assert!(burn_deepspeed::memory::heap::live_bytes().unwrap() >= bytes.len() as u64);
 //! # }
 //! ```
 //!

@@ -50,7 +50,7 @@ fn batch_error(message: String) -> DeepSpeedError {
 /// Resolves `config` for the Learner strategy, or names the key it cannot honour.
 pub(crate) fn resolve_settings(config: &DeepSpeedConfig, around: Surroundings) -> Result<Settings> {
     if around.world == 0 {
-        return Err(DeepSpeedError::Strategy(
+        return Err(DeepSpeedError::LearnerStrategy(
             "the number of ranks must be at least 1 (`DeepSpeedStrategy::new`'s `ranks`)".into(),
         ));
     }

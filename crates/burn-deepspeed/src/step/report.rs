@@ -61,7 +61,7 @@ pub struct StepReport {
     pub activation_checkpoints: Option<CheckpointStats>,
     /// The most heap one micro-batch's forward and backward held above what was live before
     /// them (activations, and the gradients backward makes), measured through
-    /// [`CountingAllocator`](super::heap::CountingAllocator); `None` when it is not the global
+    /// [`CountingAllocator`](crate::memory::heap::CountingAllocator); `None` when it is not the global
     /// allocator. Process-wide: ranks running as threads count each other's.
     pub peak_activation_bytes: Option<u64>,
     /// Time in forward and backward passes on this rank.

@@ -53,11 +53,10 @@ use super::settings::{Settings, Surroundings, resolve_settings};
 use crate::DeepSpeedConfig;
 use crate::activation::{take_stats, with_config_options};
 use crate::config::ZeroStage;
-use crate::engine::flat::ParamLayout;
+use crate::flat::ParamLayout;
 use crate::launch::{launch_with_leader, launched_by_mpirun, mpirun_world_size};
-use crate::precision::{
-    DynamicLossScaler, cast_module, unscaled_backward_message, with_loss_scale,
-};
+use crate::precision::{cast_module, unscaled_backward_message, with_loss_scale};
+use crate::step::core::StepCore;
 use crate::sync::{self, GradSync, ShardedSync, SyncOptions, broadcast_params};
 use crate::zero3::GatherGroup;
 
@@ -92,12 +91,10 @@ impl DeepSpeedStrategy {
 }
 
 /// Mixed precision in the strategy: the fp32 masters the Learner's optimizer steps (whole on
-/// every rank: Burn's optimizer steps a whole module), their 16-bit dtype, and the fp16 loss
-/// scaler.
+/// every rank: Burn's optimizer steps a whole module) and their 16-bit dtype.
 struct Mixed<M> {
     dtype: FloatDType,
     masters: M,
-    scaler: Option<DynamicLossScaler>,
 }
 
 /// This thread answers a prepared model's keys with its rank's gather group until dropped.
@@ -151,7 +148,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
     /// this rank's chunks of rank 0's whole parameters into the `Learner`.
     fn load_chunks(&mut self, options: &SyncOptions) -> crate::Result<(ShardedSync, Answering)> {
         let prepared = self.prepared.take().ok_or_else(|| {
-            crate::DeepSpeedError::Strategy(
+            crate::DeepSpeedError::LearnerStrategy(
                 "ZeRO stage 3 needs the model prepared by DeepSpeedStrategy::prepare_model".into(),
             )
         })?;
@@ -177,6 +174,9 @@ impl<M: LearnerModel> RankRun<'_, M> {
         let shard = self.shard();
         let (mut sync, _answering) = self.build_sync()?;
         let mut mixed = self.mixed_precision(sync.as_mut())?;
+        // The loss scale and the skipped steps; the Learner keeps its own schedule, which
+        // a skipped step does not advance either.
+        let mut core = StepCore::new(&self.settings.config)?;
         let per_step = self.settings.grad_accumulation;
         for epoch in epochs {
             if !on_epoch(EpochEvent::Start(epoch, shard.num_items())) {
@@ -214,7 +214,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
                 let Some(micro) = micro.filter(|_| stopped == 0) else {
                     break;
                 };
-                let outputs = self.step(sync.as_mut(), micro, mixed.as_mut())?;
+                let outputs = self.step(sync.as_mut(), &mut core, micro, mixed.as_mut())?;
                 steps += 1;
                 for item in outputs {
                     iteration += 1;
@@ -258,19 +258,11 @@ impl<M: LearnerModel> RankRun<'_, M> {
         let Some(dtype) = config.working_dtype() else {
             return Ok(None);
         };
-        let scaler = match config.fp16.enabled {
-            true => Some(DynamicLossScaler::new(&config.fp16)?),
-            false => None,
-        };
         let masters = self.learner.model();
         let working = cast_module(masters.clone(), dtype);
         sync.track_working_copy(&working, dtype);
         self.learner.load_model(working.into_record());
-        Ok(Some(Mixed {
-            dtype,
-            masters,
-            scaler,
-        }))
+        Ok(Some(Mixed { dtype, masters }))
     }
 
     /// One optimizer step over `micro`: the Learner computes each micro-batch's gradients,
@@ -280,15 +272,13 @@ impl<M: LearnerModel> RankRun<'_, M> {
     fn step(
         &mut self,
         sync: &mut dyn GradSync<M>,
+        core: &mut StepCore,
         micro: Vec<<M as burn::train::TrainStep>::Input>,
-        mut mixed: Option<&mut Mixed<M>>,
+        mixed: Option<&mut Mixed<M>>,
     ) -> crate::Result<Vec<<M as burn::train::TrainStep>::Output>> {
         let model = self.learner.model();
         let mut outputs = Vec::with_capacity(micro.len());
-        let scale = mixed
-            .as_ref()
-            .and_then(|m| m.scaler.as_ref())
-            .map(DynamicLossScaler::scale);
+        let scale = core.loss_scale();
         let mut unscaled = false;
         for item in micro {
             let learner = &mut self.learner;
@@ -314,17 +304,12 @@ impl<M: LearnerModel> RankRun<'_, M> {
             }
         }
         let reduced = sync.reduce(scale.unwrap_or(1.0))?;
-        if let Some(scaler) = mixed.as_mut().and_then(|m| m.scaler.as_mut()) {
-            scaler.update(reduced.overflow)?;
-        }
-        if reduced.overflow {
-            // As the engine: a non-finite gradient norm skips the step on every rank (the
-            // norm is global), and the schedule does not advance.
+        // As the engines: a non-finite gradient norm skips the step on every rank (the norm
+        // is global), and the schedule does not advance.
+        let step = core.decide(reduced.overflow, reduced.norm)?;
+        core.finish(&[], None, Duration::ZERO, |record| record);
+        if !step {
             sync.discard();
-            tracing::warn!(
-                grad_norm = reduced.norm,
-                "the gradient norm is not finite: step skipped on every rank"
-            );
             return Ok(outputs);
         }
         let Some(mixed) = mixed else {
@@ -648,7 +633,7 @@ impl DeepSpeedStrategy {
             return Ok(None);
         }
         let prepared = take_prepared(&learner.model()).ok_or_else(|| {
-            crate::DeepSpeedError::Strategy(
+            crate::DeepSpeedError::LearnerStrategy(
                 "ZeRO stage 3 shards the model before the Learner is built (and a prepared \
                  model trains once): pass it through DeepSpeedStrategy::prepare_model, then \
                  Learner::new"
@@ -663,7 +648,7 @@ impl DeepSpeedStrategy {
 }
 
 fn prepared_world_mismatch(prepared: usize, world: usize) -> crate::DeepSpeedError {
-    crate::DeepSpeedError::Strategy(format!(
+    crate::DeepSpeedError::LearnerStrategy(format!(
         "the model was prepared for ZeRO stage 3 on {prepared} ranks but the training runs on \
          {world}; prepare it with the strategy that trains it"
     ))

@@ -7,8 +7,8 @@ use burn_deepspeed_strategies::onebit::{
     OneBitLamb, OneBitLambConfig, OneBitOptimizer,
 };
 
-use super::flat::ParamLayout;
 use crate::config::{OptimizerConfig, OptimizerKind};
+use crate::flat::ParamLayout;
 use crate::{DeepSpeedError, Result};
 
 /// The 1-bit optimizer a resolved `optimizer` section names, over the flat buffers of

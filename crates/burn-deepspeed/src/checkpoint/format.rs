@@ -107,6 +107,17 @@ pub struct CheckpointMeta {
     pub files: Vec<CheckpointFile>,
 }
 
+impl CheckpointMeta {
+    /// The step protocol's position this checkpoint resumes at.
+    pub(crate) fn position(&self) -> crate::step::core::StepPosition {
+        crate::step::core::StepPosition {
+            global_step: self.global_step,
+            skipped_steps: self.skipped_steps,
+            loss_scaler: self.loss_scaler,
+        }
+    }
+}
+
 /// SHA-256 of `bytes`, as lowercase hex.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     hex(&Sha256::digest(bytes))

@@ -1,5 +1,6 @@
 //! Model-state bytes per rank **by formula** (ZeRO, arXiv 1910.02054 §5): what `estimate-memory`
-//! prints before a run, and what the measured figures ([`super::memory`]) are compared with.
+//! prints before a run, and what the measured figures ([`MemoryMeter`](super::MemoryMeter),
+//! [`ModelStateBytes`](super::ModelStateBytes)) are compared with.
 
 use serde::Serialize;
 

@@ -119,7 +119,7 @@ impl ParamLayout {
 
 /// The tensor's values as f32 on the host (a counted host/device copy off Flex).
 pub(crate) fn to_f32_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    super::transfer::read_f32(t)
+    crate::transfer::read_f32(t)
 }
 
 /// Rebuilds [`GradientsParams`] for the parameters marked in `present` that lie wholly in
@@ -154,7 +154,7 @@ pub fn grads_from_flat<M: Module>(
             let at = slot.offset - self.start;
             let data = TensorData::new(self.flat[at..at + slot.numel].to_vec(), slot.shape.clone());
             self.out
-                .register::<D>(param.id, super::transfer::write_default(data, self.device));
+                .register::<D>(param.id, crate::transfer::write_default(data, self.device));
         }
     }
     let mut v = V {
@@ -210,7 +210,7 @@ pub fn params_from_flat<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]
                 slot.shape.clone(),
             );
             let require_grad = tensor.is_require_grad();
-            let new = super::transfer::write_default::<D>(data, &tensor.device());
+            let new = crate::transfer::write_default::<D>(data, &tensor.device());
             // A 16-bit working copy gets the f32 values rounded to its dtype.
             let new = if new.dtype() == tensor.dtype() {
                 new
@@ -251,7 +251,7 @@ pub fn for_each_grad<M: Module>(
                 if self.device.is_none() {
                     *self.device = Some(g.device());
                 }
-                self.bytes += super::memory::tensor_bytes(&g);
+                self.bytes += crate::memory::tensor_bytes(&g);
                 to_f32_vec(g)
             });
             (self.f)(i, values);

@@ -20,7 +20,7 @@ use std::path::Path;
 use safetensors::Dtype;
 use safetensors::tensor::{TensorView, View};
 
-use super::format::{
+use super::{
     CheckpointMeta, check_tag, io_bar, io_err, read_checkpoint, read_latest, refuse, sync_dir,
 };
 use crate::progress::TaskProgress;
@@ -67,7 +67,7 @@ fn read_model_bytes(dir: &Path, tag: Option<&str>) -> Result<(String, Checkpoint
 /// the grid that wrote it: what inference loads (one process, no communicator).
 pub fn read_model(dir: &Path, tag: Option<&str>) -> Result<(CheckpointMeta, Vec<f32>)> {
     let (_, meta, model) = read_model_bytes(dir, tag)?;
-    Ok((meta, super::format::f32_values(&model, "model.bin")?))
+    Ok((meta, super::f32_values(&model, "model.bin")?))
 }
 
 /// Writes checkpoint `tag` of `dir` (default: the one `dir/latest` names) as one safetensors
@@ -193,7 +193,7 @@ fn write_atomically<V: View>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::format::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION, f32_bytes};
+    use super::super::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION, f32_bytes};
     use super::*;
 
     fn meta(paths: &[&str]) -> CheckpointMeta {

@@ -1,12 +1,17 @@
-//! Engine checkpoints: the file format ([`format`]) and the collective protocol that writes and
-//! reads it ([`protocol`]): which rank writes what, how ranks agree, and how a checkpoint of one
-//! world size is cut again for another. [`consolidate`] turns one into a single safetensors
-//! file that plain Burn loads.
+//! Engine checkpoints: the files on disk ([`files`]: atomic writes, checked reads), what
+//! `meta.json` holds ([`meta`]), how state is serialized in the files ([`state`]), and the
+//! collective protocol that writes and reads them ([`protocol`]): which rank writes what, how
+//! ranks agree, and how a checkpoint of one world size is cut again for another.
+//! [`consolidate`] turns one into a single safetensors file that plain Burn loads.
 
 mod consolidate;
-pub mod format;
+pub mod files;
+pub mod meta;
 mod protocol;
+pub mod state;
 
 pub use consolidate::*;
-pub use format::*;
+pub use files::*;
+pub use meta::*;
 pub use protocol::*;
+pub use state::*;

@@ -24,7 +24,7 @@ use burn::module::Module;
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt};
 use burn_deepspeed_strategies::zero::{PartitionState, PartitionedOptimizer, ShardPlan};
 
-use super::format::{
+use super::{
     CheckpointFile, CheckpointMeta, check_tag, commit_checkpoint, create_staging, f32_bytes,
     f32_values, numel_of, partition_state_bytes, partition_state_from_bytes, read_checkpoint,
     read_latest, staging_dir, unique_suffix, write_checkpoint, write_state_file,

@@ -3,6 +3,7 @@
 mod base;
 mod batch;
 mod monitor;
+mod offload_support;
 mod optimizer;
 mod quantize;
 mod scheduler;

@@ -1,45 +1,30 @@
 //! [`DeepSpeedEngine`]: data-parallel training of any Burn [`TrainStep`] module, in the spirit
 //! of DeepSpeed's `engine.train_batch()`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::module::Module;
-use burn::optim::ModuleOptimizer;
 use burn::tensor::Device;
 use burn::train::TrainStep;
 use burn_deepspeed_compress::pld::ProgressiveLayerDrop;
-use burn_deepspeed_strategies::comm::{
-    CommStats, CommsLogger, Communicator, CommunicatorExt, ReduceOp,
-};
-use burn_deepspeed_strategies::onebit::OneBitPhase;
-use burn_deepspeed_strategies::zero::PartitionState;
+use burn_deepspeed_strategies::comm::{CommStats, Communicator, CommunicatorExt, ReduceOp};
 
 use crate::activation::{CheckpointStats, take_stats, with_config_options};
-use crate::checkpoint::{self, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta};
-use crate::config::{
-    BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, ZeroStage, check_supported,
-};
-use crate::flat::param_paths;
+use crate::config::{BatchSizes, DeepSpeedConfig};
 use crate::grid::Grid;
-use crate::memory::ModelStateBytes;
-use crate::memory::estimate::{StatePrecision, estimate_model_states};
 use crate::memory::heap::HeapWindow;
 use crate::monitor::MonitorRecord;
 use crate::moq::Moq;
-use crate::precision::{
-    LossScalerState, take_backward_time, unscaled_backward_message, with_loss_scale,
-};
-use crate::profiler::{ProfileOptions, StepFigures, get_model_profile};
+use crate::precision::{take_backward_time, unscaled_backward_message, with_loss_scale};
 use crate::step::core::StepCore;
 use crate::step::{StepLoss, StepReport};
-use crate::sync::{self, GradSync, ModelParallelNorm};
-use crate::tensor_parallel::join_flat;
+use crate::sync::GradSync;
 use crate::{DeepSpeedError, Result, agreed};
 
 /// The forward [`DeepSpeedEngine::set_profile_forward`] registers.
-type ProfileForward<M> = Box<dyn Fn(&M, &Device) + Send>;
+pub(super) type ProfileForward<M> = Box<dyn Fn(&M, &Device) + Send>;
 
 /// Data-parallel training engine with ZeRO (arXiv 1910.02054) stages 0 to 3.
 ///
@@ -57,41 +42,41 @@ type ProfileForward<M> = Box<dyn Fn(&M, &Device) + Send>;
 /// SPMD: create one engine per rank, each with that rank's [`Communicator`]. Rank 0's
 /// parameters are broadcast at creation, so every replica starts identical.
 pub struct DeepSpeedEngine<M: Module> {
-    model: M,
-    sync: Box<dyn GradSync<M>>,
-    pld: Option<ProgressiveLayerDrop>,
+    pub(super) model: M,
+    pub(super) sync: Box<dyn GradSync<M>>,
+    pub(super) pld: Option<ProgressiveLayerDrop>,
     /// The data-parallel group: where gradients are averaged and ZeRO cuts the state.
-    comm: Arc<dyn Communicator>,
+    pub(super) comm: Arc<dyn Communicator>,
     /// The grid: the data-parallel group alone, or with tensor slicing its tensor-parallel
     /// group too; every rank of its world agrees on each step.
-    grid: Grid,
-    config: DeepSpeedConfig,
-    batch: BatchSizes,
-    loss_sum: f64,
+    pub(super) grid: Grid,
+    pub(super) config: DeepSpeedConfig,
+    pub(super) batch: BatchSizes,
+    pub(super) loss_sum: f64,
     /// The step protocol: loss scale, step counters, breakdown and monitor.
-    core: StepCore,
-    fb_time: Duration,
+    pub(super) core: StepCore,
+    pub(super) fb_time: Duration,
     /// Time in `TrainStep::step` this step (forward and backward).
-    train_step_time: Duration,
+    pub(super) train_step_time: Duration,
     /// Time handing gradients to the regime this step.
-    accumulate_time: Duration,
+    pub(super) accumulate_time: Duration,
     /// Time in [`precision::backward`](crate::precision::backward) this step; `None` once a
     /// micro-batch ran its backward without it.
-    bwd_time: Option<Duration>,
+    pub(super) bwd_time: Option<Duration>,
     /// When this step's first micro-batch started.
-    step_start: Option<Instant>,
+    pub(super) step_start: Option<Instant>,
     /// The forward the flops profiler runs at `flops_profiler.profile_step`.
-    profile_forward: Option<ProfileForward<M>>,
+    pub(super) profile_forward: Option<ProfileForward<M>>,
     /// Counters before this step's first micro-batch (stages 2-3 communicate in backward).
-    stats_at_step_start: Option<CommStats>,
+    pub(super) stats_at_step_start: Option<CommStats>,
     /// fp16: a micro-batch of this step ran a plain `loss.backward()`, so its gradients are not
     /// scaled: the step is refused.
-    unscaled: bool,
+    pub(super) unscaled: bool,
     /// The most heap one micro-batch's forward and backward held above what was live before
     /// them, in this step (with the counting allocator installed).
-    activation_peak: Option<u64>,
+    pub(super) activation_peak: Option<u64>,
     /// MoQ: the weights quantized after each step, when configured.
-    moq: Option<Moq>,
+    pub(super) moq: Option<Moq>,
 }
 
 impl<M> DeepSpeedEngine<M>
@@ -99,121 +84,6 @@ where
     M: Module + TrainStep,
     M::Output: StepLoss,
 {
-    /// Creates the engine for this rank: resolves the config for the communicator's world
-    /// size, refuses what it cannot run, builds the gradient regime (with its optimizer), and
-    /// broadcasts rank 0's parameters.
-    pub fn new(model: M, config: DeepSpeedConfig, comm: Arc<dyn Communicator>) -> Result<Self> {
-        if config.tp_size() > 1 {
-            return Err(DeepSpeedError::Unsupported {
-                key: "tensor_parallel.tp_size".into(),
-                reason: format!(
-                    "tp_size is {}: build a `grid::Grid` from the config, slice the model \
-                     with its `tensor_parallel()` group, and create the engine with \
-                     `DeepSpeedEngine::with_grid`",
-                    config.tp_size()
-                ),
-            });
-        }
-        let comm = match config.comms_logger.enabled {
-            true => CommsLogger::wrap(comm, config.comms_logger.options()?),
-            false => comm,
-        };
-        Self::with_grid(model, config, &Grid::data_parallel(comm)?)
-    }
-
-    /// [`new`](Self::new) on a [`Grid`] (DeepSpeed's `initialize(mpu=...)`): `model` is this
-    /// rank's slice of the model over the grid's
-    /// [`tensor_parallel`](Grid::tensor_parallel) group (its sliced layers record their
-    /// layouts there), and the engine is data-parallel over the grid's
-    /// [`data`](Grid::data) group: gradients are averaged there, ZeRO cuts the state there,
-    /// and the batch sizes count its ranks. The global gradient norm counts each logical
-    /// parameter once ([`ModelParallelNorm`](crate::sync::ModelParallelNorm)). Every rank of the grid agrees
-    /// on each step, so a failure on one slice fails the step everywhere.
-    ///
-    /// With tensor slicing this version runs ZeRO stages 0-3 with Adam or AdamW (LAMB's
-    /// per-tensor trust ratios would see slices, and 1-bit compression would cross the
-    /// tensor group: both are refused by key); its checkpoints are the pipeline engine's
-    /// (a pipeline of one stage loads them on any grid).
-    pub fn with_grid(model: M, mut config: DeepSpeedConfig, grid: &Grid) -> Result<Self> {
-        let comm = grid.data().clone();
-        let batch = config.resolve(comm.world_size())?;
-        // Tensor slices and experts communicate during every micro-batch, beside the reductions
-        // that `overlap_comm` would run on a second thread (under MPI, every call of a process
-        // is serialized, and the two could wait on each other): it runs with data
-        // parallelism alone.
-        let sliced = grid.topology().tensor > 1 || grid.expert_parallel().size() > 1;
-        let zero = &config.zero_optimization;
-        let overlapping = matches!(zero.stage, ZeroStage::Gradients | ZeroStage::Parameters)
-            && zero.overlap_comm();
-        if sliced && overlapping {
-            // Stage 3 turns it on by default: only an explicit request is worth a warning.
-            if zero.overlap_comm == Some(true) {
-                tracing::warn!(
-                    "zero_optimization.overlap_comm is off under tensor slicing and expert \
-                     parallelism: their collectives run during each micro-batch"
-                );
-            }
-            config.zero_optimization.overlap_comm = Some(false);
-        }
-        check_supported(&config, EntryPoint::Engine)?;
-        check_grid(&config, grid)?;
-        let (model, mut sync) = match grid.expert_parallel().size() > 1 {
-            true => {
-                sync::build_expert_parallel(model, &config, comm.clone(), grid.expert_parallel())?
-            }
-            false => sync::build(model, &config, comm.clone())?,
-        };
-        if grid.topology().tensor > 1 {
-            let tp = grid.tensor_parallel();
-            sync.model_parallel_norm(ModelParallelNorm::none().with_tensor(
-                grid.tensor().clone(),
-                sync.layout(),
-                tp,
-            ))?;
-        }
-        // Mixed precision: the regime keeps fp32 masters of the (broadcast) f32 parameters,
-        // and the model becomes their 16-bit working copy.
-        let model = match config.working_dtype() {
-            Some(dtype) => sync.keep_masters(model, dtype)?,
-            None => model,
-        };
-        // MoQ quantizes the weights the model computes with (the working copy in mixed
-        // precision; check_supported refused stage 3).
-        let moq = match config.moq()? {
-            Some(settings) => Some(Moq::new(&model, settings)?),
-            None => None,
-        };
-        let pld = config
-            .progressive_layer_drop
-            .enabled
-            .then_some(ProgressiveLayerDrop {
-                theta: config.progressive_layer_drop.theta,
-                gamma: config.progressive_layer_drop.gamma,
-            });
-        let core = StepCore::with_monitor(&config, grid.world().as_ref())?;
-        Ok(Self {
-            model,
-            sync,
-            pld,
-            comm,
-            grid: grid.clone(),
-            config,
-            batch,
-            loss_sum: 0.0,
-            core,
-            fb_time: Duration::ZERO,
-            train_step_time: Duration::ZERO,
-            accumulate_time: Duration::ZERO,
-            bwd_time: Some(Duration::ZERO),
-            step_start: None,
-            profile_forward: None,
-            stats_at_step_start: None,
-            unscaled: false,
-            activation_peak: None,
-            moq,
-        })
-    }
-
     /// Runs forward and backward on one micro-batch and accumulates its gradient
     /// (DeepSpeed's `engine.forward` + `engine.backward`). Returns the step's output.
     ///
@@ -435,59 +305,6 @@ where
         Ok(report)
     }
 
-    /// The forward the flops profiler runs (`flops_profiler.enabled`): given the model and a
-    /// device, build one micro-batch's input there and run the forward (DeepSpeed's profiler
-    /// hooks the engine's own forward; Burn's `TrainStep` runs forward and backward in one
-    /// call, so the engine asks for the forward alone). See
-    /// [`get_model_profile`](crate::profiler::get_model_profile).
-    pub fn set_profile_forward(&mut self, forward: impl Fn(&M, &Device) + Send + 'static) {
-        self.profile_forward = Some(Box::new(forward));
-    }
-
-    /// `flops_profiler`: at `profile_step`, global rank 0 profiles the model's forward and
-    /// prints it (or writes `output_file`) with the step's measured times. A profile that
-    /// cannot be made is reported and training goes on: it changes nothing other ranks see.
-    fn profile_at_step(&mut self, report: &StepReport) {
-        let section = &self.config.flops_profiler;
-        if !section.enabled || report.step != section.profile_step || self.grid.world().rank() != 0
-        {
-            return;
-        }
-        let Some(forward) = &self.profile_forward else {
-            eprintln!(
-                "flops profiler: step {}: no forward to profile; call \
-                 `DeepSpeedEngine::set_profile_forward` with one micro-batch's forward",
-                report.step
-            );
-            return;
-        };
-        let options = ProfileOptions::from(section);
-        let profile = get_model_profile(&self.model, |m, d| forward(m, d), &options).map(|p| {
-            p.with_step(StepFigures {
-                fwd: report.forward,
-                bwd: report.backward,
-                step: report.step_time,
-                samples: self.batch.train_batch_size,
-                micro_batches: self.batch.gradient_accumulation_steps,
-            })
-        });
-        let text = match profile {
-            Ok(p) => p.report(),
-            Err(e) => {
-                eprintln!("flops profiler: step {}: {e}", report.step);
-                return;
-            }
-        };
-        match &section.output_file {
-            Some(path) => {
-                if let Err(e) = std::fs::write(path, &text) {
-                    eprintln!("flops profiler: cannot write {path}: {e}");
-                }
-            }
-            None => print!("{text}"),
-        }
-    }
-
     /// Declares how many tokens one sample holds, so that the monitor also records
     /// tokens per second (a sequence model's sequence length).
     pub fn set_tokens_per_sample(&mut self, tokens: u64) {
@@ -540,308 +357,4 @@ where
     pub fn pld_theta(&self) -> Option<f64> {
         self.pld.map(|p| p.theta_at(self.core.global_step()))
     }
-
-    /// Saves the model, the optimizer state and the step as checkpoint `tag` (default
-    /// `global_step{N}`, as in DeepSpeed) under `dir`, atomically, and points `dir/latest` at
-    /// it. Collective: every rank calls it (see [`checkpoint`] for who writes what; the
-    /// directory must be visible to every rank). Returns the checkpoint's directory.
-    ///
-    /// 1-bit optimizers save m, v, their frozen coefficients and the step (which fixes the
-    /// phase), not the compression error buffers: after a load those start from zero, as in
-    /// DeepSpeed.
-    pub fn save_checkpoint(&self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
-        self.refuse_sliced_checkpoint()?;
-        self.sync.settle();
-        let tag = tag.map_or_else(
-            || format!("global_step{}", self.core.global_step()),
-            String::from,
-        );
-        let meta = self.meta();
-        checkpoint::save(
-            dir.as_ref(),
-            &tag,
-            self.comm.as_ref(),
-            self.sync.as_ref(),
-            &self.model,
-            meta,
-        )
-    }
-
-    /// Loads checkpoint `tag` (default: the one `dir/latest` names) into this engine: model,
-    /// optimizer state and step. Refuses, with the reason, a checkpoint whose files are
-    /// corrupt or whose parameters, optimizer or ZeRO stage differ from this engine's (stages
-    /// 1-3 load each other's). The world size may differ from the one that saved it: the
-    /// saved slices are joined and cut again for this world. Every rank calls it (rank 0
-    /// reads `latest` and tells the others the tag; each reads the files, so they must be
-    /// visible to every rank). All or nothing: when any rank cannot read or restore the
-    /// checkpoint, every rank returns the error and the engine is left as it was. Returns the
-    /// step.
-    pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<u64> {
-        self.refuse_sliced_checkpoint()?;
-        self.sync.settle();
-        let comm = self.comm.clone();
-        let loaded = checkpoint::load(dir.as_ref(), tag, &self.meta(), comm.as_ref())?;
-        // The step protocol's position is checked before the regime takes the state.
-        let restored = self
-            .core
-            .restorable(&loaded.meta.position())
-            .and_then(|position| Ok((self.sync.load(self.model.clone(), &loaded)?, position)));
-        let (model, position) = agreed(comm.as_ref(), "checkpoint restore", restored)?;
-        self.model = model;
-        self.core.restore(position);
-        self.loss_sum = 0.0;
-        Ok(self.core.global_step())
-    }
-
-    /// Checkpoints store whole tensors' slices with their layout only from the grid-aware
-    /// format on (not yet): a sliced model is refused rather than saved as if whole.
-    fn refuse_sliced_checkpoint(&self) -> Result<()> {
-        match self.grid.topology().tensor {
-            1 => Ok(()),
-            tp => Err(DeepSpeedError::Unsupported {
-                key: "tensor_parallel.tp_size".into(),
-                reason: format!(
-                    "checkpoints of a model sliced over {tp} ranks are not implemented yet"
-                ),
-            }),
-        }
-    }
-
-    /// This engine's checkpoint metadata (no files yet).
-    fn meta(&self) -> CheckpointMeta {
-        let layout = self.sync.layout();
-        // Expert parallelism stores the whole model, every expert.
-        let stored = self.sync.stored_layout();
-        let position = self.core.position();
-        CheckpointMeta {
-            format: CHECKPOINT_FORMAT.into(),
-            version: CHECKPOINT_VERSION,
-            global_step: position.global_step,
-            skipped_steps: position.skipped_steps,
-            world_size: self.comm.world_size(),
-            zero_stage: self.config.zero_optimization.stage.into(),
-            optimizer: format!("{:?}", self.config.optimizer_kind()),
-            compressing: self.sync.one_bit().map(|o| o.compressing()),
-            param_ids: match stored {
-                Some(w) => w.ids.clone(),
-                None => layout.slots.iter().map(|s| s.id.val()).collect(),
-            },
-            shapes: match stored {
-                Some(w) => w.shapes.clone(),
-                None => layout.slots.iter().map(|s| s.shape.clone()).collect(),
-            },
-            paths: match stored {
-                Some(w) => w.paths.clone(),
-                None => param_paths(&self.model, layout),
-            },
-            loss_scaler: position.loss_scaler,
-            dtype: self
-                .config
-                .working_dtype()
-                .map(|_| self.config.precision_name().into()),
-            ep_size: Some(self.grid.expert_parallel().size()).filter(|&n| n > 1),
-            files: Vec::new(),
-        }
-    }
-}
-
-impl<M: Module> DeepSpeedEngine<M> {
-    /// The model (identical on every rank after each step). At ZeRO stage 3 its partitioned
-    /// parameters store this rank's chunk and gather the whole tensor when read (a
-    /// collective: every rank must read them together, as a forward pass does).
-    pub fn model(&self) -> &M {
-        &self.model
-    }
-    /// The device to make a micro-batch's float tensors on: the one the model's parameters
-    /// live on, with the gradient checkpointing ZeRO stage 3 turns on (under autodiff, a
-    /// float input made on a device without it cannot meet the gathered weights in one op).
-    /// `None` for a model without float parameters.
-    pub fn device(&self) -> Option<Device> {
-        sync::module_device(&self.model)
-    }
-    /// The whole parameters, flat in layout order (the order the module visits them). At
-    /// ZeRO stage 3, and with bf16 masters (gathered in fp32), a collective: every rank calls
-    /// it, and a rank that fails to take part in the gather fails it on every rank.
-    ///
-    /// With tensor slicing the slices are joined over the tensor-parallel group (a
-    /// collective), so that every rank returns the whole model's parameters, in the layout
-    /// of the same model unsliced. With expert parallelism every rank's experts are joined
-    /// the same way (a collective over the expert-parallel group), in the layout of the model
-    /// that holds every expert.
-    pub fn flat_params(&self) -> Result<Vec<f32>> {
-        let local = self
-            .sync
-            .whole_params(&self.model, true)?
-            .unwrap_or_default();
-        let grid = &self.grid;
-        join_flat(
-            grid.tensor().as_ref(),
-            grid.tensor_parallel(),
-            self.sync.layout(),
-            &local,
-        )
-    }
-    /// Consumes the engine and returns the model with whole parameters. At ZeRO stage 3 a
-    /// collective (every rank calls it); the returned model's parameters read as stored.
-    pub fn into_model(self) -> Result<M> {
-        self.sync.release_whole(self.model)
-    }
-    /// The whole optimizer state (steps, m and v in layout order), joined from every rank's
-    /// slice at ZeRO stages 1-3: a collective. `None` at stage 0, where Burn's (or a 1-bit)
-    /// optimizer keeps it.
-    pub fn optimizer_moments(&self) -> Result<Option<PartitionState>> {
-        self.sync.whole_moments()
-    }
-    /// ZeRO stage 3's gather counters (`None` at other stages).
-    pub fn gather_stats(&self) -> Option<crate::zero3::GatherStats> {
-        self.sync.gather_stats()
-    }
-    /// ZeRO-Infinity's optimizer offload to NVMe: the swap file's size, the I/O engine and
-    /// the bytes moved so far on this rank (measured where the transfers happen).
-    pub fn swap(&self) -> Option<burn_deepspeed_strategies::swap::SwapSummary> {
-        self.sync.swap()
-    }
-    /// ZeRO-Infinity's parameter offload (stage 3): where this rank's pieces live (bytes in
-    /// host memory, the swap file) and what the read-ahead achieved, measured so far.
-    pub fn param_store(&self) -> Option<crate::zero3::ParamStoreSummary> {
-        self.sync.param_store()
-    }
-    /// The resolved config.
-    pub fn config(&self) -> &DeepSpeedConfig {
-        &self.config
-    }
-    /// The resolved batch sizes.
-    pub fn batch(&self) -> BatchSizes {
-        self.batch
-    }
-    /// This rank's communicator.
-    /// The grid this engine trains on (data parallelism alone when created with
-    /// [`new`](DeepSpeedEngine::new)).
-    pub fn grid(&self) -> &Grid {
-        &self.grid
-    }
-    /// Parameters of the whole model: this rank's, with each sliced tensor counted whole and
-    /// each expert once per rank of its expert-parallel group (which holds the other experts
-    /// of the layer, shaped alike); equal to [`num_params`](Self::num_params) without tensor
-    /// slicing or expert parallelism.
-    pub fn model_params(&self) -> usize {
-        let (tp, ep) = (self.grid.tensor_parallel(), self.grid.expert_parallel());
-        let layout = self.sync.layout();
-        layout
-            .slots
-            .iter()
-            .map(|s| match tp.layout(s.id) {
-                Some(_) => s.numel * tp.size(),
-                None if ep.is_expert(s.id) => s.numel * ep.size(),
-                None => s.numel,
-            })
-            .sum()
-    }
-    /// The data-parallel group.
-    pub fn comm(&self) -> &Arc<dyn Communicator> {
-        &self.comm
-    }
-    /// Optimizer steps taken, skipped ones included (DeepSpeed's `global_steps`).
-    pub fn global_step(&self) -> u64 {
-        self.core.global_step()
-    }
-    /// Steps skipped because the gradient norm was not finite (DeepSpeed's `skipped_steps`).
-    pub fn skipped_steps(&self) -> u64 {
-        self.core.skipped_steps()
-    }
-    /// fp16: the loss scale the next micro-batches' backward passes use (`None` without
-    /// fp16).
-    pub fn loss_scale(&self) -> Option<f32> {
-        self.core.loss_scale()
-    }
-    /// fp16: the loss scaler's position (`None` without fp16).
-    pub fn loss_scaler_state(&self) -> Option<LossScalerState> {
-        self.core.loss_scaler_state()
-    }
-    /// Number of float parameters this rank holds (its slices under tensor slicing).
-    pub fn num_params(&self) -> usize {
-        self.sync.layout().numel
-    }
-    /// The model state this rank holds now, measured where it is allocated (see
-    /// [`memory`](crate::memory)).
-    pub fn model_state_bytes(&self) -> ModelStateBytes {
-        self.sync.held(&self.model)
-    }
-    /// The largest model state this rank held at once (held plus a step's transient buffers),
-    /// measured.
-    pub fn peak_model_state_bytes(&self) -> u64 {
-        self.sync.peak().max(self.model_state_bytes().total())
-    }
-    /// What ZeRO's formula gives for this engine's parameters, world size, stage and
-    /// precision: the figure the measured [`model_state_bytes`](Self::model_state_bytes) is
-    /// checked against. fp32 Adam: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N. fp16, with fp16
-    /// gradient buffers ([`StatePrecision::Mixed`], the paper's): 16Ψ, 4Ψ + 12Ψ/N,
-    /// 2Ψ + 14Ψ/N, 16Ψ/N. bf16, whose gradients accumulate in fp32 as in DeepSpeed's bf16
-    /// optimizer ([`StatePrecision::MixedFp32Grads`]): 18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N.
-    pub fn model_state_bytes_formula(&self) -> u64 {
-        let stage: u8 = self.config.zero_optimization.stage.into();
-        let (params, world) = (self.num_params() as u64, self.comm.world_size() as u64);
-        estimate_model_states(params, world, stage, self.state_precision(), 0, 0).total
-    }
-    /// The bytes per parameter this engine's model states take ([`StatePrecision`]).
-    pub fn state_precision(&self) -> StatePrecision {
-        StatePrecision::of(&self.config)
-    }
-    /// Burn's module optimizer, when the engine steps with one (ZeRO stage 0, no 1-bit
-    /// optimizer).
-    pub fn optimizer(&self) -> Option<&ModuleOptimizer> {
-        self.sync.burn_optimizer()
-    }
-    /// The 1-bit optimizer's phase, when the config names one.
-    pub fn one_bit_optimizer(&self) -> Option<&dyn OneBitPhase> {
-        self.sync.one_bit()
-    }
-}
-
-/// What a grid's shape asks of the config: the same tensor-parallel size, no pipeline (the
-/// pipeline engine trains those), and with slicing the optimizers whose step is elementwise.
-fn check_grid(config: &DeepSpeedConfig, grid: &Grid) -> Result<()> {
-    let topology = grid.topology();
-    let refuse = |key: &str, reason: String| {
-        Err(DeepSpeedError::Unsupported {
-            key: key.into(),
-            reason,
-        })
-    };
-    if topology.tensor != config.tp_size() {
-        return refuse(
-            "tensor_parallel.tp_size",
-            format!(
-                "the config asks for {} but the grid has {} tensor-parallel ranks",
-                config.tp_size(),
-                topology.tensor
-            ),
-        );
-    }
-    if grid.expert_parallel().size() > 1 && topology.tensor > 1 {
-        return refuse(
-            "tensor_parallel.tp_size",
-            "expert parallelism with tensor slicing is not supported yet".into(),
-        );
-    }
-    if topology.pipe > 1 {
-        return refuse(
-            "pipeline.stages",
-            "DeepSpeedEngine trains one stage per rank; train a pipeline with \
-             `burn_deepspeed::pipe::PipelineEngine`"
-                .into(),
-        );
-    }
-    let kind = config.optimizer_kind();
-    if topology.tensor > 1 && !matches!(kind, OptimizerKind::Adam | OptimizerKind::AdamW) {
-        return refuse(
-            "optimizer.type",
-            format!(
-                "{kind:?} with tensor slicing is not implemented: its per-tensor norms would \
-                 see one slice (LAMB's trust ratio) or its compression would cross the \
-                 tensor-parallel group (1-bit); use Adam or AdamW"
-            ),
-        );
-    }
-    Ok(())
 }

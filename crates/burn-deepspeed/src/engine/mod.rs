@@ -3,6 +3,10 @@
 //! of [`crate::sync`] and the step protocol of [`crate::step`].
 
 mod base;
+mod build;
+mod checkpoint;
+mod inspect;
+mod profile;
 
 pub use crate::step::{BreakdownWindow, StepLoss, StepReport};
 pub use base::*;

@@ -2,6 +2,7 @@
 
 mod base;
 mod prepare;
+mod reader;
 mod schedule;
 mod settings;
 

@@ -6,14 +6,14 @@
 //! With `use_residual` it is PR-MoE's residual layer: a dense MLP beside the experts, mixed by
 //! a learned coefficient.
 
+use super::config::{MoeConfig, NoisyGatePolicy};
+use super::expert::{Expert, Residual};
 use std::sync::{Arc, Mutex};
 
-use burn::config::Config;
 use burn::module::Module;
-use burn::nn::{Linear, LinearConfig};
-use burn::tensor::activation::{gelu, softmax};
-use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
-use serde::{Deserialize, Serialize};
+use burn::nn::Linear;
+use burn::tensor::activation::softmax;
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::gating::{Choices, top1_choices, top2_choices};
 use super::group::{ExpertLayer, ExpertParallel};
@@ -21,155 +21,6 @@ use super::routing::RouteOptions;
 use crate::DeepSpeedError;
 use crate::inference::splitmix_uniform;
 use crate::tensor_parallel::TensorParallel;
-
-/// An expert of an [`MoE`] layer: any module from tokens `[n, d]` to `[n, d]` (DeepSpeed
-/// takes any `nn.Module`; the usual one is the transformer's MLP, [`ExpertMlp`]).
-pub trait Expert: Module {
-    /// The expert applied to `x` `[n, d]`.
-    fn forward(&self, x: Tensor<2>) -> Tensor<2>;
-}
-
-/// A transformer's feed-forward block as an expert: `Linear(d, hidden)`, GELU,
-/// `Linear(hidden, d)`.
-#[derive(Module, Debug)]
-pub struct ExpertMlp {
-    /// The input projection.
-    pub fc_in: Linear,
-    /// The output projection.
-    pub fc_out: Linear,
-}
-
-impl ExpertMlp {
-    /// An MLP of width `d` with `hidden` features, Burn's default initialisation.
-    pub fn new(d: usize, hidden: usize, device: &Device) -> Self {
-        Self {
-            fc_in: LinearConfig::new(d, hidden).init(device),
-            fc_out: LinearConfig::new(hidden, d).init(device),
-        }
-    }
-}
-
-impl Expert for ExpertMlp {
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        self.fc_out.forward(gelu(self.fc_in.forward(x)))
-    }
-}
-
-/// DeepSpeed's `noisy_gate_policy`: noise in the gate while training.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum NoisyGatePolicy {
-    /// The gate's input multiplied by uniform noise in [1 − 10⁻², 1 + 10⁻²]
-    /// (`multiplicative_jitter`).
-    Jitter,
-    /// Top-1's expert chosen by the logits plus Gumbel noise.
-    RSample,
-}
-
-/// The settings of an [`MoE`] layer, DeepSpeed's `MoE(...)` arguments and defaults.
-#[derive(Config, Debug, PartialEq)]
-pub struct MoeConfig {
-    /// Model width.
-    pub d_model: usize,
-    /// Experts in the layer (over every rank of the expert-parallel group).
-    pub num_experts: usize,
-    /// Experts per token: 1 or 2.
-    #[config(default = 1)]
-    pub k: usize,
-    /// Slots per expert while training, as a multiple of an even share of the tokens.
-    #[config(default = 1.0)]
-    pub capacity_factor: f64,
-    /// The same at evaluation (the input has no autodiff).
-    #[config(default = 1.0)]
-    pub eval_capacity_factor: f64,
-    /// The fewest slots per expert.
-    #[config(default = 4)]
-    pub min_capacity: usize,
-    /// PR-MoE's residual: a dense MLP beside the experts, mixed by a learned coefficient.
-    #[config(default = false)]
-    pub use_residual: bool,
-    /// Noise in the gate while training (`None`: none).
-    #[config(default = "None")]
-    pub noisy_gate_policy: Option<NoisyGatePolicy>,
-    /// Drop the tokens past an expert's capacity (false: the capacity grows to the busiest
-    /// expert's count, the maximum over the expert-parallel group).
-    #[config(default = true)]
-    pub drop_tokens: bool,
-    /// Random token selection: an expert over capacity keeps random tokens rather than the
-    /// earliest.
-    #[config(default = true)]
-    pub use_rts: bool,
-    /// Top-2's second expert chosen with Gumbel noise.
-    #[config(default = true)]
-    pub top2_2nd_expert_sampling: bool,
-    /// Seed of the layer's draws (RTS, noise); give each data-parallel rank its own.
-    #[config(default = 0)]
-    pub seed: u64,
-}
-
-impl MoeConfig {
-    /// The whole layer (every expert, `ep_size` 1) with `experts` (`num_experts` of them) and,
-    /// with `use_residual`, `residual` as the dense MLP. The gate is `Linear(d, experts)`
-    /// without bias, Burn's default initialisation. Cut it over a group with
-    /// [`MoE::expert_parallel`].
-    pub fn init<E: Expert>(
-        &self,
-        experts: Vec<E>,
-        residual: Option<E>,
-        device: &Device,
-    ) -> crate::Result<MoE<E>> {
-        let invalid = |key: &str, reason: String| DeepSpeedError::Unsupported {
-            key: format!("moe.{key}"),
-            reason,
-        };
-        if experts.len() != self.num_experts || self.num_experts == 0 {
-            return Err(invalid(
-                "num_experts",
-                format!(
-                    "num_experts is {} but {} experts were given",
-                    self.num_experts,
-                    experts.len()
-                ),
-            ));
-        }
-        if !(1..=2).contains(&self.k) {
-            return Err(invalid("k", format!("k is {}: only 1 and 2", self.k)));
-        }
-        let residual = match (self.use_residual, residual) {
-            (true, Some(mlp)) => Some(Residual {
-                mlp,
-                coefficient: LinearConfig::new(self.d_model, 2).init(device),
-            }),
-            (false, None) => None,
-            (on, _) => {
-                return Err(invalid(
-                    "use_residual",
-                    format!("use_residual is {on}: give the residual MLP exactly when it is on"),
-                ));
-            }
-        };
-        Ok(MoE {
-            gate: LinearConfig::new(self.d_model, self.num_experts)
-                .with_bias(false)
-                .init(device),
-            experts,
-            residual,
-            settings: self.clone(),
-            ep: ExpertParallel::none(),
-            slices: TensorParallel::none(),
-            rng: Arc::new(Mutex::new(self.seed)),
-        })
-    }
-}
-
-/// PR-MoE's dense branch (arXiv 2201.05596 §4.1): an MLP whose output is mixed with the
-/// experts' by `softmax(coefficient(x))`.
-#[derive(Module, Debug)]
-pub struct Residual<E: Expert> {
-    /// The dense MLP.
-    pub mlp: E,
-    /// `Linear(d, 2)`: the mixing logits.
-    pub coefficient: Linear,
-}
 
 /// What an [`MoE`] layer's forward returns (DeepSpeed's `(output, l_aux, exp_counts)`).
 #[derive(Debug, Clone)]
@@ -210,16 +61,16 @@ pub struct MoE<E: Expert> {
     /// PR-MoE's dense branch, with `use_residual`.
     pub residual: Option<Residual<E>>,
     #[module(skip)]
-    settings: MoeConfig,
+    pub(super) settings: MoeConfig,
     #[module(skip)]
-    ep: ExpertParallel,
+    pub(super) ep: ExpertParallel,
     /// Expert slicing: the group of ranks that see the same tokens, each running its share
     /// of the experts ([`TensorParallel::none`] when the layer is not sliced).
     #[module(skip)]
-    slices: TensorParallel,
+    pub(super) slices: TensorParallel,
     /// The state of the layer's draws.
     #[module(skip)]
-    rng: Arc<Mutex<u64>>,
+    pub(super) rng: Arc<Mutex<u64>>,
 }
 
 impl<E: Expert> MoE<E> {
@@ -476,6 +327,8 @@ mod tests {
     use super::*;
     use crate::flat::ParamLayout;
     use crate::launch::launch;
+    use crate::moe::ExpertMlp;
+    use burn::tensor::Device;
 
     const D: usize = 4;
     const EXPERTS: usize = 4;

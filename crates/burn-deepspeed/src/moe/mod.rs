@@ -3,12 +3,16 @@
 //! layer; and expert parallelism ([`ExpertParallel`]), whose token exchange is an all-to-all
 //! with its own backward.
 
+mod config;
+mod expert;
 pub mod gating;
 mod group;
 mod layer;
 mod op;
 pub mod routing;
 
+pub use config::*;
+pub use expert::*;
 pub use gating::{Gating, top1_gating, top2_gating};
 pub(crate) use group::is_expert_anywhere;
 pub use group::{ExpertLayer, ExpertParallel};

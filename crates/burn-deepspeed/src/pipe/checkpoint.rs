@@ -22,9 +22,8 @@ use burn_deepspeed_strategies::zero::PartitionState;
 use super::engine::{PipelineEngine, StageGrads};
 use super::layer::{PipeBatch, PipeLayer};
 use crate::checkpoint::{
-    self as format, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointMeta, Loaded,
-    all_gather_bytes, f32_bytes, f32_values, partition_file, partition_state_bytes,
-    partition_state_from_bytes,
+    self as format, CheckpointMeta, Loaded, all_gather_bytes, f32_bytes, f32_values,
+    partition_file, partition_state_bytes, partition_state_from_bytes,
 };
 use crate::step::core::RestoredPosition;
 use crate::sync::GradSync;
@@ -129,28 +128,14 @@ where
     /// The metadata of a checkpoint of the whole model, as one rank at ZeRO stage 1 writes
     /// it.
     fn whole_meta(&self) -> CheckpointMeta {
-        let position = self.core.position();
         CheckpointMeta {
-            format: CHECKPOINT_FORMAT.into(),
-            version: CHECKPOINT_VERSION,
-            global_step: position.global_step,
-            skipped_steps: position.skipped_steps,
-            world_size: 1,
             zero_stage: 1,
-            optimizer: format!("{:?}", self.config.optimizer_kind()),
-            compressing: None,
             // The tensors' catalog indices: ids are not restored from a grid checkpoint
             // (each rank keeps its own, under which its slices' layouts are recorded).
             param_ids: (0..self.catalog.len() as u64).collect(),
             shapes: self.catalog.iter().map(|t| t.shape.clone()).collect(),
             paths: self.catalog.iter().map(|t| t.name.clone()).collect(),
-            loss_scaler: position.loss_scaler,
-            dtype: self
-                .config
-                .working_dtype()
-                .map(|_| self.config.precision_name().into()),
-            ep_size: None,
-            files: Vec::new(),
+            ..CheckpointMeta::of_run(&self.config, self.core.position())
         }
     }
 

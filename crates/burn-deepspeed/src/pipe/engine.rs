@@ -1,123 +1,33 @@
 //! [`PipelineEngine`]: runs one stage of a pipelined model (DeepSpeed's `PipelineEngine`).
 
 use std::marker::PhantomData;
-use std::ops::Range;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, FloatDType, Tensor};
 use burn_deepspeed_strategies::CommError;
-use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
+use burn_deepspeed_strategies::comm::{CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::pipe::{
-    InferenceSchedule, PartitionMethod, PipeDataTopology, PipeInstruction, PipeSchedule,
-    ScheduleKind,
+    InferenceSchedule, PipeDataTopology, PipeInstruction, PipeSchedule, ScheduleKind,
 };
-use serde::Serialize;
 
+use super::build::WholeTensor;
 use super::layer::{LayerInput, PipeBatch, PipeLayer};
+use super::report::{PhaseTimer, PipePhases, PipeStepReport};
 use super::run::{Mode, Run, Slot};
-use super::ties::{TiedGroup, find_ties};
+use super::ties::TiedGroup;
 use super::wire::{self, TAG_ACTIVATION, TAG_GRADIENT};
 use crate::activation::{checkpoint, with_config_options};
-use crate::config::ZeroStage;
-use crate::config::{BatchSizes, DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
-use crate::flat::{ParamLayout, param_paths, params_from_flat, params_to_flat};
+use crate::config::{BatchSizes, DeepSpeedConfig};
+use crate::flat::ParamLayout;
 use crate::grid::Grid;
-use crate::memory::estimate::{StatePrecision, estimate_model_states};
-use crate::memory::{ModelStateBytes, burn_state_bytes_per_elem, param_bytes};
+use crate::memory::burn_state_bytes_per_elem;
 use crate::monitor::MonitorRecord;
-use crate::optim::build_optimizer;
-use crate::optim::partitioned_kind;
 use crate::precision::cast_module;
 use crate::step::core::StepCore;
 use crate::sync::scale::clip_to;
-use crate::sync::{
-    GradBuffer, GradSync, ModelParallelNorm, PartitionedSync, Reduced, SyncOptions,
-    broadcast_params,
-};
-use crate::tensor_parallel::TensorParallel;
+use crate::sync::{GradBuffer, GradSync, ModelParallelNorm, Reduced};
 use crate::{DeepSpeedError, Result, agreed};
-
-/// The result of one pipelined optimizer step.
-#[derive(Debug, Clone, Serialize)]
-pub struct PipeStepReport {
-    /// Optimizer steps taken so far (this one included).
-    pub step: u64,
-    /// Mean loss over every micro-batch of every replica (computed by the last stage and
-    /// shared with every rank).
-    pub loss: f64,
-    /// Learning rate used.
-    pub lr: f64,
-    /// Global gradient norm (over every stage) before clipping.
-    pub grad_norm: f64,
-    /// The gradient norm was not finite: the step was skipped on every rank.
-    pub overflow: bool,
-    /// fp16: the loss scale this step's gradients were computed with.
-    pub loss_scale: Option<f32>,
-    /// This stage's idle share of the schedule: 1 − (time in forward and backward passes) /
-    /// (time from the first instruction to the last backward's gradient send).
-    pub stage_bubble_fraction: f64,
-    /// [`stage_bubble_fraction`](Self::stage_bubble_fraction) averaged over every rank.
-    pub bubble_fraction: f64,
-    /// The most activations this stage held at once (forwarded, not yet backwarded).
-    pub peak_live_activations: usize,
-    /// Time of this stage's schedule (up to the gradient reductions).
-    pub schedule_time: Duration,
-    /// Time of this stage in forward and backward passes.
-    pub compute_time: Duration,
-    /// This stage's time per phase of the step (`wall_clock_breakdown`).
-    pub phases: PipePhases,
-}
-
-/// A pipeline stage's time per phase of one step.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct PipePhases {
-    /// Loading micro-batches (first and last stage).
-    pub load: Duration,
-    /// Forward passes.
-    pub forward: Duration,
-    /// Backward passes.
-    pub backward: Duration,
-    /// Activation and gradient sends and receives, waiting for the neighbour included.
-    pub send_recv: Duration,
-    /// Tied-gradient sums and the gradient reduction over the replicas.
-    pub reduce: Duration,
-    /// The optimizer step.
-    pub optimizer: Duration,
-    /// The whole step.
-    pub step: Duration,
-}
-
-impl PipePhases {
-    /// The phase an instruction's time counts in.
-    fn of(&mut self, inst: PipeInstruction) -> &mut Duration {
-        match inst {
-            PipeInstruction::LoadMicroBatch { .. } => &mut self.load,
-            PipeInstruction::ForwardPass { .. } => &mut self.forward,
-            PipeInstruction::BackwardPass { .. } => &mut self.backward,
-            PipeInstruction::SendActivation { .. }
-            | PipeInstruction::RecvActivation { .. }
-            | PipeInstruction::SendGrad { .. }
-            | PipeInstruction::RecvGrad { .. } => &mut self.send_recv,
-            PipeInstruction::ReduceTiedGrads | PipeInstruction::ReduceGrads => &mut self.reduce,
-            PipeInstruction::OptimizerStep => &mut self.optimizer,
-        }
-    }
-
-    /// The phases by name, in the order `wall_clock_breakdown` prints them.
-    pub fn named(&self) -> [(&'static str, Duration); 7] {
-        [
-            ("load", self.load),
-            ("forward", self.forward),
-            ("backward", self.backward),
-            ("send/recv", self.send_recv),
-            ("reduce", self.reduce),
-            ("optimizer", self.optimizer),
-            ("step", self.step),
-        ]
-    }
-}
 
 /// A `tracing` span named after the instruction (a timeline shows each one by name).
 fn instruction_span(inst: PipeInstruction, stage: usize) -> tracing::Span {
@@ -153,19 +63,19 @@ fn instruction_span(inst: PipeInstruction, stage: usize) -> tracing::Span {
 /// result equals data-parallel training over `replicas` ranks with the same global batch.
 pub struct PipelineEngine<L, B> {
     pub(super) layers: Vec<L>,
-    parts: Vec<usize>,
-    topo: PipeDataTopology,
+    pub(super) parts: Vec<usize>,
+    pub(super) topo: PipeDataTopology,
     pub(super) pipe_stage: usize,
     pub(super) replica: usize,
     /// The grid: its world, pipe, data and tensor groups, and the tensor-parallel group
     /// the layers are sliced over.
     pub(super) grid: Grid,
     /// How the gradient norm sums over the stages and the slices.
-    norm: ModelParallelNorm,
-    ties: Vec<TiedGroup>,
-    optim: ModuleOptimizer,
+    pub(super) norm: ModelParallelNorm,
+    pub(super) ties: Vec<TiedGroup>,
+    pub(super) optim: ModuleOptimizer,
     pub(super) config: DeepSpeedConfig,
-    batch: BatchSizes,
+    pub(super) batch: BatchSizes,
     /// This stage's gradients: averaged and stepped whole (ZeRO stage 0), or reduce-scattered
     /// over the replicas and stepped in slices (stage 1).
     pub(super) grads: StageGrads<L>,
@@ -177,63 +87,20 @@ pub struct PipelineEngine<L, B> {
     /// The catalog index of this stage's first tensor.
     pub(super) first_slot: usize,
     /// Stage 1: the reduction [`GradSync::reduce`] left for the optimizer step.
-    reduced: Option<Reduced>,
+    pub(super) reduced: Option<Reduced>,
     /// The optimizer as built (stepped nothing), for measuring its state per element.
-    fresh_optim: ModuleOptimizer,
+    pub(super) fresh_optim: ModuleOptimizer,
     /// Bytes of the optimizer's state (counted after the first step).
-    optim_bytes: u64,
-    kind: ScheduleKind,
-    device: Device,
-    total_params: usize,
+    pub(super) optim_bytes: u64,
+    pub(super) kind: ScheduleKind,
+    pub(super) device: Device,
+    pub(super) total_params: usize,
     /// The step protocol: loss scale, step counters, breakdown and monitor.
     pub(super) core: StepCore,
     /// Mixed precision: the fp32 masters of this stage's layers, which the optimizer steps
     /// (`layers` is their 16-bit working copy).
-    masters: Option<Vec<L>>,
-    _batch: PhantomData<fn(&B)>,
-}
-
-/// One tensor of the whole model: `layer.path` (the layer's index in the whole list) and
-/// its whole shape.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct WholeTensor {
-    pub(super) name: String,
-    pub(super) shape: Vec<usize>,
-}
-
-impl WholeTensor {
-    pub(super) fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-}
-
-/// The whole model's tensors (sliced ones at their whole shape) in layer order, and the index
-/// of the first tensor of layer `first_layer`.
-fn whole_tensors<L: burn::module::Module>(
-    layers: &[L],
-    tp: &TensorParallel,
-    first_layer: usize,
-) -> (Vec<WholeTensor>, usize) {
-    let mut catalog = Vec::new();
-    let mut first = 0;
-    for (i, layer) in layers.iter().enumerate() {
-        if i == first_layer {
-            first = catalog.len();
-        }
-        let layout = ParamLayout::of(layer);
-        let paths = param_paths(layer, &layout);
-        for (slot, path) in layout.slots.iter().zip(paths) {
-            let shape = match tp.layout(slot.id) {
-                Some(cut) => cut.whole_shape(&slot.shape, tp.size()),
-                None => slot.shape.clone(),
-            };
-            catalog.push(WholeTensor {
-                name: format!("{i}.{path}"),
-                shape,
-            });
-        }
-    }
-    (catalog, first)
+    pub(super) masters: Option<Vec<L>>,
+    pub(super) _batch: PhantomData<fn(&B)>,
 }
 
 /// How a stage keeps its gradients and steps: DeepSpeed allows ZeRO stage 1 on a pipeline's
@@ -247,55 +114,12 @@ pub(super) enum StageGrads<L> {
     Partitioned(Box<dyn GradSync<Vec<L>>>),
 }
 
-fn pipeline_error(msg: String) -> DeepSpeedError {
+pub(super) fn pipeline_error(msg: String) -> DeepSpeedError {
     DeepSpeedError::Comm(CommError::Pipeline(msg))
 }
 
-/// Each layer's parameter count, and the stage boundaries `partition` cuts them into
-/// (`parts[s]..parts[s + 1]` on stage `s`); refuses a stage without layers.
-fn partition_layers<L: PipeLayer<B>, B: PipeBatch>(
-    layers: &[L],
-    partition: &str,
-    stages: usize,
-) -> Result<(Vec<usize>, Vec<usize>)> {
-    if layers.len() < stages {
-        return Err(pipeline_error(format!(
-            "{} layers cannot fill {stages} stages",
-            layers.len()
-        )));
-    }
-    let method = PartitionMethod::parse(partition)?;
-    let counts: Vec<usize> = layers.iter().map(|l| ParamLayout::of(l).numel).collect();
-    let types: Vec<String> = layers.iter().map(|l| l.type_name()).collect();
-    let type_refs: Vec<&str> = types.iter().map(String::as_str).collect();
-    let parts = method.partition(&counts, &type_refs, stages)?;
-    if parts.windows(2).any(|w| w[0] == w[1]) {
-        return Err(pipeline_error(format!(
-            "partition `{partition}` leaves a stage without layers: boundaries {parts:?}"
-        )));
-    }
-    Ok((counts, parts))
-}
-
-/// `layers` with every tied copy set to its group's first (a collective over the pipeline
-/// when a tie spans stages).
-fn tie_params<L: burn::module::Module>(
-    layers: Vec<L>,
-    layout: &ParamLayout,
-    ties: &[TiedGroup],
-) -> Result<Vec<L>> {
-    if ties.is_empty() {
-        return Ok(layers);
-    }
-    let mut flat = params_to_flat(&layers, layout);
-    for tie in ties {
-        tie.copy_first(&mut flat)?;
-    }
-    Ok(params_from_flat(layers, layout, &flat))
-}
-
 /// The 16-bit working copy of `layers`.
-fn cast_layers<L: burn::module::Module>(layers: &[L], dtype: FloatDType) -> Vec<L> {
+pub(super) fn cast_layers<L: burn::module::Module>(layers: &[L], dtype: FloatDType) -> Vec<L> {
     layers
         .iter()
         .map(|l| cast_module(l.clone(), dtype))
@@ -314,170 +138,6 @@ where
     L: PipeLayer<B> + 'static,
     B: PipeBatch + 'static,
 {
-    /// Builds this rank's stage from the whole model's `layers` (every rank passes the same
-    /// list; each keeps its stage's layers and drops the rest). `device` is the autodiff
-    /// device the layers live on. Collective: every rank of `comm` must call it.
-    pub fn new(
-        layers: Vec<L>,
-        config: DeepSpeedConfig,
-        comm: Arc<dyn Communicator>,
-        device: Device,
-    ) -> Result<Self> {
-        check_supported(&config, EntryPoint::Pipeline)?;
-        if config.tp_size() > 1 {
-            return Err(DeepSpeedError::Unsupported {
-                key: "tensor_parallel.tp_size".into(),
-                reason: "the layers must be sliced first: build a `grid::Grid` from the \
-                         config, slice the layers with its `tensor_parallel()` group, and \
-                         create the engine with `PipelineEngine::with_grid`"
-                    .into(),
-            });
-        }
-        let grid = Grid::new(comm, config.pipeline_stages(), 1, &device)?;
-        Self::with_grid(layers, config, &grid, device)
-    }
-
-    /// [`new`](Self::new) on a [`Grid`] (the full 3D grid: pp x dp x tp): `layers` are this
-    /// rank's slices over the grid's tensor-parallel group (every rank of the group passes its
-    /// slices of the same list), the stages run over the grid's pipe groups and the replicas
-    /// average over its data groups. The gradient norm counts each logical parameter once
-    /// ([`ModelParallelNorm`]: summed over the stages and the slices). Collective: every rank
-    /// of the grid calls it.
-    pub fn with_grid(
-        layers: Vec<L>,
-        mut config: DeepSpeedConfig,
-        grid: &Grid,
-        device: Device,
-    ) -> Result<Self> {
-        check_supported(&config, EntryPoint::Pipeline)?;
-        let pipeline = config.pipeline.clone().unwrap_or_default();
-        let stages = pipeline.stage_count().unwrap_or(1) as usize;
-        let shape = grid.topology();
-        if shape.pipe != stages || shape.tensor != config.tp_size() {
-            return Err(DeepSpeedError::Unsupported {
-                key: "pipeline.stages".into(),
-                reason: format!(
-                    "the config asks for {stages} stages x {} slices, the grid has {} x {}",
-                    config.tp_size(),
-                    shape.pipe,
-                    shape.tensor
-                ),
-            });
-        }
-        let kind = config.optimizer_kind();
-        if shape.tensor > 1 && !matches!(kind, OptimizerKind::Adam | OptimizerKind::AdamW) {
-            return Err(DeepSpeedError::Unsupported {
-                key: "optimizer.type".into(),
-                reason: format!(
-                    "{kind:?} with tensor slicing is not implemented; use Adam or AdamW"
-                ),
-            });
-        }
-        let topo = PipeDataTopology::new(shape.pipe * shape.data, stages)?;
-        // The batch arithmetic counts data-parallel replicas, not ranks.
-        let batch = config.resolve(topo.replicas)?;
-        let (stage, replica) = (grid.coord().pipe, grid.coord().data);
-        let (counts, parts) = partition_layers(&layers, &pipeline.partition, stages)?;
-        let keys: Vec<Option<String>> = layers.iter().map(|l| l.tie_key()).collect();
-        let tp = grid.tensor_parallel().clone();
-        let (catalog, first_slot) = whole_tensors(&layers, &tp, parts[stage]);
-        let total_params = catalog.iter().map(WholeTensor::numel).sum();
-
-        let (pipe, data) = (grid.pipe().clone(), grid.data().clone());
-        let mine: Vec<L> = layers
-            .into_iter()
-            .skip(parts[stage])
-            .take(parts[stage + 1] - parts[stage])
-            .collect();
-        let mut offset = 0;
-        let ranges: Vec<Range<usize>> = counts[parts[stage]..parts[stage + 1]]
-            .iter()
-            .map(|&n| {
-                offset += n;
-                offset - n..offset
-            })
-            .collect();
-        let ties = find_ties(&keys, &parts, stage, &ranges, pipe.as_ref())?;
-        let duplicates: Vec<Range<usize>> =
-            ties.iter().flat_map(|t| t.duplicates()).cloned().collect();
-
-        let optim_cfg = config
-            .optimizer
-            .clone()
-            .ok_or_else(|| DeepSpeedError::Data("the config was not resolved".into()))?;
-        let optim = build_optimizer(&optim_cfg)?;
-        let layout = ParamLayout::of(&mine);
-        let mine = broadcast_params(data.as_ref(), &layout, mine)?;
-        let mine = tie_params(mine, &layout, &ties)?;
-        let mut norm = ModelParallelNorm::none().with_group(pipe.clone(), duplicates);
-        if shape.tensor > 1 {
-            norm = norm.with_tensor(grid.tensor().clone(), &layout, &tp);
-        }
-        let options = SyncOptions::of(&config);
-        // Mixed precision: the optimizer steps fp32 masters, and the layers that run are
-        // their 16-bit working copy.
-        let (grads, layers, masters) = match options.stage {
-            ZeroStage::Disabled => {
-                let grads = StageGrads::Replicated(Box::new(GradBuffer::new(
-                    layout.clone(),
-                    data.clone(),
-                    &options,
-                )));
-                match config.working_dtype() {
-                    Some(dtype) => (grads, cast_layers(&mine, dtype), Some(mine)),
-                    None => (grads, mine, None),
-                }
-            }
-            _ => {
-                if !ties.is_empty() {
-                    return Err(DeepSpeedError::Unsupported {
-                        key: "zero_optimization.stage".into(),
-                        reason: "ZeRO stage 1 with tied layers across stages is not \
-                                 implemented yet; set the stage to 0"
-                            .into(),
-                    });
-                }
-                let kind = partitioned_kind(&optim_cfg)?;
-                let sync =
-                    PartitionedSync::<f32>::new(layout.clone(), data.clone(), &options, kind);
-                let mut sync: Box<dyn GradSync<Vec<L>>> = Box::new(sync);
-                sync.model_parallel_norm(norm.clone())?;
-                let layers = match config.working_dtype() {
-                    Some(dtype) => sync.keep_masters(mine, dtype)?,
-                    None => mine,
-                };
-                (StageGrads::Partitioned(sync), layers, None)
-            }
-        };
-        let core = StepCore::with_monitor(&config, grid.world().as_ref())?;
-        Ok(Self {
-            layers,
-            masters,
-            core,
-            parts,
-            topo,
-            pipe_stage: stage,
-            replica,
-            grid: grid.clone(),
-            norm,
-            ties,
-            fresh_optim: optim.clone(),
-            optim,
-            config,
-            batch,
-            grads,
-            layout,
-            catalog,
-            first_slot,
-            reduced: None,
-            optim_bytes: 0,
-            kind: ScheduleKind::default(),
-            device,
-            total_params,
-            _batch: PhantomData,
-        })
-    }
-
     /// Declares how many tokens one sample holds, so that the monitor also records
     /// tokens per second.
     pub fn set_tokens_per_sample(&mut self, tokens: u64) {
@@ -911,134 +571,5 @@ where
                 .map(|r| r.norm)
                 .ok_or_else(|| pipeline_error("an optimizer step before the reduction".into())),
         }
-    }
-
-    /// Learning rate of optimizer step `step` (0-based).
-    pub fn lr_at(&self, step: u64) -> f64 {
-        self.config.lr_at(step)
-    }
-
-    /// This rank's pipeline stage (not to be confused with the ZeRO stage).
-    pub fn pipe_stage(&self) -> usize {
-        self.pipe_stage
-    }
-    /// This rank's replica (its index on the data-parallel axis).
-    pub fn replica(&self) -> usize {
-        self.replica
-    }
-    /// The pp x dp grid.
-    pub fn topology(&self) -> PipeDataTopology {
-        self.topo
-    }
-    /// Stage boundaries over the model's layers (`parts[s]..parts[s + 1]` on stage `s`).
-    pub fn parts(&self) -> &[usize] {
-        &self.parts
-    }
-    /// This stage's layers (under mixed precision, the 16-bit working copy).
-    pub fn layers(&self) -> &[L] {
-        &self.layers
-    }
-    /// Mixed precision: the fp32 masters of this stage's layers, which the optimizer steps.
-    pub fn master_layers(&self) -> Option<&[L]> {
-        self.masters.as_deref()
-    }
-    /// Steps skipped because the gradient norm was not finite (DeepSpeed's `skipped_steps`).
-    pub fn skipped_steps(&self) -> u64 {
-        self.core.skipped_steps()
-    }
-    /// fp16: the loss scale the next step's gradients are computed with.
-    pub fn current_loss_scale(&self) -> Option<f32> {
-        self.core.loss_scale()
-    }
-    /// Consumes the engine and returns this stage's layers.
-    pub fn into_layers(self) -> Vec<L> {
-        self.layers
-    }
-    /// The resolved config.
-    pub fn config(&self) -> &DeepSpeedConfig {
-        &self.config
-    }
-    /// The resolved batch sizes (per replica micro-batches; global batch over replicas).
-    pub fn batch(&self) -> BatchSizes {
-        self.batch
-    }
-    /// Optimizer steps taken.
-    pub fn global_step(&self) -> u64 {
-        self.core.global_step()
-    }
-    /// Float parameters of the whole model.
-    pub fn total_params(&self) -> usize {
-        self.total_params
-    }
-    /// Float parameters of this stage.
-    pub fn stage_params(&self) -> usize {
-        self.layout.numel
-    }
-    /// The model state this rank holds, measured: its layers' stored parameters, its gradient
-    /// buffer, and the state tensors of its optimizer (read after the first step), with the
-    /// fp32 masters of a mixed-precision run.
-    pub fn model_state_bytes(&self) -> ModelStateBytes {
-        let buffer = match &self.grads {
-            StageGrads::Replicated(buffer) => buffer,
-            StageGrads::Partitioned(sync) => return sync.held(&self.layers),
-        };
-        let masters: u64 = self.masters.iter().flatten().map(param_bytes).sum();
-        ModelStateBytes {
-            params: self.layers.iter().map(param_bytes).sum(),
-            grads: buffer.bytes(),
-            optimizer: self.optim_bytes + masters,
-            offloaded: 0,
-        }
-    }
-    /// What ZeRO's formula (arXiv 1910.02054) gives for this rank's model state, not
-    /// measured: its stage's parameters (its slices under tensor slicing) as Ψ, the
-    /// optimizer state cut over the replicas at stage 1.
-    pub fn model_state_bytes_formula(&self) -> u64 {
-        let stage: u8 = self.config.zero_optimization.stage.into();
-        // The pipeline accumulates fp32 gradients under fp16 as under bf16.
-        let precision = match StatePrecision::of(&self.config) {
-            StatePrecision::Mixed => StatePrecision::MixedFp32Grads,
-            other => other,
-        };
-        let (params, replicas) = (self.stage_params() as u64, self.topo.replicas as u64);
-        estimate_model_states(params, replicas, stage, precision, 0, 0).total
-    }
-
-    /// The grid this engine runs on.
-    pub fn grid(&self) -> &Grid {
-        &self.grid
-    }
-
-    /// This rank's counters over the world, pipeline and data-parallel communicators:
-    /// `(measured bytes sent, ring-model bytes sent)`.
-    pub fn bytes_sent(&self) -> (u64, u64) {
-        let mut comms: Vec<&Arc<dyn Communicator>> = Vec::new();
-        for c in [
-            self.grid.world(),
-            self.grid.pipe(),
-            self.grid.data(),
-            self.grid.tensor(),
-        ] {
-            // A group that is the whole world is the world's communicator: counted once.
-            if !comms.iter().any(|k| Arc::ptr_eq(k, c)) {
-                comms.push(c);
-            }
-        }
-        comms.iter().map(|c| c.stats()).fold((0, 0), |(m, r), s| {
-            (m + s.total_sent(), r + s.total_model_sent())
-        })
-    }
-}
-
-/// Adds the time since `t0` to `phase` when dropped (after the instruction, whichever way
-/// its arm leaves the loop body).
-struct PhaseTimer<'a> {
-    phase: &'a mut Duration,
-    t0: Instant,
-}
-
-impl Drop for PhaseTimer<'_> {
-    fn drop(&mut self) {
-        *self.phase += self.t0.elapsed();
     }
 }

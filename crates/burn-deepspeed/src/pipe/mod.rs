@@ -2,9 +2,12 @@
 //! different ranks and exchange activations and gradients by DeepSpeed's 1F1B schedule, with
 //! data parallelism across pipeline replicas (a pp x dp grid).
 
+mod build;
 mod checkpoint;
 mod engine;
+mod inspect;
 mod layer;
+mod report;
 mod run;
 mod ties;
 mod wire;
@@ -15,6 +18,7 @@ pub use burn_deepspeed_strategies::pipe::{
 };
 pub use engine::*;
 pub use layer::*;
+pub use report::*;
 
 #[cfg(test)]
 mod tests;

@@ -25,21 +25,21 @@
 //! reported by the engine's next step; the calls after it return zeros without
 //! communicating, so a dead peer costs one timeout, not one per tensor.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use burn::tensor::{FloatDType, Tensor, bf16, f16};
+use burn::tensor::{FloatDType, Tensor};
 use burn_deepspeed_strategies::CommError;
 use burn_deepspeed_strategies::comm::{
-    CommElement, CommWorker, Communicator, CommunicatorExt, Pending, ReduceOp,
+    CommWorker, Communicator, CommunicatorExt, Pending, ReduceOp,
 };
 use burn_deepspeed_strategies::device::DeviceCollectives;
 use burn_deepspeed_strategies::zero::ShardPlan;
 
+use super::registry::{ALIASES, Entry, NEXT_ID, registry};
 use super::store::ParamStore;
-use crate::transfer;
+use super::wire::fetch;
 
 /// Why a tensor is fetched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,84 +78,84 @@ pub struct GatherStats {
     pub peak_live_elems: usize,
 }
 
-struct State {
+pub(super) struct State {
     /// The module's current shards (flat, `chunk` elements, no autodiff), for prefetching.
-    shards: Vec<Option<Tensor<1>>>,
-    trace: Vec<usize>,
+    pub(super) shards: Vec<Option<Tensor<1>>>,
+    pub(super) trace: Vec<usize>,
     /// Recording the first forward's order.
-    recording: bool,
-    cache: HashMap<usize, Vec<f32>>,
+    pub(super) recording: bool,
+    pub(super) cache: HashMap<usize, Vec<f32>>,
     /// The prefetched tensors of gathers on the device ([`GatherGroup::gather_on_device`]).
-    device_cache: HashMap<usize, Tensor<1>>,
-    cache_elems: usize,
-    error: Option<CommError>,
-    stats: GatherStats,
+    pub(super) device_cache: HashMap<usize, Tensor<1>>,
+    pub(super) cache_elems: usize,
+    pub(super) error: Option<CommError>,
+    pub(super) stats: GatherStats,
     /// The dtype the chunks travel in: the module's working dtype, so that a 16-bit model's
     /// gathers move 2 bytes per element (its values are 16-bit already, so nothing rounds).
-    wire: Option<FloatDType>,
+    pub(super) wire: Option<FloatDType>,
     /// With a 16-bit module: the f32 sums the reduce-scatters produced since the last
     /// [`take_chunk_grad`](GatherGroup::take_chunk_grad), per tensor. The op's gradient has the
     /// parameter's dtype and would round them; the sync reads these instead.
-    chunk_grads: HashMap<usize, Vec<f32>>,
+    pub(super) chunk_grads: HashMap<usize, Vec<f32>>,
     /// Whether `chunk_grads` are kept (a regime that reads the op's gradients, rounded to the
     /// parameter's dtype, turns them off).
-    keep_chunk_grads: bool,
+    pub(super) keep_chunk_grads: bool,
     /// Under `offload_param`: where the partitioned tensors' pieces live (the module holds
     /// empty placeholders), and the rank's accumulated chunk gradients in its buffer order.
-    offload: Option<Offload>,
+    pub(super) offload: Option<Offload>,
     /// The order of the first backward's re-gathers, for reading ahead (recorded while
     /// `brecording`).
-    btrace: Vec<usize>,
-    brecording: bool,
+    pub(super) btrace: Vec<usize>,
+    pub(super) brecording: bool,
     /// The phase of the last gather (a change ends the pass's read-ahead).
-    last_phase: Option<Phase>,
+    pub(super) last_phase: Option<Phase>,
     /// A failed read of this rank's parameter store: unlike `error`, the collectives go on
     /// (with zeros), so that no peer waits on this rank before the step agrees on it.
-    read_error: Option<CommError>,
+    pub(super) read_error: Option<CommError>,
     /// Whether a fetch hands the next bundle's all-gather to the communication thread (set
     /// for the engine's forward passes, with a worker).
-    overlapping: bool,
+    pub(super) overlapping: bool,
     /// The bundle being all-gathered on the communication thread.
-    inflight: Option<Inflight>,
+    pub(super) inflight: Option<Inflight>,
 }
 
 /// A prefetch bundle all-gathered on the communication thread.
-struct Inflight {
-    bundle: Vec<usize>,
+pub(super) struct Inflight {
+    pub(super) bundle: Vec<usize>,
     /// Every rank's chunks of the bundle (rank order), and the bytes the transport sent.
-    pending: Pending<(Vec<f32>, u64)>,
+    pub(super) pending: Pending<(Vec<f32>, u64)>,
 }
 
 /// The parameter pieces of an `offload_param` rank and the gradients of its pieces.
-struct Offload {
-    store: Arc<ParamStore>,
+pub(super) struct Offload {
+    pub(super) store: Arc<ParamStore>,
     /// Where tensor `t`'s piece starts in the rank's buffer.
-    local_start: Vec<Option<usize>>,
+    pub(super) local_start: Vec<Option<usize>>,
     /// The sum of the chunk gradients since the last exchange, this rank's pieces back to
     /// back: the reduce-scatters add into it, so that no per-tensor gradient outlives its
     /// backward step.
-    grads: Vec<f32>,
+    pub(super) grads: Vec<f32>,
 }
 
 /// One rank's stage-3 fetcher: the plan, the communicator and the prefetch state.
 pub struct GatherGroup {
-    id: u64,
-    comm: Arc<dyn Communicator>,
-    plan: ShardPlan,
-    shapes: Vec<Vec<usize>>,
-    prefetch: usize,
-    max_live: usize,
+    pub(super) id: u64,
+    pub(super) comm: Arc<dyn Communicator>,
+    pub(super) plan: ShardPlan,
+    pub(super) shapes: Vec<Vec<usize>>,
+    pub(super) prefetch: usize,
+    pub(super) max_live: usize,
     /// Factor applied to gradients before the reduce-scatter (`gradient_predivide_factor`).
-    pre: f32,
+    pub(super) pre: f32,
     /// Fetch with an all-reduce of a zero-padded buffer instead of an all-gather
     /// (`stage3_use_all_reduce_for_fetch_params`): the same values, twice the traffic.
-    fetch_by_all_reduce: bool,
+    pub(super) fetch_by_all_reduce: bool,
     /// The collectives on the device's buffers, when the regime gathers there
     /// ([`set_device_collectives`](Self::set_device_collectives)).
-    device: OnceLock<Arc<dyn DeviceCollectives>>,
+    pub(super) device: OnceLock<Arc<dyn DeviceCollectives>>,
     /// The communication thread that all-gathers bundles ahead (`overlap_comm`).
-    worker: OnceLock<CommWorker>,
-    state: Mutex<State>,
+    pub(super) worker: OnceLock<CommWorker>,
+    pub(super) state: Mutex<State>,
 }
 
 impl std::fmt::Debug for GatherGroup {
@@ -166,80 +166,6 @@ impl std::fmt::Debug for GatherGroup {
             .field("tensors", &self.shapes.len())
             .finish()
     }
-}
-
-enum Entry {
-    Live(Weak<GatherGroup>),
-    /// The parameters were gathered back whole ([`GatherGroup::release`]): the op passes the
-    /// stored value through.
-    Whole,
-    /// Keys handed out by [`prepared_id`] for a model sharded ahead of its ranks (the Learner
-    /// strategy); each rank's thread answers them through [`GatherGroup::answer_on_this_thread`].
-    Prepared,
-}
-
-thread_local! {
-    /// Prepared ids this thread resolves to one of its own groups.
-    static ALIASES: RefCell<HashMap<u64, Weak<GatherGroup>>> = RefCell::new(HashMap::new());
-}
-
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-fn registry() -> MutexGuard<'static, HashMap<u64, Entry>> {
-    static REGISTRY: LazyLock<Mutex<HashMap<u64, Entry>>> =
-        LazyLock::new(|| Mutex::new(HashMap::new()));
-    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The key of tensor `tensor` of group `group`, as stored in [`ShardGather`](super::ShardGather).
-pub fn key_of(group: u64, tensor: usize) -> u64 {
-    (group << 32) | tensor as u64
-}
-
-/// What a key resolves to.
-pub enum Resolved {
-    /// A live group and the tensor's index in it.
-    Group(Arc<GatherGroup>, usize),
-    /// The group's parameters are whole again.
-    Whole,
-}
-
-/// Finds the group of `key`.
-///
-/// # Panics
-/// When the engine that sharded the parameter is gone: a sharded parameter cannot be used
-/// without its group.
-pub fn resolve(key: u64) -> Resolved {
-    let group = key >> 32;
-    let tensor = (key & 0xffff_ffff) as usize;
-    let aliased = ALIASES.with(|a| a.borrow().get(&group).and_then(Weak::upgrade));
-    if let Some(g) = aliased {
-        return Resolved::Group(g, tensor);
-    }
-    match registry().get(&group) {
-        Some(Entry::Whole) => Resolved::Whole,
-        Some(Entry::Live(weak)) => match weak.upgrade() {
-            Some(g) => Resolved::Group(g, tensor),
-            None => panic!("ZeRO-3: the gather group {group} of a sharded parameter is gone"),
-        },
-        Some(Entry::Prepared) => panic!(
-            "ZeRO-3: this model was prepared by DeepSpeedStrategy::prepare_model (group \
-             {group}); it runs only inside the SupervisedTraining that uses that strategy, \
-             which returns it whole"
-        ),
-        None => panic!(
-            "ZeRO-3: the engine that sharded this parameter (group {group}) was dropped; \
-             take the whole model with DeepSpeedEngine::into_model before dropping it"
-        ),
-    }
-}
-
-/// A new id for a model sharded before its ranks exist: its keys resolve, on each rank's
-/// thread, to the group that rank registers with [`GatherGroup::answer_on_this_thread`].
-pub fn prepared_id() -> u64 {
-    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-    registry().insert(id, Entry::Prepared);
-    id
 }
 
 impl GatherGroup {
@@ -316,7 +242,7 @@ impl GatherGroup {
         &self.comm
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
+    pub(super) fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -406,46 +332,6 @@ impl GatherGroup {
         self.state().stats
     }
 
-    /// Drops prefetched tensors and ends the trace recording (the backward has begun).
-    fn end_forward(&self, st: &mut State) {
-        self.settle_inflight(st, false);
-        st.cache.clear();
-        st.device_cache.clear();
-        st.cache_elems = 0;
-        if st.recording && !st.trace.is_empty() {
-            st.recording = false;
-        }
-    }
-
-    /// The bookkeeping of a gather of tensor `t` for `phase`: the end of the last pass's
-    /// read-ahead, the traces and the counters.
-    fn note_gather(&self, st: &mut State, t: usize, phase: Phase) {
-        if st.last_phase != Some(phase) {
-            st.last_phase = Some(phase);
-            if let Some(o) = &st.offload {
-                o.store.forget_read_ahead();
-            }
-            if phase == Phase::Forward && !st.btrace.is_empty() {
-                st.brecording = false;
-            }
-        }
-        match phase {
-            Phase::Forward => {
-                st.stats.forward_gathers += 1;
-                if st.recording {
-                    st.trace.push(t);
-                }
-            }
-            Phase::Backward => {
-                self.end_forward(st);
-                st.stats.backward_gathers += 1;
-                if st.brecording {
-                    st.btrace.push(t);
-                }
-            }
-        }
-    }
-
     /// Tensor `t` whole (`numel` values), from this rank's `shard` (`chunk` values).
     pub fn gather(&self, t: usize, shard: Vec<f32>, phase: Phase) -> Vec<f32> {
         let mut st = self.state();
@@ -512,120 +398,10 @@ impl GatherGroup {
         first
     }
 
-    /// Starts a communication thread for `overlap_comm`: from then on, while
-    /// [`set_overlapping`](Self::set_overlapping) is on, forward fetches gather the next bundle
-    /// ahead on it. Fails when the thread cannot be started (the caller agrees on it with the
-    /// other ranks). Not for a group under `offload_param`, whose pieces are read from disk on
-    /// the rank's thread.
-    pub fn overlap_prefetch(&self) -> Result<(), CommError> {
-        if self.worker.get().is_none() {
-            // A second call keeps the first worker.
-            let _ = self.worker.set(CommWorker::spawn(self.comm.clone())?);
-        }
-        Ok(())
-    }
-
-    /// Whether a worker gathers ahead ([`overlap_prefetch`](Self::overlap_prefetch)).
-    pub fn overlaps(&self) -> bool {
-        self.worker.get().is_some()
-    }
-
-    /// Turns gathering ahead on (the engine, for its forward passes) or off. Off, the bundle in
-    /// flight is waited for and dropped, so that the caller may call collectives of the
-    /// group's communicator itself: a forward the engine does not run (a user's evaluation)
-    /// fetches on the rank's own thread.
-    pub fn set_overlapping(&self, on: bool) {
-        let mut st = self.state();
-        st.overlapping = on && self.worker.get().is_some();
-        if !on {
-            self.settle_inflight(&mut st, false);
-        }
-    }
-
-    /// Waits for the bundle in flight, if any: its tensors go to the prefetch cache when
-    /// `keep` (the forward that asked for them goes on), and are dropped otherwise. A failed
-    /// all-gather is kept as this group's error, and its tensors are zeros.
-    fn settle_inflight(&self, st: &mut State, keep: bool) {
-        let Some(inflight) = st.inflight.take() else {
-            return;
-        };
-        let tensors = self.plan.tensors();
-        let per_rank: usize = inflight.bundle.iter().map(|&j| tensors[j].chunk).sum();
-        let out = match inflight.pending.wait() {
-            Ok((out, sent)) => {
-                st.stats.gather_bytes_sent += sent;
-                out
-            }
-            Err(e) => {
-                if st.error.is_none() {
-                    self.fail(st, e);
-                }
-                vec![0.0; per_rank * self.comm.world_size()]
-            }
-        };
-        if !keep {
-            return;
-        }
-        let wholes = self.split_wholes(&inflight.bundle, &out);
-        for (&j, values) in inflight.bundle.iter().zip(wholes) {
-            st.cache_elems += values.len();
-            st.cache.insert(j, values);
-        }
-        st.stats.peak_prefetched = st.stats.peak_prefetched.max(st.cache_elems);
-    }
-
-    /// With overlapping on and nothing in flight: hands the all-gather of the tensors the
-    /// forward trace has after `t` (not cached yet, within the prefetch bucket and the live
-    /// cap, `t` counted as live) to the communication thread. Below the live cap this is the
-    /// bundle the rank's thread would fetch at its next miss, only fetched earlier.
-    fn gather_ahead(&self, st: &mut State, t: usize) {
-        let Some(worker) = self.worker.get() else {
-            return;
-        };
-        if !st.overlapping
-            || st.inflight.is_some()
-            || st.recording
-            || st.offload.is_some()
-            || st.error.is_some()
-        {
-            return;
-        }
-        let Some(pos) = st.trace.iter().position(|&x| x == t) else {
-            return;
-        };
-        let numel = self.plan.tensors()[t].numel;
-        let mut bundle = Vec::new();
-        let live = self.extend_bundle(st, pos, &mut bundle, 0, st.cache_elems + numel);
-        if bundle.is_empty() {
-            return;
-        }
-        let mut input = Vec::new();
-        for &j in &bundle {
-            if let Some(shard) = st.shards[j].clone() {
-                input.extend(transfer::read_f32(shard));
-            }
-        }
-        st.stats.all_gathers += 1;
-        st.stats.gathered_ahead += 1;
-        st.stats.peak_live_elems = st.stats.peak_live_elems.max(live);
-        let world = self.comm.world_size();
-        let (wire, by_all_reduce) = (st.wire, self.fetch_by_all_reduce);
-        let key = label("gather", &bundle);
-        let pending = worker.submit(move |comm| {
-            let mut out = vec![0.0f32; input.len() * world];
-            let _span = tracing::trace_span!("zero3_all_gather", elems = out.len()).entered();
-            comm.label_next(key);
-            let before = comm.stats().total_sent();
-            fetch(comm, wire, by_all_reduce, &input, &mut out)?;
-            Ok((out, comm.stats().total_sent() - before))
-        });
-        st.inflight = Some(Inflight { bundle, pending });
-    }
-
     /// This rank's chunk of tensor `t` from the parameter store. A failed read is this rank's
     /// alone: it is kept for the engine's next step, which the ranks agree on, and the gather
     /// goes on with zeros so that no peer waits in the collective.
-    fn read_piece(&self, st: &mut State, t: usize) -> Vec<f32> {
+    pub(super) fn read_piece(&self, st: &mut State, t: usize) -> Vec<f32> {
         let chunk = self.plan.tensors()[t].chunk;
         let Some(o) = &st.offload else {
             return vec![0.0; chunk];
@@ -639,76 +415,14 @@ impl GatherGroup {
         }
     }
 
-    /// Under `offload_param`: starts reading the pieces the trace of this phase has after `t`
-    /// (beyond those already gathered ahead), so that the disk works while `t` is used.
-    fn read_ahead(&self, st: &State, t: usize, phase: Phase) {
-        let Some(o) = &st.offload else {
-            return;
-        };
-        let trace = match phase {
-            Phase::Forward if !st.recording => &st.trace,
-            Phase::Backward if !st.brecording => &st.btrace,
-            _ => return,
-        };
-        let Some(pos) = trace.iter().position(|&x| x == t) else {
-            return;
-        };
-        let next: Vec<usize> = trace[pos + 1..]
-            .iter()
-            .copied()
-            .filter(|j| !st.cache.contains_key(j) && !st.device_cache.contains_key(j))
-            .collect();
-        o.store.read_ahead(&next);
-    }
-
-    /// Extends `bundle` (holding `t`) with the tensors the trace has after `t`, within the
-    /// prefetch bucket and the live cap.
-    fn plan_prefetch(&self, st: &State, t: usize, bundle: &mut Vec<usize>) {
-        let Some(pos) = st.trace.iter().position(|&x| x == t) else {
-            return;
-        };
-        let numel = self.plan.tensors()[t].numel;
-        self.extend_bundle(st, pos, bundle, numel, st.cache_elems + numel);
-    }
-
-    /// Extends `bundle` (of `elems` elements, with `live` elements held in all) with the
-    /// tensors the trace has after position `pos` that are at hand and not cached, while the
-    /// bundle stays within the prefetch bucket and the live elements within the cap. Returns
-    /// the live elements then.
-    fn extend_bundle(
-        &self,
-        st: &State,
-        pos: usize,
-        bundle: &mut Vec<usize>,
-        mut elems: usize,
-        mut live: usize,
-    ) -> usize {
-        let tensors = self.plan.tensors();
-        for &j in &st.trace[pos + 1..] {
-            // Under `offload_param` only pieces already read ahead join the bundle: the others
-            // are still on disk, and the read-ahead brings them in while this one is used.
-            let available = match &st.offload {
-                Some(o) => o.store.is_at_hand(j),
-                None => st.shards[j].is_some(),
-            };
-            let cached = st.cache.contains_key(&j) || st.device_cache.contains_key(&j);
-            if bundle.contains(&j) || cached || !available {
-                continue;
-            }
-            let n = tensors[j].numel;
-            if elems + n > self.prefetch || live + n > self.max_live {
-                break;
-            }
-            elems += n;
-            live += n;
-            bundle.push(j);
-        }
-        live
-    }
-
     /// One all-gather of the chunks of `bundle` (this rank's in `shards`): every rank's
     /// chunks of all bundled tensors, back to back in rank order.
-    fn all_gather(&self, st: &mut State, bundle: &[usize], shards: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    pub(super) fn all_gather(
+        &self,
+        st: &mut State,
+        bundle: &[usize],
+        shards: &[Vec<f32>],
+    ) -> Vec<Vec<f32>> {
         let tensors = self.plan.tensors();
         let world = self.comm.world_size();
         let per_rank: usize = bundle.iter().map(|&j| tensors[j].chunk).sum();
@@ -741,7 +455,7 @@ impl GatherGroup {
 
     /// Each tensor of `bundle` whole, from `out`: every rank's chunks of the bundle, back to
     /// back in rank order.
-    fn split_wholes(&self, bundle: &[usize], out: &[f32]) -> Vec<Vec<f32>> {
+    pub(super) fn split_wholes(&self, bundle: &[usize], out: &[f32]) -> Vec<Vec<f32>> {
         let tensors = self.plan.tensors();
         let world = self.comm.world_size();
         let per_rank: usize = bundle.iter().map(|&j| tensors[j].chunk).sum();
@@ -763,164 +477,6 @@ impl GatherGroup {
         wholes
     }
 
-    /// From now on the op gathers and reduce-scatters the tensors of a Cube device (wgpu,
-    /// CUDA) through `coll` on their own buffers ([`gather_on_device`](Self::gather_on_device)):
-    /// NCCL moves them without leaving the GPU, the host collectives stage them as they must.
-    /// Set once, by the device-resident regime.
-    pub fn set_device_collectives(&self, coll: Arc<dyn DeviceCollectives>) {
-        // A second call keeps the first collectives: a group has one transport.
-        let _ = self.device.set(coll);
-    }
-
-    /// The device collectives, when the regime gathers on the device.
-    pub fn device_collectives(&self) -> Option<&Arc<dyn DeviceCollectives>> {
-        self.device.get()
-    }
-
-    /// [`gather`](Self::gather) on the device: tensor `t` whole (rank-1, `numel` elements)
-    /// from this rank's `shard` (`chunk` elements), in the shard's dtype, through the device
-    /// collectives. The same trace, prefetch bundles (one all-gather, the rest cached on the
-    /// device) and counters as on the host.
-    pub fn gather_on_device(&self, t: usize, shard: Tensor<1>, phase: Phase) -> Tensor<1> {
-        let mut st = self.state();
-        self.note_gather(&mut st, t, phase);
-        if phase == Phase::Forward
-            && let Some(values) = st.device_cache.remove(&t)
-        {
-            st.cache_elems -= values.dims()[0];
-            return values;
-        }
-        let mut bundle = vec![t];
-        if phase == Phase::Forward && !st.recording {
-            self.plan_prefetch(&st, t, &mut bundle);
-        }
-        let dtype = shard.dtype();
-        let mut shards = vec![shard];
-        let mut fetched = vec![t];
-        for &j in &bundle[1..] {
-            if let Some(s) = st.shards.get(j).cloned().flatten() {
-                fetched.push(j);
-                shards.push(s.cast(dtype));
-            }
-        }
-        let mut wholes = self.all_gather_on_device(&mut st, &fetched, shards);
-        let first = wholes.remove(0);
-        for (&j, values) in fetched[1..].iter().zip(wholes) {
-            st.cache_elems += values.dims()[0];
-            st.device_cache.insert(j, values);
-        }
-        let live = st.cache_elems + first.dims()[0];
-        st.stats.peak_prefetched = st.stats.peak_prefetched.max(st.cache_elems);
-        st.stats.peak_live_elems = st.stats.peak_live_elems.max(live);
-        first
-    }
-
-    /// One device all-gather of the chunks of `bundle` (`shards`, this rank's): each tensor
-    /// whole, joined from every rank's chunk. A failed collective is kept (the world is
-    /// aborted) and zeros come back.
-    fn all_gather_on_device(
-        &self,
-        st: &mut State,
-        bundle: &[usize],
-        shards: Vec<Tensor<1>>,
-    ) -> Vec<Tensor<1>> {
-        let coll = self
-            .device
-            .get()
-            .expect("gathers on the device have collectives");
-        let tensors = self.plan.tensors();
-        let (rank, world) = (coll.rank(), coll.world_size());
-        let per_rank: usize = bundle.iter().map(|&j| tensors[j].chunk).sum();
-        let (device, dtype) = (shards[0].device(), shards[0].dtype());
-        let zeros = |n: usize| Tensor::<1>::zeros([n], (&device, dtype));
-        let input = Tensor::cat(shards, 0);
-        let mut out = None;
-        if st.error.is_none() {
-            st.stats.all_gathers += 1;
-            st.stats.on_device += 1;
-            let _span =
-                tracing::trace_span!("zero3_all_gather", elems = per_rank * world).entered();
-            if coll.kind() == "host" {
-                self.comm.label_next(label("gather", bundle));
-            }
-            let before = self.comm.stats().total_sent();
-            let result = transfer::staged_collective(coll.as_ref(), &device, |c| {
-                match self.fetch_by_all_reduce {
-                    true => {
-                        let padded = zeros(per_rank * world)
-                            .slice_assign(rank * per_rank..(rank + 1) * per_rank, input);
-                        c.all_reduce(padded, ReduceOp::Sum)
-                    }
-                    false => c.all_gather(input, &vec![per_rank; world]),
-                }
-            });
-            st.stats.gather_bytes_sent += self.comm.stats().total_sent() - before;
-            match result {
-                Ok(o) => out = Some(o),
-                Err(e) => self.fail(st, e),
-            }
-        }
-        let out = out.unwrap_or_else(|| zeros(per_rank * world));
-        let mut parts: Vec<Vec<Tensor<1>>> = vec![Vec::with_capacity(world); bundle.len()];
-        for r in 0..world {
-            let mut at = r * per_rank;
-            for (k, &j) in bundle.iter().enumerate() {
-                let c = tensors[j].chunk;
-                parts[k].push(out.clone().slice(at..at + c));
-                at += c;
-            }
-        }
-        parts
-            .into_iter()
-            .zip(bundle)
-            .map(|(p, &j)| Tensor::cat(p, 0).slice(0..tensors[j].numel))
-            .collect()
-    }
-
-    /// [`reduce_scatter`](Self::reduce_scatter) on the device: this rank's chunk of the sum
-    /// over ranks of tensor `t`'s whole gradient `grad` (rank-1), in its dtype.
-    pub fn reduce_scatter_on_device(&self, t: usize, grad: Tensor<1>) -> Tensor<1> {
-        let coll = self
-            .device
-            .get()
-            .expect("gathers on the device have collectives");
-        let mut st = self.state();
-        self.end_forward(&mut st);
-        st.stats.reduce_scatters += 1;
-        let s = self.plan.tensors()[t];
-        let world = coll.world_size();
-        let (device, dtype) = (grad.device(), grad.dtype());
-        let zeros = |n: usize| Tensor::<1>::zeros([n], (&device, dtype));
-        let n = grad.dims()[0];
-        let padded = match s.chunk * world > n {
-            true => Tensor::cat(vec![grad, zeros(s.chunk * world - n)], 0),
-            false => grad,
-        };
-        let padded = match self.pre {
-            1.0 => padded,
-            pre => padded.mul_scalar(pre),
-        };
-        st.stats.peak_live_elems = st.stats.peak_live_elems.max(s.chunk * (world + 1));
-        if st.error.is_some() {
-            return zeros(s.chunk);
-        }
-        st.stats.on_device += 1;
-        let _span = tracing::trace_span!("zero3_reduce_scatter", elems = s.chunk * world).entered();
-        if coll.kind() == "host" {
-            self.comm.label_next(label("reduce", &[t]));
-        }
-        let result = transfer::staged_collective(coll.as_ref(), &device, |c| {
-            c.reduce_scatter(padded, &vec![s.chunk; world])
-        });
-        match result {
-            Ok(chunk) => chunk,
-            Err(e) => {
-                self.fail(&mut st, e);
-                zeros(s.chunk)
-            }
-        }
-    }
-
     /// Sends the chunks in `dtype` from now on (`None`: f32).
     pub fn set_wire(&self, dtype: Option<FloatDType>) {
         self.state().wire = dtype;
@@ -929,7 +485,7 @@ impl GatherGroup {
     /// Records a failed collective, which this rank cannot agree on with its peers (they may
     /// be inside the next one): the world is aborted, so that they fail at once rather than
     /// wait, and [`ShardedSync`](crate::sync::ShardedSync)'s reduce reports the error.
-    fn fail(&self, st: &mut State, e: CommError) {
+    pub(super) fn fail(&self, st: &mut State, e: CommError) {
         if !matches!(e, CommError::PeerFailed { .. }) {
             self.comm.abort(&format!("a ZeRO-3 collective failed: {e}"));
         }
@@ -1004,7 +560,7 @@ impl GatherGroup {
 /// pairing different tensors of the same shape fail instead of exchanging the wrong data (see
 /// [`Communicator::label_next`]). `DefaultHasher::new` has fixed keys: every rank of one
 /// binary computes the same label.
-fn label(what: &str, tensors: &[usize]) -> u64 {
+pub(super) fn label(what: &str, tensors: &[usize]) -> u64 {
     use std::hash::{DefaultHasher, Hash, Hasher};
     let mut h = DefaultHasher::new();
     (what, tensors).hash(&mut h);
@@ -1017,75 +573,5 @@ impl Drop for GatherGroup {
         if matches!(reg.get(&self.id), Some(Entry::Live(_))) {
             reg.remove(&self.id);
         }
-    }
-}
-
-/// Every rank's `input` into `out` (rank order) on `comm`, travelling in `wire` (f32 when
-/// `None`): an all-gather, or with `by_all_reduce` an all-reduce of a zero-padded buffer
-/// (exact, as each position has one non-zero term).
-fn fetch(
-    comm: &dyn Communicator,
-    wire: Option<FloatDType>,
-    by_all_reduce: bool,
-    input: &[f32],
-    out: &mut [f32],
-) -> Result<(), CommError> {
-    match wire {
-        Some(FloatDType::F16) => fetch_as::<f16>(comm, by_all_reduce, input, out),
-        Some(FloatDType::BF16) => fetch_as::<bf16>(comm, by_all_reduce, input, out),
-        _ => fetch_as::<f32>(comm, by_all_reduce, input, out),
-    }
-}
-
-/// [`fetch`] travelling as `T`.
-fn fetch_as<T: Wire>(
-    comm: &dyn Communicator,
-    by_all_reduce: bool,
-    input: &[f32],
-    out: &mut [f32],
-) -> Result<(), CommError> {
-    let input: Vec<T> = input.iter().map(|&x| T::narrow(x)).collect();
-    let mut wire = vec![T::narrow(0.0); out.len()];
-    if by_all_reduce {
-        let rank = comm.rank();
-        wire[rank * input.len()..(rank + 1) * input.len()].copy_from_slice(&input);
-        comm.all_reduce(&mut wire, ReduceOp::Sum)?;
-    } else {
-        comm.all_gather_equal(&input, &mut wire)?;
-    }
-    out.iter_mut().zip(&wire).for_each(|(o, w)| *o = w.widen());
-    Ok(())
-}
-
-/// A dtype chunks travel in, from and to the f32 the group computes in.
-trait Wire: CommElement {
-    fn narrow(x: f32) -> Self;
-    fn widen(self) -> f32;
-}
-
-impl Wire for f32 {
-    fn narrow(x: f32) -> Self {
-        x
-    }
-    fn widen(self) -> f32 {
-        self
-    }
-}
-
-impl Wire for f16 {
-    fn narrow(x: f32) -> Self {
-        f16::from_f32(x)
-    }
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
-}
-
-impl Wire for bf16 {
-    fn narrow(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-    fn widen(self) -> f32 {
-        self.to_f32()
     }
 }

@@ -4,12 +4,17 @@
 //! traces and prefetches. Under `offload_param` the pieces live in a [`ParamStore`] (host
 //! memory or a swap file) and the module keeps empty placeholders.
 
+mod coordinator;
+mod device;
 mod group;
 mod op;
+mod registry;
 mod reparam;
 mod store;
+mod wire;
 
 pub use group::*;
 pub use op::*;
+pub use registry::*;
 pub use reparam::*;
 pub use store::*;

@@ -21,7 +21,8 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};
 use burn::tensor::{Shape, Tensor, TensorData, read_sync};
 
-use super::group::{Phase, Resolved, resolve};
+use super::group::Phase;
+use super::registry::{Resolved, resolve};
 use crate::transfer;
 
 /// Backends that run the ZeRO stage-3 gather.

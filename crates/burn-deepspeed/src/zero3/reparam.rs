@@ -11,8 +11,9 @@ use std::sync::Mutex;
 use burn_deepspeed_strategies::CommError;
 use burn_deepspeed_strategies::zero::ShardPlan;
 
-use super::group::{GatherGroup, key_of};
+use super::group::GatherGroup;
 use super::op::zero3_gather;
+use super::registry::key_of;
 use super::store::ParamStore;
 
 /// The reparameterization of a sharded parameter: `val()` gathers the whole tensor.

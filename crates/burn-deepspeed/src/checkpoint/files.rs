@@ -1,6 +1,7 @@
 //! The checkpoint format on disk: one directory per tag with a `meta.json` and the state files
 //! it lists, each with its length and checksum, written atomically. The protocol that decides
-//! which rank writes and reads what is in `protocol.rs` beside this file.
+//! which rank writes and reads what is in `protocol.rs` beside this file; what `meta.json`
+//! holds is in `meta.rs`, and how the state files encode their values in `state.rs`.
 //!
 //! Layout of `DIR`:
 //! - `DIR/TAG/meta.json`: format, version, step, world size, ZeRO stage, optimizer, the
@@ -29,94 +30,16 @@
 //! match `meta.sha256`; each file's length is checked against `meta.json` before it is read,
 //! and its SHA-256 after.
 
-use std::collections::HashSet;
 use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use burn_deepspeed_strategies::onebit::OneBitState;
-use burn_deepspeed_strategies::zero::PartitionState;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::progress::TaskProgress;
 use crate::{DeepSpeedError, Result};
 
-/// Name of the format in `meta.json`.
-pub const CHECKPOINT_FORMAT: &str = "burn-deepspeed-checkpoint";
-/// Version of the format written (2: SHA-256 checksums, `meta.sha256`, `skipped_steps`).
-pub const CHECKPOINT_VERSION: u32 = 2;
-/// The largest `meta.json` a load reads.
-pub const MAX_META_BYTES: u64 = 64 << 20;
-/// The largest `latest` file a load reads.
-const MAX_LATEST_BYTES: u64 = 4096;
-
-/// One state file of a checkpoint.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CheckpointFile {
-    /// File name inside the tag directory.
-    pub name: String,
-    /// Length in bytes.
-    pub bytes: u64,
-    /// SHA-256 of the contents, hex.
-    pub sha256: String,
-}
-
-/// `meta.json`: what a checkpoint holds and what it needs to be loaded.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CheckpointMeta {
-    /// Always [`CHECKPOINT_FORMAT`].
-    pub format: String,
-    /// [`CHECKPOINT_VERSION`] when written.
-    pub version: u32,
-    /// Optimizer steps taken (skipped ones included).
-    pub global_step: u64,
-    /// Steps skipped because the gradient norm was not finite.
-    #[serde(default)]
-    pub skipped_steps: u64,
-    /// World size that wrote it.
-    pub world_size: usize,
-    /// ZeRO stage that wrote it.
-    pub zero_stage: u8,
-    /// The optimizer type, as in the config.
-    pub optimizer: String,
-    /// For 1-bit optimizers: whether the compression stage had begun.
-    pub compressing: Option<bool>,
-    /// Parameter ids in layout order (restored into the model, so the optimizer state, which
-    /// Burn keys by id, finds its parameters).
-    pub param_ids: Vec<u64>,
-    /// Parameter shapes in layout order.
-    pub shapes: Vec<Vec<usize>>,
-    /// Module paths of the parameters in layout order (`blocks.0.attn.weight`, the names
-    /// Burn's stores use), for `burn-deepspeed checkpoint consolidate`.
-    #[serde(default)]
-    pub paths: Vec<String>,
-    /// fp16: the loss scaler's position (absent from fp32 and bf16 checkpoints; an fp16 run
-    /// that loads one of those starts a fresh scaler, and a run without fp16 ignores it).
-    #[serde(default)]
-    pub loss_scaler: Option<crate::precision::LossScalerState>,
-    /// The working dtype of a 16-bit run (`fp16` or `bf16`; absent in fp32). `model.bin`
-    /// always holds fp32 values: the masters of a 16-bit run.
-    #[serde(default)]
-    pub dtype: Option<String>,
-    /// Expert parallelism's `ep_size` when it wrote (absent at 1). Its files hold the whole
-    /// model all the same, every expert with its optimizer state, flat at every stage.
-    #[serde(default)]
-    pub ep_size: Option<usize>,
-    /// The state files.
-    pub files: Vec<CheckpointFile>,
-}
-
-impl CheckpointMeta {
-    /// The step protocol's position this checkpoint resumes at.
-    pub(crate) fn position(&self) -> crate::step::core::StepPosition {
-        crate::step::core::StepPosition {
-            global_step: self.global_step,
-            skipped_steps: self.skipped_steps,
-            loss_scaler: self.loss_scaler,
-        }
-    }
-}
+use super::meta::*;
 
 /// SHA-256 of `bytes`, as lowercase hex.
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -169,7 +92,7 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
 /// `..`-like (hidden), with a path separator or a drive colon, with a NUL or other control
 /// character, or longer than 255 bytes. Tags and file names must pass, so that nothing is
 /// read or written outside the checkpoint directory.
-fn name_problem(what: &str, name: &str) -> Option<String> {
+pub(crate) fn name_problem(what: &str, name: &str) -> Option<String> {
     let bad = name.is_empty()
         || name.len() > 255
         || name.starts_with('.')
@@ -493,172 +416,10 @@ pub fn read_checkpoint(
     Ok((meta, out))
 }
 
-/// Checks what `meta.json` says about itself: plain and distinct file names, distinct
-/// parameter ids, one shape per id, and element counts that fit in memory.
-fn check_meta(meta: &CheckpointMeta) -> std::result::Result<(), String> {
-    let mut names = HashSet::new();
-    for f in &meta.files {
-        if let Some(why) = name_problem("file name", &f.name) {
-            return Err(why);
-        }
-        if !names.insert(f.name.as_str()) {
-            return Err(format!("lists the file `{}` twice", f.name));
-        }
-    }
-    let mut ids = HashSet::new();
-    if let Some(dup) = meta.param_ids.iter().find(|id| !ids.insert(**id)) {
-        return Err(format!("lists the parameter id {dup} twice"));
-    }
-    if meta.param_ids.len() != meta.shapes.len() {
-        return Err(format!(
-            "lists {} parameter ids for {} shapes",
-            meta.param_ids.len(),
-            meta.shapes.len()
-        ));
-    }
-    if meta.world_size == 0 {
-        return Err("records a world size of 0".into());
-    }
-    if !meta.paths.is_empty() {
-        if meta.paths.len() != meta.param_ids.len() {
-            return Err(format!(
-                "lists {} module paths for {} parameters",
-                meta.paths.len(),
-                meta.param_ids.len()
-            ));
-        }
-        let mut seen = HashSet::new();
-        if let Some(dup) = meta.paths.iter().find(|p| !seen.insert(p.as_str())) {
-            return Err(format!("lists the module path `{dup}` twice"));
-        }
-    }
-    numel_of(&meta.shapes).ok_or_else(|| "its shapes overflow the element count".to_string())?;
-    Ok(())
-}
-
-/// The total element count of `shapes`, `None` when it overflows.
-pub fn numel_of(shapes: &[Vec<usize>]) -> Option<usize> {
-    shapes.iter().try_fold(0usize, |acc, s| {
-        let n = s.iter().try_fold(1usize, |p, &d| p.checked_mul(d))?;
-        acc.checked_add(n)
-    })
-}
-
-/// f32 values as little-endian bytes.
-pub fn f32_bytes(values: &[f32]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
-/// Little-endian bytes as f32 values (the length must be a multiple of 4).
-pub fn f32_values(bytes: &[u8], what: &str) -> Result<Vec<f32>> {
-    if !bytes.len().is_multiple_of(4) {
-        return Err(DeepSpeedError::Checkpoint(format!(
-            "{what}: {} bytes is not a whole number of f32 values",
-            bytes.len()
-        )));
-    }
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
-}
-
-/// A 1-bit optimizer state as bytes: step (u64), buffer count (u32), then per buffer its name
-/// length (u32), name, element count (u64) and f32 values; all little-endian.
-pub fn one_bit_state_bytes(state: &OneBitState) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend(state.step.to_le_bytes());
-    out.extend((state.buffers.len() as u32).to_le_bytes());
-    for (name, values) in &state.buffers {
-        out.extend((name.len() as u32).to_le_bytes());
-        out.extend(name.as_bytes());
-        out.extend((values.len() as u64).to_le_bytes());
-        out.extend(f32_bytes(values));
-    }
-    out
-}
-
-/// Parses [`one_bit_state_bytes`].
-pub fn one_bit_state_from_bytes(bytes: &[u8]) -> Result<OneBitState> {
-    let truncated = || DeepSpeedError::Checkpoint("1-bit optimizer state is truncated".into());
-    let mut at = 0usize;
-    let mut take = |n: usize| -> Result<&[u8]> {
-        let end = at.checked_add(n).ok_or_else(truncated)?;
-        let s = bytes.get(at..end).ok_or_else(truncated)?;
-        at = end;
-        Ok(s)
-    };
-    let u64_of = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
-    let u32_of = |b: &[u8]| u32::from_le_bytes(b.try_into().expect("4 bytes"));
-    let step = u64_of(take(8)?);
-    let count = u32_of(take(4)?) as usize;
-    let mut buffers = Vec::with_capacity(count.min(64));
-    for _ in 0..count {
-        let len = u32_of(take(4)?) as usize;
-        let name = String::from_utf8(take(len)?.to_vec())
-            .map_err(|_| DeepSpeedError::Checkpoint("1-bit state: a name is not UTF-8".into()))?;
-        let n = u64_of(take(8)?) as usize;
-        let values = f32_values(take(n.checked_mul(4).ok_or_else(truncated)?)?, &name)?;
-        buffers.push((name, values));
-    }
-    Ok(OneBitState { step, buffers })
-}
-
-/// A ZeRO stage 1/2 slice's state as bytes: tensor count (u32), per-tensor steps (u32), slice
-/// length (u64), then m and v (f32); all little-endian.
-pub fn partition_state_bytes(state: &PartitionState) -> Vec<u8> {
-    let mut out = Vec::with_capacity(12 + 4 * state.steps.len() + 8 * state.m.len());
-    out.extend((state.steps.len() as u32).to_le_bytes());
-    state.steps.iter().for_each(|s| out.extend(s.to_le_bytes()));
-    out.extend((state.m.len() as u64).to_le_bytes());
-    out.extend(f32_bytes(&state.m));
-    out.extend(f32_bytes(&state.v));
-    out
-}
-
-/// Parses [`partition_state_bytes`].
-pub fn partition_state_from_bytes(bytes: &[u8], what: &str) -> Result<PartitionState> {
-    let bad = |detail: &str| DeepSpeedError::Checkpoint(format!("{what}: {detail}"));
-    let count = u32::from_le_bytes(
-        bytes
-            .get(..4)
-            .ok_or_else(|| bad("truncated"))?
-            .try_into()
-            .expect("4 bytes"),
-    ) as usize;
-    let steps_end = count
-        .checked_mul(4)
-        .and_then(|n| n.checked_add(4))
-        .ok_or_else(|| bad("the step count overflows"))?;
-    let steps: Vec<u32> = bytes
-        .get(4..steps_end)
-        .ok_or_else(|| bad("truncated step counts"))?
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-        .collect();
-    let len_bytes = bytes
-        .get(steps_end..)
-        .and_then(|rest| rest.get(..8))
-        .ok_or_else(|| bad("truncated"))?;
-    let len = usize::try_from(u64::from_le_bytes(len_bytes.try_into().expect("8 bytes")))
-        .map_err(|_| bad("the slice length overflows"))?;
-    let body = &bytes[steps_end + 8..];
-    if len.checked_mul(8) != Some(body.len()) {
-        return Err(bad(&format!(
-            "{} bytes of moments for a slice of {len} elements",
-            body.len()
-        )));
-    }
-    Ok(PartitionState {
-        steps,
-        m: f32_values(&body[..4 * len], what)?,
-        v: f32_values(&body[4 * len..], what)?,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::state::{f32_bytes, f32_values};
 
     #[test]
     fn large_files_are_written_and_read_piece_by_piece_with_one_hash() {
@@ -749,17 +510,5 @@ mod tests {
             .to_string();
         assert!(err.contains("missing"), "{err}");
         assert!(write_checkpoint(dir.path(), "../x", meta(), &files).is_err());
-    }
-
-    #[test]
-    fn one_bit_state_round_trips() {
-        let state = OneBitState {
-            step: 42,
-            buffers: vec![("m".into(), vec![0.5, -1.0]), ("scaling".into(), vec![])],
-        };
-        let bytes = one_bit_state_bytes(&state);
-        assert_eq!(one_bit_state_from_bytes(&bytes).expect("parse"), state);
-        let err = one_bit_state_from_bytes(&bytes[..bytes.len() - 1]).unwrap_err();
-        assert!(err.to_string().contains("truncated"), "{err}");
     }
 }

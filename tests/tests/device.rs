@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use burn::tensor::Device;
 use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed::flat::ParamLayout;
 use burn_deepspeed::launch::launch;
-use burn_deepspeed_example_gpt::model::GptShape;
+use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
 use burn_deepspeed_example_gpt::run::{ModelDevice, RunReport, RunSpec, run_rank};
 use burn_deepspeed_tests::{GPT_MINI, Toy};
 
@@ -553,20 +554,30 @@ fn device_resident_stage_0_in_fp16_matches_flex() {
 /// ranks compressing from `freeze`: the dense steps stage the fp32 all-reduce (down and up)
 /// and read the norm; the compressed ones stage the packed signs only (the all-to-all's words
 /// down and up, the all-gather's chunk down and the whole up: 1 bit each per padded element)
-/// and read the norm and the two scales.
-fn one_bit_bytes(params: u64, freeze: usize, steps: usize) -> Vec<u64> {
+/// and read the norm and the two scales. 1-bit LAMB (`lamb`, without weight decay) also reads
+/// one value per tensor of the GPT: during warm-up the norms of p and of the update (two),
+/// once compressing the largest variance ratio (one), and at the first compressed step the
+/// momentum scales (one more).
+fn one_bit_bytes(params: u64, freeze: usize, steps: usize, lamb: bool) -> Vec<u64> {
     let padded = params.div_ceil(64) * 64;
+    let tensors = match lamb {
+        true => ParamLayout::of(&Gpt::new(GPT_MINI, 0, &Device::flex()))
+            .slots
+            .len() as u64,
+        false => 0,
+    };
     (0..steps)
         .map(|step| match step < freeze {
-            true => 8 * params + 4,
-            false => 3 * padded / 8 + padded / 16 + 4 + 8,
+            true => 8 * params + 4 + 8 * tensors,
+            false if step == freeze => 3 * padded / 8 + padded / 16 + 4 + 8 + 8 * tensors,
+            false => 3 * padded / 8 + padded / 16 + 4 + 8 + 4 * tensors,
         })
         .collect()
 }
 
 /// 1-bit LAMB in fp16 (fp32 masters on the device, compressing from step 4) on wgpu against
-/// Flex: the same overflows, the losses together, and only the staged collectives, the norm
-/// and the scales crossing.
+/// Flex: the same overflows, the losses together, and only the staged collectives, the norm,
+/// the scales and the per-tensor norms crossing.
 #[test]
 fn device_one_bit_lamb_in_fp16_matches_flex() {
     let run = |device| {
@@ -594,7 +605,7 @@ fn device_one_bit_lamb_in_fp16_matches_flex() {
     assert!(wgpu.losses[9] < wgpu.losses[0], "it trains");
     assert_eq!(
         wgpu.host_device_bytes_per_step,
-        one_bit_bytes(wgpu.params as u64, 4, 10)
+        one_bit_bytes(wgpu.params as u64, 4, 10, true)
     );
 }
 
@@ -662,7 +673,7 @@ fn pipeline_and_one_bit_optimizers_on_wgpu_match_flex() {
             continue;
         }
         // Device-resident 1-bit: parameters, gradients and optimizer state never cross.
-        let want = one_bit_bytes(runs[1].params as u64, 4, 10);
+        let want = one_bit_bytes(runs[1].params as u64, 4, 10, what == "1-bit LAMB");
         assert_eq!(bytes, &want, "{what}: host/device bytes per step");
     }
 }

@@ -1,119 +1,110 @@
 //! DeepSpeed's error-compensated 1-bit all-reduce (1-bit Adam, arXiv 2102.02888; 1-bit LAMB,
-//! arXiv 2104.06069), over any [`Communicator`].
+//! arXiv 2104.06069), written once over any [`Place`]: host buffers over the
+//! [`Communicator`](crate::comm::Communicator), or device tensors over the device collectives
+//! (the compression by the fused CubeCL kernel, the signs moved as u32 words).
 //!
 //! Two phases, each moving one bit per element:
 //! 1. **Workers.** Each rank adds its worker error to its vector, compresses it to packed signs
 //!    and one scale ‖x‖₂/√n (keeping the remainder as the new worker error), and sends sign
 //!    chunk `j` to rank `j` (all-to-all); the scales are all-gathered.
-//! 2. **Servers.** Rank `j` averages chunk `j` over the ranks (scale/N · sign), adds its server
-//!    error, compresses that again (keeping its own remainder), and every rank all-gathers the
-//!    servers' packed signs and scales, so every rank ends with the same vector.
+//! 2. **Servers.** Rank `j` averages chunk `j` over the ranks (scale/N · sign, added in rank
+//!    order), adds its server error, compresses that again (keeping its own remainder), and
+//!    every rank all-gathers the servers' packed signs and scales, so every rank ends with the
+//!    same vector.
 //!
-//! The length is padded to a multiple of N·lcm(N, 8) so that every chunk packs into whole
-//! bytes; the padding lives in the error buffers.
+//! The length is padded so that every chunk packs into the place's whole sign words
+//! ([`Place::sign_padded_len`]: bytes on the host, N·lcm(N, 8); u32 words on a device, 32·N);
+//! the padding lives in the error buffers. Where both paddings agree the two places give the
+//! same values; otherwise the scales see a different `n` and differ in proportion.
 
-use burn_deepspeed_compress::onebit::compress;
-use burn_deepspeed_cubecl_kernels::sign::unpack_signs;
-
-use crate::comm::{Communicator, CommunicatorExt};
+use crate::comm::CommunicatorExt;
+use crate::place::Place;
 use crate::{CommError, Result};
 
-/// Elements after padding `n` for a world of `world` ranks: a multiple of world·lcm(world, 8).
-pub fn padded_len(n: usize, world: usize) -> usize {
-    let lcm = world * 8 / gcd(world, 8);
-    n.div_ceil(world * lcm) * world * lcm
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 { a } else { gcd(b, a % b) }
-}
+pub use crate::place::byte_padded_len as padded_len;
 
 /// A rank's error-feedback buffers for one compressed all-reduce site (one per buffer that is
-/// reduced this way). They start at zero, and start again at zero after a checkpoint load, as
-/// in DeepSpeed.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct CompressionErrors {
-    /// Padded length × 1: what this rank's last compression left out.
-    pub worker: Vec<f32>,
-    /// Padded length / N: what this rank's server chunk's last compression left out.
-    pub server: Vec<f32>,
+/// reduced this way), in place `P`. They start at zero, and start again at zero after a
+/// checkpoint load, as in DeepSpeed.
+#[derive(Debug, Clone)]
+pub struct CompressionErrors<P: Place> {
+    /// The padded length: what this rank's last compression left out.
+    pub worker: P::Buf,
+    /// The padded length / N: what this rank's server chunk's last compression left out.
+    pub server: P::Buf,
 }
 
-impl CompressionErrors {
-    /// Zeroed buffers for vectors of `n` elements over `world` ranks.
-    pub fn new(n: usize, world: usize) -> Self {
-        let padded = padded_len(n, world);
+impl<P: Place> CompressionErrors<P> {
+    /// Zeroed buffers in `place` for vectors of `n` elements over its world.
+    pub fn new(place: &P, n: usize) -> Self {
+        let padded = place.sign_padded_len(n);
         Self {
-            worker: vec![0.0; padded],
-            server: vec![0.0; padded / world],
+            worker: place.zeros(padded),
+            server: place.zeros(padded / place.world_size().max(1)),
         }
+    }
+
+    /// Bytes the buffers hold.
+    pub fn bytes(&self, place: &P) -> u64 {
+        4 * (place.len(&self.worker) + place.len(&self.server)) as u64
     }
 }
 
-/// Replaces `buf` on every rank by the 1-bit compressed mean of all ranks' `buf`, with error
-/// feedback in `errors` (sized by [`CompressionErrors::new`] for `buf.len()` and this world).
-pub fn compressed_all_reduce(
-    comm: &dyn Communicator,
-    buf: &mut [f32],
-    errors: &mut CompressionErrors,
-) -> Result<()> {
-    let world = comm.world_size();
-    let padded = padded_len(buf.len(), world);
-    if errors.worker.len() != padded || errors.server.len() != padded / world {
+/// The 1-bit compressed mean of every rank's `buf`, the same on every rank, with error
+/// feedback in `errors` (sized by [`CompressionErrors::new`] for `buf`'s length in this
+/// place). Collective: every rank calls it.
+pub fn compressed_all_reduce<P: Place>(
+    place: &P,
+    buf: P::Buf,
+    errors: &mut CompressionErrors<P>,
+) -> Result<P::Buf> {
+    let world = place.world_size();
+    let n = place.len(&buf);
+    let padded = place.sign_padded_len(n);
+    let chunk = padded / world;
+    let (worker_len, server_len) = (place.len(&errors.worker), place.len(&errors.server));
+    if worker_len != padded || server_len != chunk {
         return Err(CommError::InvalidArgument {
-            rank: comm.rank(),
+            rank: place.rank(),
             op: "compressed_all_reduce",
             detail: format!(
-                "the error buffers hold {} (worker) and {} (server) values, where {} elements \
-                 over {world} ranks need {padded} and {}: size them with \
-                 CompressionErrors::new",
-                errors.worker.len(),
-                errors.server.len(),
-                buf.len(),
-                padded / world
+                "the error buffers hold {worker_len} (worker) and {server_len} (server) values, \
+                 where {n} elements over {world} ranks need {padded} and {chunk}: size them \
+                 with CompressionErrors::new"
             ),
         });
     }
-    let chunk = padded / world;
-    let _span = tracing::debug_span!("compressed_all_reduce", elems = buf.len()).entered();
+    if n == 0 {
+        return Ok(buf);
+    }
+    let _span = tracing::debug_span!("compressed_all_reduce", elems = n).entered();
+    let take = |b: &mut P::Buf| std::mem::replace(b, place.zeros(0));
 
-    // Phase 1: workers compress; sign chunk j goes to rank j.
-    let mut x = vec![0.0f32; padded];
-    x[..buf.len()].copy_from_slice(buf);
-    let worker = compress(&x, &mut errors.worker);
-    let mut signs = vec![0u8; worker.signs.len()];
-    comm.all_to_all(&worker.signs, &mut signs)?;
+    // Phase 1: workers compress; sign chunk j goes to rank j, the scales to every rank.
+    let x = place.pad(buf, padded);
+    let (signs, scale, worker) = place.compress(x, take(&mut errors.worker))?;
+    errors.worker = worker;
+    let signs = place.all_to_all_signs(signs)?;
     let mut scales = vec![0.0f32; world];
-    comm.all_gather_equal(&[worker.scale], &mut scales)?;
+    place.comm().all_gather_equal(&[scale], &mut scales)?;
 
-    // Phase 2: this rank serves its chunk: the mean of the ranks' decompressed chunks.
-    let bytes = chunk / 8;
-    let mut mean = vec![0.0f32; chunk];
-    let mut part = vec![0.0f32; chunk];
-    for (r, scale) in scales.iter().enumerate() {
-        unpack_signs(
-            &signs[r * bytes..(r + 1) * bytes],
-            scale / world as f32,
-            &mut part,
-        );
-        mean.iter_mut().zip(&part).for_each(|(m, p)| *m += p);
+    // Phase 2: this rank serves its chunk, the mean of the ranks' decompressed chunks.
+    let mut mean = place.zeros(chunk);
+    for (r, s) in scales.iter().enumerate() {
+        let part = place.unpack(&signs, r, world, s / world as f32, chunk)?;
+        mean = place.add(mean, &part);
     }
-    let server = compress(&mean, &mut errors.server);
-    let mut all_signs = vec![0u8; padded / 8];
-    comm.all_gather_equal(&server.signs, &mut all_signs)?;
-    let mut server_scales = vec![0.0f32; world];
-    comm.all_gather_equal(&[server.scale], &mut server_scales)?;
-
-    let mut out = vec![0.0f32; padded];
-    for (j, scale) in server_scales.iter().enumerate() {
-        unpack_signs(
-            &all_signs[j * bytes..(j + 1) * bytes],
-            *scale,
-            &mut out[j * chunk..(j + 1) * chunk],
-        );
-    }
-    buf.copy_from_slice(&out[..buf.len()]);
-    Ok(())
+    let (served, scale, server) = place.compress(mean, take(&mut errors.server))?;
+    errors.server = server;
+    let all = place.all_gather_signs(served)?;
+    let mut scales = vec![0.0f32; world];
+    place.comm().all_gather_equal(&[scale], &mut scales)?;
+    let parts = scales
+        .iter()
+        .enumerate()
+        .map(|(j, s)| place.unpack(&all, j, world, *s, chunk))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(place.slice(&place.cat(parts), 0..n))
 }
 
 /// A dense, serial f64 simulation of [`compressed_all_reduce`] over every rank (DeepSpeed's
@@ -187,38 +178,29 @@ pub(crate) mod reference {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::reference::{Dense, input};
     use super::*;
-    use crate::comm::{ThreadWorld, ThreadWorldOptions};
+    use crate::comm::{Communicator, ThreadWorld, ThreadWorldOptions};
+    use crate::place::HostPlace;
 
     /// Error buffers sized for another length or world are refused on every rank, before
     /// any exchange.
     #[test]
     fn error_buffers_of_the_wrong_size_are_refused() {
         let results = ThreadWorld::run(2, ThreadWorldOptions::default(), |c| {
-            let mut errors = CompressionErrors::new(10, 4);
-            compressed_all_reduce(&c, &mut vec![1.0; 100], &mut errors)
+            let place = HostPlace::new(Arc::new(c));
+            // Sized for 10 elements over 4 ranks.
+            let mut errors = CompressionErrors::<HostPlace> {
+                worker: vec![0.0; 32],
+                server: vec![0.0; 8],
+            };
+            compressed_all_reduce(&place, vec![1.0; 100], &mut errors)
         });
         for r in results {
             let e = r.expect("no panic").expect_err("wrong sizes").to_string();
             assert!(e.contains("CompressionErrors::new"), "{e}");
-        }
-    }
-
-    #[test]
-    fn padding_makes_whole_bytes_per_chunk() {
-        assert_eq!(padded_len(4, 1), 8);
-        assert_eq!(padded_len(1, 2), 16);
-        assert_eq!(padded_len(37, 3), 72);
-        assert_eq!(padded_len(1000, 4), 1024);
-        for world in 1..=8 {
-            for n in [1, 7, 100, 1001] {
-                let p = padded_len(n, world);
-                assert!(
-                    p >= n && (p / world).is_multiple_of(8),
-                    "{n} over {world}: {p}"
-                );
-            }
         }
     }
 
@@ -228,11 +210,14 @@ mod tests {
             for n in [1usize, 37, 1000, 4099] {
                 let rounds = 4;
                 let results = ThreadWorld::run(world, ThreadWorldOptions::default(), |c| {
-                    let mut errors = CompressionErrors::new(n, world);
+                    let rank = c.rank();
+                    let place = HostPlace::new(Arc::new(c));
+                    let mut errors = CompressionErrors::new(&place, n);
                     (0..rounds)
                         .map(|round| {
-                            let mut buf = input(c.rank(), n, round);
-                            compressed_all_reduce(&c, &mut buf, &mut errors).expect("reduce");
+                            let buf = input(rank, n, round);
+                            let buf =
+                                compressed_all_reduce(&place, buf, &mut errors).expect("reduce");
                             (buf, errors.clone())
                         })
                         .collect::<Vec<_>>()
@@ -271,10 +256,12 @@ mod tests {
         let n = 1 << 16;
         let world = 4;
         let sent = ThreadWorld::run(world, ThreadWorldOptions::default(), |c| {
-            let mut errors = CompressionErrors::new(n, world);
-            let mut buf = input(c.rank(), n, 0);
+            let c = Arc::new(c);
+            let place = HostPlace::new(c.clone());
+            let mut errors = CompressionErrors::new(&place, n);
+            let buf = input(c.rank(), n, 0);
             let before = c.stats().total_sent();
-            compressed_all_reduce(&c, &mut buf, &mut errors).expect("reduce");
+            let mut buf = compressed_all_reduce(&place, buf, &mut errors).expect("reduce");
             let compressed = c.stats().total_sent() - before;
             let before = c.stats().total_sent();
             c.all_reduce(&mut buf, crate::comm::ReduceOp::Sum)

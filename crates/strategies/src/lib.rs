@@ -17,6 +17,7 @@ pub mod device;
 mod error;
 pub mod onebit;
 pub mod pipe;
+pub mod place;
 pub mod swap;
 pub mod zero;
 

@@ -1,60 +1,39 @@
 //! The communication-compressed optimizers (`OneBitAdam`, `OneBitLamb`) as the engine runs
 //! them: on the flat parameter and gradient buffers of a [`ParamLayout`].
 
-use burn::tensor::Device;
 use burn_deepspeed_strategies::onebit::{
-    DeviceOneBitAdam, DeviceOneBitLamb, DeviceOneBitOptimizer, OneBitAdam, OneBitAdamConfig,
-    OneBitLamb, OneBitLambConfig, OneBitOptimizer,
+    OneBitAdam, OneBitAdamConfig, OneBitLamb, OneBitLambConfig, OneBitOptimizer,
 };
+use burn_deepspeed_strategies::place::Place;
 
 use crate::config::{OptimizerConfig, OptimizerKind};
 use crate::flat::ParamLayout;
 use crate::{DeepSpeedError, Result};
 
 /// The 1-bit optimizer a resolved `optimizer` section names, over the flat buffers of
-/// `layout`, or `None` for the other optimizers.
+/// `layout` in `place` (host memory or the model's device), or `None` for the other
+/// optimizers.
 ///
-/// During warm-up the engine averages the gradients with its usual bucketed all-reduce (and
-/// clips them) before [`OneBitOptimizer::apply`]; once
-/// [`compressing`](OneBitOptimizer::compressing), it skips that all-reduce (DeepSpeed's
-/// `enable_backward_allreduce = False`) and hands over this rank's own gradient, and the
-/// optimizer exchanges momenta through the 1-bit all-reduce. 1-bit LAMB's trust ratios are per
-/// parameter tensor of the layout.
-pub fn build_one_bit(
+/// During warm-up the engine averages the gradients with its usual all-reduce (and clips
+/// them) before [`OneBitOptimizer::apply`]; once
+/// [`compressing`](burn_deepspeed_strategies::onebit::OneBitPhase::compressing), it skips
+/// that all-reduce (DeepSpeed's `enable_backward_allreduce = False`) and hands over this
+/// rank's own gradient, and the optimizer exchanges momenta through the 1-bit all-reduce.
+/// 1-bit LAMB's trust ratios are per parameter tensor of the layout.
+pub fn build_one_bit<P: Place + 'static>(
     cfg: &OptimizerConfig,
     layout: &ParamLayout,
-    world: usize,
-) -> Result<Option<Box<dyn OneBitOptimizer>>> {
-    Ok(one_bit_config(cfg)?.map(|c| -> Box<dyn OneBitOptimizer> {
-        match c {
-            OneBitConfig::Adam(config) => Box::new(OneBitAdam::new(layout.numel, world, config)),
-            OneBitConfig::Lamb(config) => {
-                Box::new(OneBitLamb::new(&tensor_lengths(layout), world, config))
-            }
-        }
-    }))
-}
-
-/// [`build_one_bit`] on the model's `device`: the same optimizer with its state on the device,
-/// exchanging momenta through the device compressed all-reduce.
-pub fn build_device_one_bit(
-    cfg: &OptimizerConfig,
-    layout: &ParamLayout,
-    world: usize,
-    device: &Device,
-) -> Result<Option<Box<dyn DeviceOneBitOptimizer>>> {
+    place: &P,
+) -> Result<Option<Box<dyn OneBitOptimizer<P>>>> {
     Ok(
-        one_bit_config(cfg)?.map(|c| -> Box<dyn DeviceOneBitOptimizer> {
+        one_bit_config(cfg)?.map(|c| -> Box<dyn OneBitOptimizer<P>> {
             match c {
                 OneBitConfig::Adam(config) => {
-                    Box::new(DeviceOneBitAdam::new(layout.numel, world, config, device))
+                    Box::new(OneBitAdam::new(place, layout.numel, config))
                 }
-                OneBitConfig::Lamb(config) => Box::new(DeviceOneBitLamb::new(
-                    &tensor_lengths(layout),
-                    world,
-                    config,
-                    device,
-                )),
+                OneBitConfig::Lamb(config) => {
+                    Box::new(OneBitLamb::new(place, &tensor_lengths(layout), config))
+                }
             }
         }),
     )

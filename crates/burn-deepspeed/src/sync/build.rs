@@ -6,12 +6,13 @@ use burn::module::Module;
 use burn::tensor::Device;
 use burn_deepspeed_strategies::comm::Communicator;
 use burn_deepspeed_strategies::device::{device_collectives, host_resident};
+use burn_deepspeed_strategies::place::{DevicePlace, HostPlace};
 use burn_deepspeed_strategies::zero::PartitionedKind;
 use half::f16;
 
 use super::{
-    CompressedSync, DeviceCompressedSync, DeviceOptimizer, DeviceShardedSync, DeviceSync, GradElem,
-    GradSync, NvmeOffload, ParamOffload, PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions,
+    CompressedSync, DeviceOptimizer, DeviceShardedSync, DeviceSync, GradElem, GradSync,
+    NvmeOffload, ParamOffload, PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions,
     broadcast_params, module_device,
 };
 use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
@@ -66,9 +67,9 @@ fn build_with<M: Module, G: GradElem>(
     // A 1-bit optimizer (stage 0 only) on a device steps there too.
     if let Some(device) = device.clone().filter(|_| optimizer.kind.is_one_bit()) {
         let coll = device_collectives(comm.clone(), &device)?;
-        let sync =
-            DeviceCompressedSync::new(&model, layout, comm, coll, &options, optimizer, device)?
-                .ok_or_else(|| DeepSpeedError::Regime("not a 1-bit optimizer".into()))?;
+        let place = DevicePlace::new(coll, comm, &device);
+        let sync = CompressedSync::new(place, layout, &options, optimizer)?
+            .ok_or_else(|| DeepSpeedError::Regime("not a 1-bit optimizer".into()))?;
         return Ok((model, Box::new(sync)));
     }
     let on_device = match device.and_then(|d| device_optimizer(config).map(|o| (d, o))) {
@@ -77,7 +78,8 @@ fn build_with<M: Module, G: GradElem>(
     };
     Ok(match (options.stage, on_device) {
         (ZeroStage::Disabled, on_device) => {
-            match CompressedSync::new(layout.clone(), comm.clone(), &options, optimizer)? {
+            let host = HostPlace::new(comm.clone());
+            match CompressedSync::new(host, layout.clone(), &options, optimizer)? {
                 Some(sync) => (model, Box::new(sync)),
                 None if let Some((coll, device, optim)) = on_device => {
                     let sync = DeviceSync::new(&model, layout, comm, coll, &options, optim, device);

@@ -5,7 +5,6 @@
 
 mod bootstrap;
 mod collectives;
-mod compressed;
 pub mod conformance;
 mod host;
 #[cfg(feature = "cuda")]
@@ -14,7 +13,6 @@ mod select;
 
 pub use bootstrap::*;
 pub use collectives::{DeviceCollectives, DeviceTraffic};
-pub use compressed::*;
 pub use host::*;
 #[cfg(feature = "cuda")]
 pub use nccl::*;

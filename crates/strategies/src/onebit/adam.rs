@@ -1,5 +1,5 @@
-//! 1-bit Adam (arXiv 2102.02888) on a flat fp32 parameter buffer, over any
-//! [`Communicator`].
+//! 1-bit Adam (arXiv 2102.02888) on a flat fp32 parameter buffer in any
+//! [`Place`].
 //!
 //! - **Warm-up** (steps before `freeze_step`): the local gradients are averaged with a full
 //!   all-reduce, then Adam updates m, v and the parameters.
@@ -15,8 +15,8 @@
 use super::state::OneBitState;
 use super::{OneBitOptimizer, OneBitPhase, check_lengths, coefficients};
 use crate::Result;
-use crate::comm::{Communicator, CommunicatorExt, ReduceOp};
 use crate::compressed::{CompressionErrors, compressed_all_reduce};
+use crate::place::Place;
 
 /// Hyper-parameters of [`OneBitAdam`] (DeepSpeed's defaults in [`Default`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -42,116 +42,92 @@ impl Default for OneBitAdamConfig {
     }
 }
 
-/// One rank's 1-bit Adam state: m, v and the compression error buffers.
+/// One rank's 1-bit Adam state in place `P`: m, v and the compression error buffers.
 #[derive(Debug, Clone)]
-pub struct OneBitAdam {
+pub struct OneBitAdam<P: Place> {
     config: OneBitAdamConfig,
-    m: Vec<f32>,
-    v: Vec<f32>,
-    errors: CompressionErrors,
-    world: usize,
+    m: P::Buf,
+    v: P::Buf,
+    errors: CompressionErrors<P>,
+    n: usize,
     step: u64,
 }
 
-impl OneBitAdam {
-    /// State for `n` parameters in a world of `world` ranks.
-    pub fn new(n: usize, world: usize, config: OneBitAdamConfig) -> Self {
+impl<P: Place> OneBitAdam<P> {
+    /// State in `place` for `n` parameters.
+    pub fn new(place: &P, n: usize, config: OneBitAdamConfig) -> Self {
         Self {
             config,
-            m: vec![0.0; n],
-            v: vec![0.0; n],
-            errors: CompressionErrors::new(n, world),
-            world,
+            m: place.zeros(n),
+            v: place.zeros(n),
+            errors: CompressionErrors::new(place, n),
+            n,
             step: 0,
         }
     }
 
     /// The momentum (identical on every rank after each step).
-    pub fn momentum(&self) -> &[f32] {
+    pub fn momentum(&self) -> &P::Buf {
         &self.m
-    }
-
-    /// The variance (frozen from `freeze_step` on).
-    pub fn variance(&self) -> &[f32] {
-        &self.v
-    }
-
-    /// One step. `grad` is this rank's local gradient (not reduced; it is overwritten), `lr`
-    /// this step's learning rate. Every rank must call it with the same `lr`.
-    pub fn step(
-        &mut self,
-        comm: &dyn Communicator,
-        params: &mut [f32],
-        grad: &mut [f32],
-        lr: f64,
-    ) -> Result<()> {
-        if !self.compressing() && comm.world_size() > 1 {
-            comm.all_reduce(grad, ReduceOp::Mean)?;
-        }
-        self.apply(comm, params, grad, lr)
     }
 }
 
 one_bit_phase!(OneBitAdam);
 
-impl OneBitOptimizer for OneBitAdam {
-    fn export(&self) -> OneBitState {
-        OneBitState {
-            step: self.step,
-            buffers: vec![("m".into(), self.m.clone()), ("v".into(), self.v.clone())],
+impl<P: Place> OneBitOptimizer<P> for OneBitAdam<P> {
+    fn apply(&mut self, place: &P, params: P::Buf, grad: P::Buf, lr: f64) -> Result<P::Buf> {
+        check_lengths("1-bit Adam", self.n, place, &params, &grad)?;
+        let c = &self.config;
+        let (b1, b2, eps, wd) = coefficients(c.betas, c.eps, c.weight_decay);
+        let take = |b: &mut P::Buf| std::mem::replace(b, place.zeros(0));
+        let m = place.ema(take(&mut self.m), &grad, b1);
+        if self.compressing() {
+            self.m = compressed_all_reduce(place, m, &mut self.errors)?;
+        } else {
+            self.m = m;
+            self.v = place.ema_sq(take(&mut self.v), &grad, b2);
         }
+        // p − lr·(m/(√v + eps) + wd·p)
+        let denom = place.add_scalar(place.sqrt(self.v.clone()), eps);
+        let update = place.add_scaled(place.div(self.m.clone(), &denom), &params, wd);
+        self.step += 1;
+        Ok(place.add_scaled(params, &update, -(lr as f32)))
     }
 
-    fn restore(&mut self, state: OneBitState) -> Result<()> {
-        let n = self.m.len();
+    fn export(&self, place: &P) -> Result<OneBitState> {
+        Ok(OneBitState {
+            step: self.step,
+            buffers: vec![
+                ("m".into(), place.download(&self.m)?),
+                ("v".into(), place.download(&self.v)?),
+            ],
+        })
+    }
+
+    fn restore(&mut self, place: &P, state: OneBitState) -> Result<()> {
         let mut state = state;
-        self.v = state.take("v", n)?;
-        self.m = state.take("m", n)?;
-        self.errors = CompressionErrors::new(n, self.world);
+        let v = state.take("v", self.n)?;
+        let m = state.take("m", self.n)?;
+        (self.m, self.v) = (place.upload(m), place.upload(v));
+        self.errors = CompressionErrors::new(place, self.n);
         self.step = state.step;
         Ok(())
     }
 
-    fn state_bytes(&self) -> u64 {
-        4 * (self.m.len() + self.v.len() + self.errors.worker.len() + self.errors.server.len())
-            as u64
-    }
-
-    fn apply(
-        &mut self,
-        comm: &dyn Communicator,
-        params: &mut [f32],
-        grad: &[f32],
-        lr: f64,
-    ) -> Result<()> {
-        check_lengths("1-bit Adam", self.m.len(), params, grad)?;
-        let c = &self.config;
-        let (b1, b2, eps, wd) = coefficients(c.betas, c.eps, c.weight_decay);
-        if self.compressing() {
-            for (m, g) in self.m.iter_mut().zip(grad) {
-                *m = b1 * *m + (1.0 - b1) * g;
-            }
-            compressed_all_reduce(comm, &mut self.m, &mut self.errors)?;
-        } else {
-            for ((m, v), g) in self.m.iter_mut().zip(self.v.iter_mut()).zip(grad) {
-                *m = b1 * *m + (1.0 - b1) * g;
-                *v = b2 * *v + (1.0 - b2) * g * g;
-            }
-        }
-        let lr = lr as f32;
-        for ((p, m), v) in params.iter_mut().zip(&self.m).zip(&self.v) {
-            *p -= lr * (m / (v.sqrt() + eps) + wd * *p);
-        }
-        self.step += 1;
-        Ok(())
+    fn state_bytes(&self, place: &P) -> u64 {
+        8 * self.n as u64 + self.errors.bytes(place)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
-    use crate::comm::{ThreadWorld, ThreadWorldOptions};
+    use crate::comm::{Communicator, ThreadWorld, ThreadWorldOptions};
     use crate::compressed::reference::Dense;
+    use crate::onebit::tests::engine_step as step;
+    use crate::place::HostPlace;
 
     const N: usize = 37;
 
@@ -206,13 +182,14 @@ mod tests {
         let (steps, lr) = (8, 0.01);
         for world in 1..=4 {
             let out = ThreadWorld::run(world, ThreadWorldOptions::default(), |c| {
+                let rank = c.rank();
+                let place = HostPlace::new(Arc::new(c));
                 let mut p: Vec<f32> = (0..N).map(|i| i as f32 / N as f32 - 0.5).collect();
-                let mut opt = OneBitAdam::new(N, world, cfg);
+                let mut opt = OneBitAdam::new(&place, N, cfg);
                 let mut phases = Vec::new();
-                for step in 0..steps {
+                for s in 0..steps {
                     phases.push(opt.compressing());
-                    let mut g = grad(c.rank(), step);
-                    opt.step(&c, &mut p, &mut g, lr).expect("step");
+                    p = step(&mut opt, &place, p, grad(rank, s), lr);
                 }
                 (p, phases)
             });
@@ -236,18 +213,24 @@ mod tests {
             freeze_step: 2,
             ..OneBitAdamConfig::default()
         };
-        let mut opt = OneBitAdam::new(N, 2, cfg);
+        let world = ThreadWorld::new(2, ThreadWorldOptions::default()).expect("two ranks");
+        let place = HostPlace::new(Arc::new(world.communicators().remove(0)));
+        let mut opt = OneBitAdam::new(&place, N, cfg);
         opt.errors.worker[0] = 1.0;
         let state = OneBitState {
             step: 5,
             buffers: vec![("m".into(), vec![0.1; N]), ("v".into(), vec![0.2; N])],
         };
-        opt.restore(state.clone()).expect("restore");
-        assert_eq!(opt.export(), state);
+        opt.restore(&place, state.clone()).expect("restore");
+        assert_eq!(opt.export(&place).expect("export"), state);
         assert!(opt.compressing());
         assert_eq!(opt.steps(), 5);
-        assert_eq!(opt.momentum(), &[0.1; N][..]);
-        assert_eq!(opt.errors, CompressionErrors::new(N, 2));
+        assert_eq!(opt.momentum(), &vec![0.1; N]);
+        let zeros = CompressionErrors::new(&place, N);
+        assert_eq!(
+            (&opt.errors.worker, &opt.errors.server),
+            (&zeros.worker, &zeros.server)
+        );
     }
 
     #[test]
@@ -258,15 +241,17 @@ mod tests {
             ..OneBitAdamConfig::default()
         };
         let out = ThreadWorld::run(4, ThreadWorldOptions::default(), |c| {
+            let c = Arc::new(c);
+            let place = HostPlace::new(c.clone());
             let mut p = vec![0.5f32; n];
-            let mut opt = OneBitAdam::new(n, 4, cfg);
+            let mut opt = OneBitAdam::new(&place, n, cfg);
             let mut sent = Vec::new();
-            for step in 0..2 {
-                let mut g: Vec<f32> = (0..n)
-                    .map(|i| ((i + step + c.rank()) % 5) as f32 - 2.0)
+            for s in 0..2 {
+                let g: Vec<f32> = (0..n)
+                    .map(|i| ((i + s + c.rank()) % 5) as f32 - 2.0)
                     .collect();
                 let before = c.stats().total_sent();
-                opt.step(&c, &mut p, &mut g, 1e-3).expect("step");
+                p = step(&mut opt, &place, p, g, 1e-3);
                 sent.push(c.stats().total_sent() - before);
             }
             sent

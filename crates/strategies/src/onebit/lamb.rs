@@ -1,5 +1,6 @@
-//! 1-bit LAMB (arXiv 2104.06069) on a flat fp32 buffer of consecutive tensors, over any
-//! [`Communicator`].
+//! 1-bit LAMB (arXiv 2104.06069) on a flat fp32 buffer of consecutive tensors in any
+//! [`Place`]. The per-tensor values (norms, trust ratios, factors: a few per tensor) are
+//! computed on the host in f32 from the place's per-tensor norms.
 //!
 //! - **Warm-up** (steps before `freeze_step`): plain LAMB on the mean gradient. Per tensor,
 //!   `u = m/(√v+eps) + wd·p`, the trust ratio `c = clip(‖p‖/‖u‖, min_coeff, max_coeff)` (1 when
@@ -16,14 +17,16 @@
 //!   corrects the frozen trust ratio: `p -= lr·coeff_freeze·factor·u`.
 //!
 //! As in DeepSpeed, no bias correction is applied.
+//!
+//! `m_prev` is a transient of the compressed step, not kept between steps.
 
 use std::ops::Range;
 
 use super::state::{LambBuffers, OneBitState};
 use super::{OneBitOptimizer, OneBitPhase, check_lengths, coefficients, consecutive};
 use crate::Result;
-use crate::comm::Communicator;
 use crate::compressed::{CompressionErrors, compressed_all_reduce};
+use crate::place::Place;
 
 /// Hyper-parameters of [`OneBitLamb`] (DeepSpeed's defaults in [`Default`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -67,60 +70,52 @@ impl Default for OneBitLambConfig {
     }
 }
 
-/// One rank's 1-bit LAMB state.
+/// One rank's 1-bit LAMB state in place `P`: the moments, the fresh variance and the error
+/// buffers in the place, the per-tensor coefficients (a few values) on the host.
 #[derive(Debug, Clone)]
-pub struct OneBitLamb {
+pub struct OneBitLamb<P: Place> {
     config: OneBitLambConfig,
     tensors: Vec<Range<usize>>,
-    m: Vec<f32>,
-    v: Vec<f32>,
-    /// The fresh variance, kept from the last warm-up step on (empty before).
-    v_fresh: Vec<f32>,
+    m: P::Buf,
+    v: P::Buf,
+    /// The fresh variance, kept from the last warm-up step on.
+    v_fresh: Option<P::Buf>,
     /// Per tensor: the running trust ratio, frozen once compressing.
     coeff_freeze: Vec<f32>,
     /// Per tensor: the previous compressed step's factor.
     last_factor: Vec<f32>,
-    /// Per tensor: the momentum scale of the compressed all-reduce (empty until the first
+    /// Per tensor: the momentum scale of the compressed all-reduce (set at the first
     /// compressed step).
-    scaling: Vec<f32>,
-    m_prev: Vec<f32>,
-    errors: CompressionErrors,
-    world: usize,
+    scaling: Option<Vec<f32>>,
+    errors: CompressionErrors<P>,
+    n: usize,
     step: u64,
 }
 
-fn norm(x: &[f32]) -> f32 {
-    x.iter()
-        .map(|v| (*v as f64) * (*v as f64))
-        .sum::<f64>()
-        .sqrt() as f32
-}
-
-impl OneBitLamb {
-    /// State for consecutive tensors of `lengths` elements (the trust ratio is per tensor) in a
-    /// world of `world` ranks.
-    pub fn new(lengths: &[usize], world: usize, config: OneBitLambConfig) -> Self {
+impl<P: Place> OneBitLamb<P> {
+    /// State in `place` for consecutive tensors of `lengths` elements (the trust ratio is per
+    /// tensor).
+    pub fn new(place: &P, lengths: &[usize], config: OneBitLambConfig) -> Self {
         let tensors = consecutive(lengths);
-        let offset = tensors.last().map_or(0, |r| r.end);
+        let n = tensors.last().map_or(0, |r| r.end);
         let k = tensors.len();
         Self {
             config,
             tensors,
-            m: vec![0.0; offset],
-            v: vec![0.0; offset],
-            v_fresh: Vec::new(),
+            m: place.zeros(n),
+            v: place.zeros(n),
+            v_fresh: None,
             coeff_freeze: vec![0.0; k],
             last_factor: vec![1.0; k],
-            scaling: Vec::new(),
-            m_prev: Vec::new(),
-            errors: CompressionErrors::new(offset, world),
-            world,
+            scaling: None,
+            errors: CompressionErrors::new(place, n),
+            n,
             step: 0,
         }
     }
 
     /// The momentum (identical on every rank after each step).
-    pub fn momentum(&self) -> &[f32] {
+    pub fn momentum(&self) -> &P::Buf {
         &self.m
     }
 
@@ -134,28 +129,22 @@ impl OneBitLamb {
         &self.last_factor
     }
 
-    fn warm_up_step(&mut self, params: &mut [f32], grad: &[f32], lr: f64) {
-        let c = &self.config;
+    fn warm_up_step(&mut self, place: &P, params: P::Buf, grad: P::Buf, lr: f64) -> Result<P::Buf> {
+        let c = self.config;
         let (b1, b2, eps, wd) = coefficients(c.betas, c.eps, c.weight_decay);
-        for ((m, v), g) in self.m.iter_mut().zip(self.v.iter_mut()).zip(grad) {
-            *m = b1 * *m + (1.0 - b1) * g;
-            *v = b2 * *v + (1.0 - b2) * g * g;
-        }
+        let take = |b: &mut P::Buf| std::mem::replace(b, place.zeros(0));
+        self.m = place.ema(take(&mut self.m), &grad, b1);
+        self.v = place.ema_sq(take(&mut self.v), &grad, b2);
         if self.step + 1 == c.freeze_step {
-            self.v_fresh = self.v.clone();
+            self.v_fresh = Some(self.v.clone());
         }
-        let mut update = Vec::new();
-        for (t, range) in self.tensors.iter().enumerate() {
-            let p = &mut params[range.clone()];
-            update.clear();
-            update.extend(
-                self.m[range.clone()]
-                    .iter()
-                    .zip(&self.v[range.clone()])
-                    .zip(p.iter())
-                    .map(|((m, v), p)| m / (v.sqrt() + eps) + wd * p),
-            );
-            let (pn, un) = (norm(p), norm(&update));
+        // u = m/(√v + eps) + wd·p
+        let denom = place.add_scalar(place.sqrt(self.v.clone()), eps);
+        let update = place.add_scaled(place.div(self.m.clone(), &denom), &params, wd);
+        let pn = place.norms(&params, &self.tensors)?;
+        let un = place.norms(&update, &self.tensors)?;
+        let mut steps = Vec::with_capacity(self.tensors.len());
+        for (t, (pn, un)) in pn.into_iter().zip(un).enumerate() {
             let mut coeff = 1.0f32;
             if pn != 0.0 && un != 0.0 {
                 coeff = (pn / un).clamp(c.min_coeff as f32, c.max_coeff as f32);
@@ -164,147 +153,139 @@ impl OneBitLamb {
                 let cb = c.coeff_beta as f32;
                 self.coeff_freeze[t] = cb * self.coeff_freeze[t] + (1.0 - cb) * coeff;
             }
-            let step = lr as f32 * coeff;
-            p.iter_mut().zip(&update).for_each(|(p, u)| *p -= step * u);
+            steps.push(-(lr as f32 * coeff));
         }
+        Ok(place.add_scaled_ranges(params, &update, &self.tensors, &steps))
+    }
+
+    /// One scale per tensor, so that every tensor's momentum has the mean magnitude.
+    fn momentum_scales(&self, place: &P) -> Result<Vec<f32>> {
+        let norms = place.norms(&self.m, &self.tensors)?;
+        let rms: Vec<f32> = (self.tensors.iter().zip(norms))
+            .map(|(r, norm)| norm / (r.len().max(1) as f32).sqrt())
+            .collect();
+        let mean = rms.iter().sum::<f32>() / rms.len().max(1) as f32;
+        Ok(rms
+            .iter()
+            .map(|&s| if s > 0.0 && mean > 0.0 { mean / s } else { 1.0 })
+            .collect())
     }
 
     fn compressed_step(
         &mut self,
-        comm: &dyn Communicator,
-        params: &mut [f32],
-        grad: &[f32],
+        place: &P,
+        params: P::Buf,
+        grad: P::Buf,
         lr: f64,
-    ) -> Result<()> {
+    ) -> Result<P::Buf> {
         let c = self.config;
         let (b1, b2, eps, wd) = coefficients(c.betas, c.eps, c.weight_decay);
-        if self.v_fresh.is_empty() {
-            // freeze_step 0: no warm-up step kept a copy.
-            self.v_fresh = self.v.clone();
-        }
-        if self.scaling.is_empty() {
-            // One scale per tensor, so that every tensor's momentum has the mean magnitude.
-            let rms: Vec<f32> = self
-                .tensors
-                .iter()
-                .map(|r| norm(&self.m[r.clone()]) / (r.len().max(1) as f32).sqrt())
-                .collect();
-            let mean = rms.iter().sum::<f32>() / rms.len().max(1) as f32;
-            self.scaling = rms
-                .iter()
-                .map(|&s| if s > 0.0 && mean > 0.0 { mean / s } else { 1.0 })
-                .collect();
-        }
-        self.m_prev.clone_from(&self.m);
-        for (range, &s) in self.tensors.iter().zip(&self.scaling) {
-            for (m, g) in self.m[range.clone()].iter_mut().zip(&grad[range.clone()]) {
-                *m = (b1 * *m + (1.0 - b1) * g) * s;
+        // freeze_step 0: no warm-up step kept a copy.
+        let v_fresh = self.v_fresh.take().unwrap_or_else(|| self.v.clone());
+        let scaling = match self.scaling.take() {
+            Some(s) => s,
+            None => self.momentum_scales(place)?,
+        };
+        let m_prev = self.m.clone();
+        let m = place.ema(std::mem::replace(&mut self.m, place.zeros(0)), &grad, b1);
+        let m = place.scale_ranges(m, &self.tensors, &scaling);
+        let m = compressed_all_reduce(place, m, &mut self.errors)?;
+        let m = place.div_ranges(m, &self.tensors, &scaling);
+        // The gradient the averaged momentum implies updates the fresh variance.
+        let implied = place.sub(m.clone(), &place.scaled(m_prev, b1));
+        let implied = place.div_scalar(implied, 1.0 - b1);
+        let fresh = place.ema_sq(v_fresh, &implied, b2);
+        let denom = place.add_scalar(place.sqrt(self.v.clone()), eps);
+        let fresh_denom = place.add_scalar(place.sqrt(fresh.clone()), eps);
+        let mut factors = place.maxes(&place.div(denom.clone(), &fresh_denom), &self.tensors)?;
+        let prelim = place.div(m.clone(), &denom);
+        let update = place.add_scaled(prelim.clone(), &params, wd);
+        if wd > 0.0 {
+            // Blended with the share of the update that weight decay does not explain.
+            let pn = place.norms(&prelim, &self.tensors)?;
+            let un = place.norms(&update, &self.tensors)?;
+            for ((factor, pn), un) in factors.iter_mut().zip(pn).zip(un) {
+                let ratio = if un > 0.0 { (pn / un).min(1.0) } else { 1.0 };
+                *factor = *factor * ratio + (1.0 - ratio);
             }
         }
-        compressed_all_reduce(comm, &mut self.m, &mut self.errors)?;
-        let mut update = Vec::new();
-        for (t, range) in self.tensors.iter().enumerate() {
-            let s = self.scaling[t];
-            self.m[range.clone()].iter_mut().for_each(|m| *m /= s);
-            let mut factor = 0.0f32;
-            let mut prelim_sq = 0.0f64;
-            update.clear();
-            for i in range.clone() {
-                let m = self.m[i];
-                let g = (m - b1 * self.m_prev[i]) / (1.0 - b1);
-                let fresh = b2 * self.v_fresh[i] + (1.0 - b2) * g * g;
-                self.v_fresh[i] = fresh;
-                let denom = self.v[i].sqrt() + eps;
-                factor = factor.max(denom / (fresh.sqrt() + eps));
-                let prelim = m / denom;
-                prelim_sq += (prelim as f64) * (prelim as f64);
-                update.push(prelim + wd * params[i]);
-            }
-            if wd > 0.0 {
-                let un = norm(&update);
-                let ratio = if un > 0.0 {
-                    (prelim_sq.sqrt() as f32 / un).min(1.0)
-                } else {
-                    1.0
-                };
-                factor = factor * ratio + (1.0 - ratio);
-            }
+        let thr = c.factor_threshold as f32;
+        let mut steps = Vec::with_capacity(factors.len());
+        for (t, factor) in factors.into_iter().enumerate() {
             let last = self.last_factor[t];
-            let thr = c.factor_threshold as f32;
-            factor = factor
+            let factor = factor
                 .clamp(c.factor_min as f32, c.factor_max as f32)
-                .clamp(last * (1.0 - thr), last * (1.0 + thr));
+                .max(last * (1.0 - thr))
+                .min(last * (1.0 + thr));
             self.last_factor[t] = factor;
-            let step = lr as f32 * self.coeff_freeze[t] * factor;
-            params[range.clone()]
-                .iter_mut()
-                .zip(&update)
-                .for_each(|(p, u)| *p -= step * u);
+            steps.push(-(lr as f32 * self.coeff_freeze[t] * factor));
         }
-        Ok(())
+        self.m = m;
+        self.v_fresh = Some(fresh);
+        self.scaling = Some(scaling);
+        Ok(place.add_scaled_ranges(params, &update, &self.tensors, &steps))
     }
 }
 
 one_bit_phase!(OneBitLamb);
 
-impl OneBitOptimizer for OneBitLamb {
-    fn state_bytes(&self) -> u64 {
-        let elems = self.m.len()
-            + self.v.len()
-            + self.v_fresh.len()
-            + self.m_prev.len()
-            + self.errors.worker.len()
-            + self.errors.server.len()
-            + 3 * self.tensors.len();
-        4 * elems as u64
+impl<P: Place> OneBitOptimizer<P> for OneBitLamb<P> {
+    fn apply(&mut self, place: &P, params: P::Buf, grad: P::Buf, lr: f64) -> Result<P::Buf> {
+        check_lengths("1-bit LAMB", self.n, place, &params, &grad)?;
+        let params = match self.compressing() {
+            true => self.compressed_step(place, params, grad, lr)?,
+            false => self.warm_up_step(place, params, grad, lr)?,
+        };
+        self.step += 1;
+        Ok(params)
     }
 
-    fn export(&self) -> OneBitState {
-        LambBuffers {
-            m: self.m.clone(),
-            v: self.v.clone(),
-            v_fresh: self.v_fresh.clone(),
+    fn state_bytes(&self, place: &P) -> u64 {
+        let n = self.n as u64;
+        let fresh = self.v_fresh.as_ref().map_or(0, |_| n);
+        4 * (2 * n + fresh + 3 * self.tensors.len() as u64) + self.errors.bytes(place)
+    }
+
+    fn export(&self, place: &P) -> Result<OneBitState> {
+        let read = |b: &Option<P::Buf>| b.as_ref().map_or(Ok(Vec::new()), |b| place.download(b));
+        Ok(LambBuffers {
+            m: place.download(&self.m)?,
+            v: place.download(&self.v)?,
+            v_fresh: read(&self.v_fresh)?,
             coeff_freeze: self.coeff_freeze.clone(),
             last_factor: self.last_factor.clone(),
-            scaling: self.scaling.clone(),
+            scaling: self.scaling.clone().unwrap_or_default(),
         }
-        .into_state(self.step)
+        .into_state(self.step))
     }
 
-    fn restore(&mut self, state: OneBitState) -> Result<()> {
-        let (n, k) = (self.m.len(), self.tensors.len());
+    fn restore(&mut self, place: &P, state: OneBitState) -> Result<()> {
+        let (n, k) = (self.n, self.tensors.len());
         let (step, b) = LambBuffers::take(state, n, k)?;
-        (self.m, self.v, self.v_fresh) = (b.m, b.v, b.v_fresh);
-        (self.coeff_freeze, self.last_factor, self.scaling) =
-            (b.coeff_freeze, b.last_factor, b.scaling);
-        self.errors = CompressionErrors::new(n, self.world);
+        (self.m, self.v) = (place.upload(b.m), place.upload(b.v));
+        self.v_fresh = (!b.v_fresh.is_empty()).then(|| place.upload(b.v_fresh));
+        (self.coeff_freeze, self.last_factor) = (b.coeff_freeze, b.last_factor);
+        self.scaling = (!b.scaling.is_empty()).then_some(b.scaling);
+        self.errors = CompressionErrors::new(place, n);
         self.step = step;
-        Ok(())
-    }
-
-    fn apply(
-        &mut self,
-        comm: &dyn Communicator,
-        params: &mut [f32],
-        grad: &[f32],
-        lr: f64,
-    ) -> Result<()> {
-        check_lengths("1-bit LAMB", self.m.len(), params, grad)?;
-        if self.compressing() {
-            self.compressed_step(comm, params, grad, lr)?;
-        } else {
-            self.warm_up_step(params, grad, lr);
-        }
-        self.step += 1;
         Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
-    use crate::comm::{CommunicatorExt, ReduceOp, ThreadWorld, ThreadWorldOptions};
+    use crate::comm::{Communicator, ThreadWorld, ThreadWorldOptions};
     use crate::compressed::reference::Dense;
+    use crate::onebit::tests::engine_step as step;
+    use crate::place::HostPlace;
+
+    fn alone() -> HostPlace {
+        let world = ThreadWorld::new(1, ThreadWorldOptions::default()).expect("one rank");
+        HostPlace::new(Arc::new(world.communicators().remove(0)))
+    }
 
     const LENGTHS: [usize; 3] = [13, 40, 7];
 
@@ -429,15 +410,13 @@ mod tests {
         lr: f64,
     ) -> Vec<(Vec<f32>, Vec<Vec<f32>>)> {
         ThreadWorld::run(world, ThreadWorldOptions::default(), |comm| {
+            let rank = comm.rank();
+            let place = HostPlace::new(Arc::new(comm));
             let mut p = init();
-            let mut opt = OneBitLamb::new(&LENGTHS, world, c);
+            let mut opt = OneBitLamb::new(&place, &LENGTHS, c);
             let mut factors = Vec::new();
-            for step in 0..steps {
-                let mut g = grad(comm.rank(), step);
-                if !opt.compressing() && world > 1 {
-                    comm.all_reduce(&mut g, ReduceOp::Mean).expect("all-reduce");
-                }
-                opt.apply(&comm, &mut p, &g, lr).expect("step");
+            for s in 0..steps {
+                p = step(&mut opt, &place, p, grad(rank, s), lr);
                 factors.push(opt.factors().to_vec());
             }
             (p, factors)
@@ -487,16 +466,15 @@ mod tests {
             ..OneBitLambConfig::default()
         };
         let out = ThreadWorld::run(2, ThreadWorldOptions::default(), |comm| {
+            let rank = comm.rank();
+            let place = HostPlace::new(Arc::new(comm));
             let mut p = init();
-            let mut opt = OneBitLamb::new(&LENGTHS, 2, c);
+            let mut opt = OneBitLamb::new(&place, &LENGTHS, c);
             let mut trace = Vec::new();
-            for step in 0..20 {
-                let scale = if step < 3 { 1.0 } else { 1e-3 };
-                let mut g: Vec<f32> = grad(comm.rank(), step).iter().map(|g| g * scale).collect();
-                if !opt.compressing() {
-                    comm.all_reduce(&mut g, ReduceOp::Mean).expect("all-reduce");
-                }
-                opt.apply(&comm, &mut p, &g, 1e-3).expect("step");
+            for s in 0..20 {
+                let scale = if s < 3 { 1.0 } else { 1e-3 };
+                let g: Vec<f32> = grad(rank, s).iter().map(|g| g * scale).collect();
+                p = step(&mut opt, &place, p, g, 1e-3);
                 trace.push(opt.factors()[1]);
             }
             trace
@@ -513,25 +491,25 @@ mod tests {
             freeze_step: 2,
             ..OneBitLambConfig::default()
         };
-        let mut opt = OneBitLamb::new(&LENGTHS, 1, c);
-        let comm = ThreadWorld::new(1, ThreadWorldOptions::default())
-            .expect("one rank")
-            .communicators()
-            .remove(0);
+        let place = alone();
+        let mut opt = OneBitLamb::new(&place, &LENGTHS, c);
         let mut p = init();
-        for step in 0..4 {
-            opt.apply(&comm, &mut p, &grad(0, step), 1e-3)
-                .expect("step");
+        for s in 0..4 {
+            p = step(&mut opt, &place, p, grad(0, s), 1e-3);
         }
-        let saved = opt.export();
-        let mut fresh = OneBitLamb::new(&LENGTHS, 1, c);
-        fresh.restore(saved.clone()).expect("restore");
-        assert_eq!(fresh.export(), saved);
+        let saved = opt.export(&place).expect("export");
+        let mut fresh = OneBitLamb::new(&place, &LENGTHS, c);
+        fresh.restore(&place, saved.clone()).expect("restore");
+        assert_eq!(fresh.export(&place).expect("export"), saved);
         assert!(fresh.compressing());
-        assert_eq!(fresh.errors, CompressionErrors::new(n(), 1));
+        let zeros = CompressionErrors::new(&place, n());
+        assert_eq!(
+            (&fresh.errors.worker, &fresh.errors.server),
+            (&zeros.worker, &zeros.server)
+        );
         let mut short = saved;
         short.buffers[0].1.pop();
-        let err = fresh.restore(short).unwrap_err().to_string();
+        let err = fresh.restore(&place, short).unwrap_err().to_string();
         assert!(err.contains("buffer `m` holds 59 elements"), "{err}");
     }
 }

@@ -1,11 +1,13 @@
 //! DeepSpeed's communication-compressed optimizers on flat fp32 buffers: 1-bit Adam
 //! (arXiv 2102.02888) and 1-bit LAMB (arXiv 2104.06069), both over the error-compensated
-//! 1-bit all-reduce of [`crate::compressed`].
+//! 1-bit all-reduce of [`crate::compressed`], each written once over a
+//! [`Place`](crate::place::Place): host buffers or the model's device.
 
-/// Implements [`OneBitPhase`] for an optimizer with fields `step` and `config.freeze_step`.
+/// Implements [`OneBitPhase`] for a 1-bit optimizer generic over its place, with fields `step`
+/// and `config.freeze_step`.
 macro_rules! one_bit_phase {
-    ($t:ty) => {
-        impl $crate::onebit::OneBitPhase for $t {
+    ($t:ident) => {
+        impl<P: $crate::place::Place> $crate::onebit::OneBitPhase for $t<P> {
             fn steps(&self) -> u64 {
                 self.step
             }
@@ -18,19 +20,20 @@ macro_rules! one_bit_phase {
 }
 
 mod adam;
-mod device;
 mod lamb;
 mod state;
 
 pub use adam::*;
-pub use device::*;
 pub use lamb::*;
 pub use state::*;
 
-use crate::comm::Communicator;
+use crate::place::Place;
 use crate::{CommError, Result};
 
-/// The phase of a 1-bit optimizer, on the host or on a device: warm-up, then compression from
+#[cfg(test)]
+mod tests;
+
+/// The phase of a 1-bit optimizer, in any place: warm-up, then compression from
 /// `freeze_step` on.
 pub trait OneBitPhase: std::fmt::Debug + Send {
     /// Optimizer steps taken.
@@ -45,42 +48,40 @@ pub trait OneBitPhase: std::fmt::Debug + Send {
     }
 }
 
-/// What a 1-bit optimizer on host buffers offers its engine: a step on flat buffers, its
-/// phase, and the state a checkpoint keeps.
-pub trait OneBitOptimizer: OneBitPhase {
-    /// One step on a prepared gradient: during warm-up the mean over ranks (the caller's own,
-    /// e.g. bucketed, all-reduce), once compressing this rank's local gradient. Every rank
-    /// must call it with the same `lr`.
-    fn apply(
-        &mut self,
-        comm: &dyn Communicator,
-        params: &mut [f32],
-        grad: &[f32],
-        lr: f64,
-    ) -> Result<()>;
+/// What a 1-bit optimizer offers its regime, in place `P` (host buffers or the model's
+/// device): a step on flat buffers, its phase, and the state a checkpoint keeps (the same
+/// [`OneBitState`] in every place, so that a run moves between the host and a device).
+pub trait OneBitOptimizer<P: Place>: OneBitPhase {
+    /// One step on a prepared gradient (the buffer's length): during warm-up the mean over
+    /// ranks (the caller's own, e.g. bucketed, all-reduce), once compressing this rank's local
+    /// gradient. Returns the stepped parameters. Every rank calls it with the same `lr`.
+    fn apply(&mut self, place: &P, params: P::Buf, grad: P::Buf, lr: f64) -> Result<P::Buf>;
 
     /// Bytes of optimizer state this rank holds, error buffers included.
-    fn state_bytes(&self) -> u64;
+    fn state_bytes(&self, place: &P) -> u64;
 
     /// The state a checkpoint keeps: the step (which fixes the phase) and the buffers, not the
     /// compression error buffers.
-    fn export(&self) -> OneBitState;
+    fn export(&self, place: &P) -> Result<OneBitState>;
 
-    /// Restores a state from [`export`](Self::export). The error buffers start again from
-    /// zero, as in DeepSpeed.
-    fn restore(&mut self, state: OneBitState) -> Result<()>;
+    /// Restores a state from [`export`](Self::export), in this place or another. The error
+    /// buffers start again from zero, as in DeepSpeed.
+    fn restore(&mut self, place: &P, state: OneBitState) -> Result<()>;
 }
 
 /// Refuses buffers whose lengths differ from the `n` elements the optimizer holds.
-fn check_lengths(optimizer: &'static str, n: usize, params: &[f32], grad: &[f32]) -> Result<()> {
-    if params.len() != n || grad.len() != n {
+fn check_lengths<P: Place>(
+    optimizer: &'static str,
+    n: usize,
+    place: &P,
+    params: &P::Buf,
+    grad: &P::Buf,
+) -> Result<()> {
+    let (p, g) = (place.len(params), place.len(grad));
+    if p != n || g != n {
         return Err(CommError::Optimizer {
             optimizer,
-            detail: format!(
-                "it holds {n} elements; got {} parameters and {} gradients",
-                params.len(),
-                grad.len()
-            ),
+            detail: format!("it holds {n} elements; got {p} parameters and {g} gradients"),
         });
     }
     Ok(())

@@ -20,7 +20,8 @@ use crate::optim::build_optimizer;
 use crate::optim::partitioned_kind;
 use crate::step::core::StepCore;
 use crate::sync::{
-    GradBuffer, GradSync, ModelParallelNorm, PartitionedSync, SyncOptions, broadcast_params,
+    Cut, GradBuffer, GradSync, HostGrads, ModelParallelNorm, PartitionedSync, SyncOptions,
+    broadcast_params,
 };
 use crate::tensor_parallel::TensorParallel;
 use crate::{DeepSpeedError, Result};
@@ -154,8 +155,13 @@ where
                     });
                 }
                 let kind = partitioned_kind(&optim_cfg)?;
-                let sync =
-                    PartitionedSync::<f32>::new(layout.clone(), data.clone(), &options, kind);
+                let sync = PartitionedSync::<HostGrads>::new(
+                    layout.clone(),
+                    data.clone(),
+                    &options,
+                    Cut::OptimizerStates,
+                    kind,
+                );
                 let mut sync: Box<dyn GradSync<Vec<L>>> = Box::new(sync);
                 sync.model_parallel_norm(norm.clone())?;
                 let layers = match config.working_dtype() {

@@ -11,7 +11,7 @@ use burn_deepspeed_strategies::zero::PartitionedKind;
 use half::f16;
 
 use super::{
-    CompressedSync, DeviceOptimizer, DeviceShardedSync, DeviceSync, GradElem, GradSync,
+    CompressedSync, Cut, DeviceOptimizer, DeviceShardedSync, GradElem, GradSync, HostGrads,
     NvmeOffload, ParamOffload, PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions,
     broadcast_params, module_device,
 };
@@ -72,7 +72,7 @@ fn build_with<M: Module, G: GradElem>(
             .ok_or_else(|| DeepSpeedError::Regime("not a 1-bit optimizer".into()))?;
         return Ok((model, Box::new(sync)));
     }
-    let on_device = match device.and_then(|d| device_optimizer(config).map(|o| (d, o))) {
+    let on_device = match device.and_then(|d| device_kind(config).map(|o| (d, o))) {
         Some((device, optim)) => Some((device_collectives(comm.clone(), &device)?, device, optim)),
         None => None,
     };
@@ -81,8 +81,10 @@ fn build_with<M: Module, G: GradElem>(
             let host = HostPlace::new(comm.clone());
             match CompressedSync::new(host, layout.clone(), &options, optimizer)? {
                 Some(sync) => (model, Box::new(sync)),
-                None if let Some((coll, device, optim)) = on_device => {
-                    let sync = DeviceSync::new(&model, layout, comm, coll, &options, optim, device);
+                None if let Some((coll, device, kind)) = on_device => {
+                    let place = DevicePlace::new(coll, comm, &device);
+                    let sync =
+                        PartitionedSync::on_device(place, layout, &options, Cut::Nothing, kind);
                     (model, Box::new(sync))
                 }
                 None => {
@@ -93,14 +95,24 @@ fn build_with<M: Module, G: GradElem>(
                 }
             }
         }
-        (ZeroStage::OptimizerStates | ZeroStage::Gradients, Some((coll, device, optim))) => {
-            let sync = DeviceSync::new(&model, layout, comm, coll, &options, optim, device);
+        (
+            stage @ (ZeroStage::OptimizerStates | ZeroStage::Gradients),
+            Some((coll, device, kind)),
+        ) => {
+            let place = DevicePlace::new(coll, comm, &device);
+            let sync = PartitionedSync::on_device(place, layout, &options, cut(stage), kind);
             (model, Box::new(sync))
         }
-        (ZeroStage::OptimizerStates | ZeroStage::Gradients, None) => {
+        (stage @ (ZeroStage::OptimizerStates | ZeroStage::Gradients), None) => {
             let kind = partitioned_kind(optimizer)?;
             let overlap = overlaps(config, comm.world_size());
-            let mut sync = PartitionedSync::<G>::new(layout, comm.clone(), &options, kind);
+            let mut sync = PartitionedSync::<HostGrads<G>>::new(
+                layout,
+                comm.clone(),
+                &options,
+                cut(stage),
+                kind,
+            );
             // Starting the communication thread can fail on one rank alone: the ranks agree
             // before the next collective.
             if overlap {
@@ -111,7 +123,11 @@ fn build_with<M: Module, G: GradElem>(
             }
             (model, Box::new(sync))
         }
-        (ZeroStage::Parameters, Some((coll, device, optim))) => {
+        (ZeroStage::Parameters, Some((coll, device, kind))) => {
+            let optim = match kind {
+                PartitionedKind::Adam(adam) => DeviceOptimizer::Adam(adam),
+                PartitionedKind::Lamb(lamb) => DeviceOptimizer::Lamb(lamb),
+            };
             let mut sync = DeviceShardedSync::new(layout, comm, coll, &options, optim, device);
             let model = sync.shard(model);
             (model, Box::new(sync))
@@ -198,13 +214,19 @@ fn device_resident<M: Module>(model: &M, config: &DeepSpeedConfig) -> Option<Dev
     (!host_resident(&device) && !offloads).then_some(device)
 }
 
-/// The hyper-parameters of the optimizer the device regimes step: Adam, AdamW or LAMB (in
-/// fp32, or fp16/bf16 with fp32 masters); `None` for any other.
-fn device_optimizer(config: &DeepSpeedConfig) -> Option<DeviceOptimizer> {
-    Some(match partitioned_kind(config.optimizer.as_ref()?).ok()? {
-        PartitionedKind::Adam(adam) => DeviceOptimizer::Adam(adam),
-        PartitionedKind::Lamb(lamb) => DeviceOptimizer::Lamb(lamb),
-    })
+/// The optimizer the device regimes step: Adam, AdamW or LAMB (in fp32, or fp16/bf16 with
+/// fp32 masters); `None` for any other.
+fn device_kind(config: &DeepSpeedConfig) -> Option<PartitionedKind> {
+    partitioned_kind(config.optimizer.as_ref()?).ok()
+}
+
+/// What stages 0-2 cut across the ranks.
+pub fn cut(stage: ZeroStage) -> Cut {
+    match stage {
+        ZeroStage::Disabled => Cut::Nothing,
+        ZeroStage::OptimizerStates => Cut::OptimizerStates,
+        ZeroStage::Gradients | ZeroStage::Parameters => Cut::Gradients,
+    }
 }
 
 /// The regime for a caller that steps with its own optimizer (the Learner strategy) at ZeRO
@@ -218,9 +240,14 @@ pub fn for_caller_optimizer<M: Module>(
 ) -> Result<Box<dyn GradSync<M>>> {
     Ok(match options.stage {
         ZeroStage::Disabled => Box::new(ReplicatedSync::<f32>::new(layout, comm, options, None)),
-        ZeroStage::OptimizerStates | ZeroStage::Gradients => Box::new(
-            PartitionedSync::<f32>::for_whole_tensors(layout, comm, options),
-        ),
+        stage @ (ZeroStage::OptimizerStates | ZeroStage::Gradients) => {
+            Box::new(PartitionedSync::<HostGrads<f32>>::for_whole_tensors(
+                layout,
+                comm,
+                options,
+                cut(stage),
+            ))
+        }
         ZeroStage::Parameters => {
             return Err(DeepSpeedError::Regime(
                 "ZeRO stage 3 needs the model sharded first: build a ShardedSync::for_learner"

@@ -1,5 +1,6 @@
-//! The optimizer step of the device-resident regimes ([`DeviceSync`](super::DeviceSync),
-//! [`DeviceShardedSync`](super::DeviceShardedSync)) on a rank's flat fp32 buffer, and the
+//! The optimizer step of the device-resident regimes (the device place's
+//! [`DeviceFlatOptimizer`](super::DeviceFlatOptimizer) at stages 0-2,
+//! [`DeviceShardedSync`](super::DeviceShardedSync) at stage 3) on a rank's flat fp32 buffer, and the
 //! count of the bytes their collectives stage through host memory.
 //!
 //! - **Adam/AdamW**: the fused kernel (`burn-deepspeed-cubecl-kernels`: CubeCL on wgpu and
@@ -40,22 +41,6 @@ pub(super) use crate::transfer::staged_collective as staged;
 pub(super) fn squared_norm(grads: &Tensor<1>) -> f64 {
     let squared = transfer::staging(|| transfer::read_f32(grads.clone().powi_scalar(2).sum()));
     squared.first().copied().unwrap_or(0.0) as f64
-}
-
-/// `t` times `factor` (itself when the factor is 1).
-pub(super) fn scaled(t: Tensor<1>, factor: f32) -> Tensor<1> {
-    match factor {
-        1.0 => t,
-        f => t.mul_scalar(f),
-    }
-}
-
-/// The step's accumulated gradient with one more micro-batch's `flat` added.
-pub(super) fn accumulated(acc: Option<Tensor<1>>, flat: Tensor<1>) -> Tensor<1> {
-    match acc {
-        Some(acc) => acc + flat,
-        None => flat,
-    }
 }
 
 /// `grads` scaled down to the global norm `clip` when clipping is on (`clip > 0`) and the

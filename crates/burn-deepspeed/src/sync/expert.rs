@@ -91,10 +91,11 @@ pub fn build_expert_parallel<M: Module>(
                 ReplicatedSync::new(layout, comm, &options, Some(build_optimizer(optimizer)?))
                     .with_flat_kind(partitioned_kind(optimizer).ok()),
             ),
-            _ => Regime::Partitioned(PartitionedSync::new(
+            stage => Regime::Partitioned(PartitionedSync::new(
                 layout,
                 comm,
                 &options,
+                super::cut(stage),
                 partitioned_kind(optimizer)?,
             )),
         })
@@ -200,7 +201,7 @@ fn check<M: Module>(model: &M, config: &DeepSpeedConfig, ep: &ExpertParallel) ->
 /// One side's regime: stage 0, or stages 1-2.
 enum Regime {
     Replicated(ReplicatedSync<f32>),
-    Partitioned(PartitionedSync<f32>),
+    Partitioned(PartitionedSync),
 }
 
 impl Regime {

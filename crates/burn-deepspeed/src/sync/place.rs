@@ -3,20 +3,51 @@
 //! ranks, and the count of what crosses between host and device — for host memory and for
 //! the model's device.
 
+use std::borrow::Cow;
+use std::ops::Range;
+
 use burn::module::Module;
 use burn::optim::GradientsParams;
+use burn::tensor::{DType, Tensor, TensorData};
+use burn_deepspeed_strategies::bucket::bucket_ranges;
+use burn_deepspeed_strategies::comm::{CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::place::{DevicePlace, HostPlace, Place};
+use burn_deepspeed_strategies::zero::FlatPartition;
 
 use super::device::{flat_grads, flat_params, write_back};
 use super::elem::add_into;
+use super::flat_optim::{DeviceFlatOptimizer, FlatOptimizer, HostFlatOptimizer};
 use super::scale::{Scaling, all_reduce_mean};
 use crate::Result;
-use crate::flat::{ParamLayout, for_each_grad, params_from_flat, params_to_flat};
+use crate::flat::{ParamLayout, for_each_grad, params_from_flat, params_range, params_to_flat};
 use crate::transfer;
 
 /// A [`Place`] a regime can hold a model's flat state in. The algorithms of the regimes are
 /// written once over it; [`HostPlace`] and [`DevicePlace`] implement it.
 pub trait ModelPlace: Place + Sized + 'static {
+    /// A flat buffer lent by reference (a gradient store's part): `[f32]` on the host.
+    type Slice: ?Sized + ToOwned<Owned = Self::Buf>;
+
+    /// The optimizer of a rank's slice here.
+    type Optim: FlatOptimizer<Self>;
+
+    /// Elements `range` of the model's parameters of `layout`, flat in layout order, in f32.
+    fn params_range<M: Module>(
+        &self,
+        model: &M,
+        layout: &ParamLayout,
+        range: Range<usize>,
+    ) -> Self::Buf;
+
+    /// Every rank's slice `own` of `partition`, joined (in buckets of `bucket` elements where
+    /// the place gathers in buckets, the host; 0: one). Collective.
+    fn all_gather(
+        &self,
+        own: &Self::Buf,
+        partition: &FlatPartition,
+        bucket: usize,
+    ) -> Result<Self::Buf>;
+
     /// The model's parameters of `layout`, flat in layout order, in f32.
     fn flat_params<M: Module>(&self, model: &M, layout: &ParamLayout) -> Self::Buf;
 
@@ -45,6 +76,10 @@ pub trait ModelPlace: Place + Sized + 'static {
     /// The buffer's values in host memory, counted as a host/device copy.
     fn read(&self, buf: &Self::Buf) -> Vec<f32>;
 
+    /// A lent buffer's values in host memory: the buffer itself on the host, a counted copy
+    /// on a device.
+    fn host_view<'a>(&self, buf: &'a Self::Slice) -> Cow<'a, [f32]>;
+
     /// Host values in this place, counted as a host/device copy.
     fn write(&self, values: Vec<f32>) -> Self::Buf;
 
@@ -54,6 +89,37 @@ pub trait ModelPlace: Place + Sized + 'static {
 }
 
 impl ModelPlace for HostPlace {
+    type Slice = [f32];
+    type Optim = HostFlatOptimizer;
+
+    fn params_range<M: Module>(
+        &self,
+        model: &M,
+        layout: &ParamLayout,
+        range: Range<usize>,
+    ) -> Vec<f32> {
+        params_range(model, layout, range)
+    }
+
+    fn all_gather(
+        &self,
+        own: &Vec<f32>,
+        partition: &FlatPartition,
+        bucket: usize,
+    ) -> Result<Vec<f32>> {
+        let comm = self.comm();
+        let start = partition.range(comm.rank()).start;
+        let mut flat = vec![0.0f32; partition.numel()];
+        for range in bucket_ranges(partition.numel(), bucket) {
+            let mine = partition.own_in(comm.rank(), &range);
+            let counts = partition.counts_in(&range);
+            let input = &own[mine.start - start..mine.end - start];
+            let _span = tracing::debug_span!("all_gather_bucket", elems = range.len()).entered();
+            comm.all_gather(input, &mut flat[range], &counts)?;
+        }
+        Ok(flat)
+    }
+
     fn flat_params<M: Module>(&self, model: &M, layout: &ParamLayout) -> Vec<f32> {
         params_to_flat(model, layout)
     }
@@ -95,6 +161,10 @@ impl ModelPlace for HostPlace {
         buf.clone()
     }
 
+    fn host_view<'a>(&self, buf: &'a [f32]) -> Cow<'a, [f32]> {
+        Cow::Borrowed(buf)
+    }
+
     fn write(&self, values: Vec<f32>) -> Vec<f32> {
         values
     }
@@ -105,27 +175,44 @@ impl ModelPlace for HostPlace {
 }
 
 impl ModelPlace for DevicePlace {
-    fn flat_params<M: Module>(&self, model: &M, _layout: &ParamLayout) -> burn::tensor::Tensor<1> {
+    type Slice = Tensor<1>;
+    type Optim = DeviceFlatOptimizer;
+
+    fn params_range<M: Module>(
+        &self,
+        model: &M,
+        _layout: &ParamLayout,
+        range: Range<usize>,
+    ) -> Tensor<1> {
+        flat_params(model, self.device()).slice(range)
+    }
+
+    fn all_gather(
+        &self,
+        own: &Tensor<1>,
+        partition: &FlatPartition,
+        _bucket: usize,
+    ) -> Result<Tensor<1>> {
+        let counts = partition.sizes();
+        Ok(self.staged(|| self.collectives().all_gather(own.clone(), &counts))?)
+    }
+
+    fn flat_params<M: Module>(&self, model: &M, _layout: &ParamLayout) -> Tensor<1> {
         flat_params(model, self.device())
     }
 
-    fn write_back<M: Module>(
-        &self,
-        model: M,
-        layout: &ParamLayout,
-        flat: &burn::tensor::Tensor<1>,
-    ) -> M {
+    fn write_back<M: Module>(&self, model: M, layout: &ParamLayout, flat: &Tensor<1>) -> M {
         write_back(model, layout, flat)
     }
 
     fn accumulate<M: Module>(
         &self,
-        acc: Option<burn::tensor::Tensor<1>>,
+        acc: Option<Tensor<1>>,
         model: &M,
         layout: &ParamLayout,
         grads: &GradientsParams,
         present: &mut [u8],
-    ) -> (burn::tensor::Tensor<1>, u64) {
+    ) -> (Tensor<1>, u64) {
         let flat = flat_grads(model, layout, grads, self.device(), present);
         let flat = match acc {
             Some(acc) => acc + flat,
@@ -136,24 +223,27 @@ impl ModelPlace for DevicePlace {
 
     fn all_reduce_mean(
         &self,
-        buf: burn::tensor::Tensor<1>,
+        buf: Tensor<1>,
         _bucket: usize,
         scaling: Scaling,
-    ) -> Result<burn::tensor::Tensor<1>> {
+    ) -> Result<Tensor<1>> {
         let buf = self.scaled(buf, scaling.pre);
-        let buf =
-            self.staged(|| self.all_reduce(buf, burn_deepspeed_strategies::comm::ReduceOp::Sum))?;
+        let buf = self.staged(|| self.all_reduce(buf, ReduceOp::Sum))?;
         Ok(self.scaled(buf, scaling.post))
     }
 
-    fn read(&self, buf: &burn::tensor::Tensor<1>) -> Vec<f32> {
+    fn read(&self, buf: &Tensor<1>) -> Vec<f32> {
         transfer::read_f32(buf.clone())
     }
 
-    fn write(&self, values: Vec<f32>) -> burn::tensor::Tensor<1> {
+    fn host_view<'a>(&self, buf: &'a Tensor<1>) -> Cow<'a, [f32]> {
+        Cow::Owned(transfer::read_f32(buf.clone()))
+    }
+
+    fn write(&self, values: Vec<f32>) -> Tensor<1> {
         let n = values.len();
-        let data = burn::tensor::TensorData::new(values, [n]);
-        transfer::write::<1>(data, self.device(), burn::tensor::DType::F32)
+        let data = TensorData::new(values, [n]);
+        transfer::write::<1>(data, self.device(), DType::F32)
     }
 
     fn staged<T>(&self, f: impl FnOnce() -> T) -> T {

@@ -1,0 +1,241 @@
+//! [`FlatOptimizer`]: Adam, AdamW or LAMB on one rank's slice of the flat fp32 parameters, in
+//! a place: [`PartitionedOptimizer`] on the host (the CPU fused kernels; ZeRO-Infinity's swap
+//! file for offload), [`DeviceFlatOptimizer`] on the model's device (the fused CubeCL Adam;
+//! LAMB by device ops, see [`device_step`]).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use burn::tensor::Tensor;
+use burn_deepspeed_strategies::comm::Communicator;
+use burn_deepspeed_strategies::place::{DevicePlace, HostPlace, Place};
+use burn_deepspeed_strategies::swap::SwapSummary;
+use burn_deepspeed_strategies::zero::{
+    FlatPartition, PartitionState, PartitionedKind, PartitionedOptimizer,
+};
+
+use super::ModelPlace;
+use super::device_step::{DeviceOptimizer, StepState, device_step};
+use crate::Result;
+
+/// The optimizer of one rank's slice of the flat parameters, in place `P`. Its state is the
+/// same [`PartitionState`] in every place, so that checkpoints move between them.
+pub trait FlatOptimizer<P: ModelPlace>: Send {
+    /// One step of `params` (this rank's slice, fp32) with its reduced gradient `grads` at
+    /// `lr`; tensors whose mark in `present` is 0 keep their values and state. Collective for
+    /// LAMB where tensors are cut across ranks.
+    fn step(
+        &mut self,
+        place: &P,
+        params: &mut P::Buf,
+        grads: &P::Slice,
+        present: &[u8],
+        lr: f64,
+    ) -> Result<()>;
+
+    /// Bytes of optimizer state held in memory.
+    fn state_bytes(&self) -> u64;
+
+    /// Bytes of optimizer state in a swap file.
+    fn disk_bytes(&self) -> u64 {
+        0
+    }
+
+    /// The slice's state (steps, m and v), read into host memory.
+    fn export(&self, place: &P) -> Result<PartitionState>;
+
+    /// Restores the slice's state (and, when offloaded, its fp32 `masters`).
+    fn restore(&mut self, place: &P, state: PartitionState, masters: Option<&[f32]>) -> Result<()>;
+
+    /// Whether the state lives in a swap file (ZeRO-Infinity).
+    fn is_offloaded(&self) -> bool {
+        false
+    }
+
+    /// The fp32 masters an offloaded optimizer keeps in its swap file.
+    fn masters(&self) -> Result<Option<Vec<f32>>> {
+        Ok(None)
+    }
+
+    /// The swap file's summary, when offloaded.
+    fn swap_summary(&self) -> Option<SwapSummary> {
+        None
+    }
+}
+
+/// The host's flat optimizer: the [`PartitionedOptimizer`] and the communicator its LAMB norms
+/// are summed over (a world of the rank alone where every rank holds whole tensors).
+#[derive(Debug)]
+pub struct HostFlatOptimizer {
+    /// The slice's optimizer (offloaded to a swap file by the regime under ZeRO-Infinity).
+    pub inner: PartitionedOptimizer,
+    comm: Arc<dyn Communicator>,
+}
+
+impl HostFlatOptimizer {
+    /// `kind` on `rank`'s slice of `partition` over tensors of `sizes` elements, its norms
+    /// summed over `comm`.
+    pub fn new(
+        kind: PartitionedKind,
+        partition: &FlatPartition,
+        rank: usize,
+        sizes: &[usize],
+        comm: Arc<dyn Communicator>,
+    ) -> Self {
+        Self {
+            inner: PartitionedOptimizer::new(kind, partition, rank, sizes),
+            comm,
+        }
+    }
+}
+
+impl FlatOptimizer<HostPlace> for HostFlatOptimizer {
+    fn step(
+        &mut self,
+        _place: &HostPlace,
+        params: &mut Vec<f32>,
+        grads: &[f32],
+        present: &[u8],
+        lr: f64,
+    ) -> Result<()> {
+        (self.inner).step(self.comm.as_ref(), params, grads, present, lr)?;
+        Ok(())
+    }
+
+    fn state_bytes(&self) -> u64 {
+        self.inner.state_bytes()
+    }
+
+    fn disk_bytes(&self) -> u64 {
+        self.inner.disk_bytes()
+    }
+
+    fn export(&self, _place: &HostPlace) -> Result<PartitionState> {
+        Ok(self.inner.export()?.into_owned())
+    }
+
+    fn restore(
+        &mut self,
+        _place: &HostPlace,
+        state: PartitionState,
+        masters: Option<&[f32]>,
+    ) -> Result<()> {
+        self.inner.restore(state, masters)?;
+        Ok(())
+    }
+
+    fn is_offloaded(&self) -> bool {
+        self.inner.is_offloaded()
+    }
+
+    fn masters(&self) -> Result<Option<Vec<f32>>> {
+        Ok(self.inner.masters()?)
+    }
+
+    fn swap_summary(&self) -> Option<SwapSummary> {
+        self.inner.swap_summary()
+    }
+}
+
+/// The device's flat optimizer: m and v of the slice as device tensors, each tensor's step
+/// count, and the fused step of [`device_step`].
+#[derive(Debug)]
+pub struct DeviceFlatOptimizer {
+    kind: DeviceOptimizer,
+    m: Tensor<1>,
+    v: Tensor<1>,
+    steps: Vec<u32>,
+    /// Each tensor's part of the slice, in slice coordinates.
+    pieces: Vec<(usize, Range<usize>)>,
+    /// LAMB's norms are summed over the ranks (the tensors are cut across them).
+    across: bool,
+}
+
+impl DeviceFlatOptimizer {
+    /// `kind` on the slice `own` of flat parameters of `sizes` elements per tensor, in
+    /// `place`; `across`: the tensors are cut across the ranks.
+    pub fn new(
+        kind: PartitionedKind,
+        place: &DevicePlace,
+        own: Range<usize>,
+        sizes: &[usize],
+        across: bool,
+    ) -> Self {
+        let mut offset = 0;
+        let pieces = (sizes.iter().enumerate())
+            .filter_map(|(i, &n)| {
+                let (a, b) = (offset.max(own.start), (offset + n).min(own.end));
+                offset += n;
+                (a < b).then(|| (i, a - own.start..b - own.start))
+            })
+            .collect();
+        let kind = match kind {
+            PartitionedKind::Adam(adam) => DeviceOptimizer::Adam(adam),
+            PartitionedKind::Lamb(lamb) => DeviceOptimizer::Lamb(lamb),
+        };
+        Self {
+            kind,
+            m: place.zeros(own.len()),
+            v: place.zeros(own.len()),
+            steps: vec![0; sizes.len()],
+            pieces,
+            across,
+        }
+    }
+}
+
+impl FlatOptimizer<DevicePlace> for DeviceFlatOptimizer {
+    fn step(
+        &mut self,
+        place: &DevicePlace,
+        params: &mut Tensor<1>,
+        grads: &Tensor<1>,
+        present: &[u8],
+        lr: f64,
+    ) -> Result<()> {
+        let state = StepState {
+            m: &mut self.m,
+            v: &mut self.v,
+            steps: &mut self.steps,
+            present,
+        };
+        // LAMB's norm all-reduce counts its own staging.
+        let across = self.across.then_some(place.collectives().as_ref());
+        let (kind, pieces, device) = (&self.kind, &self.pieces, place.device());
+        *params = device_step(
+            kind,
+            lr,
+            params.clone(),
+            grads,
+            state,
+            pieces,
+            across,
+            device,
+        )?;
+        Ok(())
+    }
+
+    fn state_bytes(&self) -> u64 {
+        8 * self.m.dims()[0] as u64
+    }
+
+    fn export(&self, place: &DevicePlace) -> Result<PartitionState> {
+        Ok(PartitionState {
+            steps: self.steps.clone(),
+            m: place.read(&self.m),
+            v: place.read(&self.v),
+        })
+    }
+
+    fn restore(
+        &mut self,
+        place: &DevicePlace,
+        state: PartitionState,
+        _masters: Option<&[f32]>,
+    ) -> Result<()> {
+        self.m = place.write(state.m);
+        self.v = place.write(state.v);
+        self.steps = state.steps;
+        Ok(())
+    }
+}

@@ -1,0 +1,84 @@
+//! [`GradStore`]: where a ZeRO stage 0-2 regime keeps a step's gradient, and how it reduces it
+//! over the ranks: [`HostGrads`](super::HostGrads) (flat `Vec`s of f32, or f16 under fp16,
+//! reduced in buckets, stage 2 on a communication thread under `overlap_comm`) and
+//! [`DeviceGrads`](super::DeviceGrads) (a tensor on the model's device, reduced through the
+//! device collectives).
+
+use std::borrow::Cow;
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::Device;
+
+use super::scale::Scaling;
+use super::{ModelParallelNorm, ModelPlace};
+use crate::flat::ParamLayout;
+use crate::{DeepSpeedError, Result};
+
+/// What a regime of ZeRO stages 0-2 cuts across the data-parallel ranks (arXiv 1910.02054
+/// §5): the builder's reading of `zero_optimization.stage`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// Stage 0: every rank holds and steps everything; the gradient is all-reduced.
+    Nothing,
+    /// Stage 1: the optimizer state; the whole gradient is reduce-scattered at the boundary.
+    OptimizerStates,
+    /// Stage 2: the optimizer state and the gradients, reduce-scattered at every micro-batch.
+    Gradients,
+}
+
+/// A step's gradient in a place: accumulated per micro-batch, reduced over the ranks to this
+/// rank's part (the whole gradient at stage 0, its slice at stages 1-2), and lent to the
+/// optimizer. Every method that reduces is a collective.
+pub trait GradStore: Send + 'static {
+    /// Where the gradient lives.
+    type Place: ModelPlace;
+
+    /// Adds one micro-batch's gradients of `model`, marking in `present` the parameters that
+    /// have one (stage 2 reduce-scatters here; a failure goes to `deferred` for the step).
+    /// Returns the bytes of the transient copies made.
+    fn accumulate<M: Module>(
+        &mut self,
+        place: &Self::Place,
+        model: &M,
+        layout: &ParamLayout,
+        grads: &GradientsParams,
+        present: &mut [u8],
+        deferred: &mut Option<DeepSpeedError>,
+    ) -> u64;
+
+    /// Joins what a communication thread reduced (`overlap_comm`); its first failure.
+    fn settle(&mut self) -> Option<DeepSpeedError> {
+        None
+    }
+
+    /// Waits until no collective of this store runs on another thread.
+    fn quiesce(&self) {}
+
+    /// Ends the accumulation: the mean that `scaling` describes over the ranks, leaving this
+    /// rank's part.
+    fn reduce(&mut self, place: &Self::Place, scaling: Scaling) -> Result<()>;
+
+    /// Tensor slicing: from now on [`own_sq`](Self::own_sq) counts what `norm` says.
+    fn model_parallel(&mut self, place: &Self::Place, norm: &ModelParallelNorm) {
+        let _ = (place, norm);
+    }
+
+    /// Σ g² of this rank's part (of what this rank counts under tensor slicing, `slices`).
+    fn own_sq(&self, place: &Self::Place, slices: Option<&ModelParallelNorm>) -> Result<f64>;
+
+    /// Multiplies this rank's part by `factor`.
+    fn scale_own(&mut self, place: &Self::Place, factor: f32);
+
+    /// This rank's part in f32 (a copy where the store keeps f16).
+    fn own(&self) -> Result<Cow<'_, <Self::Place as ModelPlace>::Slice>>;
+
+    /// Bytes the store holds.
+    fn bytes(&self) -> u64;
+
+    /// Drops the accumulated gradient.
+    fn reset(&mut self);
+
+    /// The gradients' device, once a micro-batch was accumulated.
+    fn device(&self) -> Option<Device>;
+}

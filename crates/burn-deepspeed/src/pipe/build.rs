@@ -161,7 +161,7 @@ where
                     &options,
                     Cut::OptimizerStates,
                     kind,
-                );
+                )?;
                 let mut sync: Box<dyn GradSync<Vec<L>>> = Box::new(sync);
                 sync.model_parallel_norm(norm.clone())?;
                 let layers = match config.working_dtype() {

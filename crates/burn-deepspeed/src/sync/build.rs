@@ -87,10 +87,22 @@ fn build_with<M: Module, G: GradElem>(
                         PartitionedSync::on_device(place, layout, &options, Cut::Nothing, kind);
                     (model, Box::new(sync))
                 }
+                // Mixed precision steps fp32 masters with the flat optimizer.
+                None if let (Some(_), Ok(kind)) =
+                    (config.working_dtype(), partitioned_kind(optimizer)) =>
+                {
+                    let sync = PartitionedSync::<HostGrads<G>>::new(
+                        layout,
+                        comm,
+                        &options,
+                        Cut::Nothing,
+                        kind,
+                    )?;
+                    (model, Box::new(sync))
+                }
                 None => {
                     let optim = build_optimizer(optimizer)?;
-                    let sync = ReplicatedSync::<G>::new(layout, comm, &options, Some(optim))
-                        .with_flat_kind(partitioned_kind(optimizer).ok());
+                    let sync = ReplicatedSync::<G>::new(layout, comm, &options, Some(optim));
                     (model, Box::new(sync))
                 }
             }
@@ -112,7 +124,7 @@ fn build_with<M: Module, G: GradElem>(
                 &options,
                 cut(stage),
                 kind,
-            );
+            )?;
             // Starting the communication thread can fail on one rank alone: the ranks agree
             // before the next collective.
             if overlap {

@@ -21,8 +21,8 @@ use burn_deepspeed_strategies::comm::Communicator;
 use burn_deepspeed_strategies::zero::PartitionState;
 
 use super::{
-    GradSync, ModelParallelNorm, PartitionedSync, Reduced, ReplicatedSync, SavedState, SyncOptions,
-    WholeLayout, broadcast_params, module_device,
+    GradSync, ModelParallelNorm, PartitionedSync, Reduced, SavedState, SyncOptions, WholeLayout,
+    broadcast_params, module_device,
 };
 use crate::checkpoint::{
     Loaded, all_gather_bytes, f32_bytes, f32_values, partition_state_bytes,
@@ -32,7 +32,7 @@ use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
 use crate::flat::{ParamLayout, param_paths};
 use crate::memory::ModelStateBytes;
 use crate::moe::ExpertParallel;
-use crate::optim::{build_optimizer, partitioned_kind};
+use crate::optim::partitioned_kind;
 use crate::{DeepSpeedError, Result, agreed};
 
 /// The dense and the expert regimes of one model (see the module docs).
@@ -85,36 +85,17 @@ pub fn build_expert_parallel<M: Module>(
     let model = broadcast_params(expert_data.as_ref(), &expert_layout, model)?;
     let mut options = SyncOptions::of(config);
     let clip = std::mem::take(&mut options.clip);
+    // Stage 0 steps the flat optimizer too (flat state that a checkpoint can cut by expert).
     let regime = |layout: ParamLayout, comm: Arc<dyn Communicator>| -> Result<Regime> {
-        Ok(match options.stage {
-            ZeroStage::Disabled => Regime::Replicated(
-                ReplicatedSync::new(layout, comm, &options, Some(build_optimizer(optimizer)?))
-                    .with_flat_kind(partitioned_kind(optimizer).ok()),
-            ),
-            stage => Regime::Partitioned(PartitionedSync::new(
-                layout,
-                comm,
-                &options,
-                super::cut(stage),
-                partitioned_kind(optimizer)?,
-            )),
-        })
+        let kind = partitioned_kind(optimizer)?;
+        PartitionedSync::new(layout, comm, &options, super::cut(options.stage), kind)
     };
     let whole = whole_layout(&model, &layout, &expert_layout, data.as_ref(), ep, ep_group)?;
-    let mut dense = regime(dense_layout, data)?;
+    let dense = regime(dense_layout, data)?;
     let mut experts = regime(expert_layout, expert_data.clone())?;
-    // Stage 0 steps fp32 masters too (flat state that a checkpoint can cut by expert).
-    if options.stage == ZeroStage::Disabled {
-        dense
-            .get::<M>()
-            .keep_masters(model.clone(), FloatDType::F32)?;
-        experts
-            .get::<M>()
-            .keep_masters(model.clone(), FloatDType::F32)?;
-    }
     // The experts' norm: this group's experts, then every group's over the exchange group.
     let norm = ModelParallelNorm::none().with_group(ep_group.clone(), []);
-    experts.get::<M>().model_parallel_norm(norm)?;
+    get::<M>(&mut experts).model_parallel_norm(norm)?;
     let sync = ExpertSync {
         layout,
         whole,
@@ -198,39 +179,15 @@ fn check<M: Module>(model: &M, config: &DeepSpeedConfig, ep: &ExpertParallel) ->
     Ok(())
 }
 
-/// One side's regime: stage 0, or stages 1-2.
-enum Regime {
-    Replicated(ReplicatedSync<f32>),
-    Partitioned(PartitionedSync),
+/// One side's regime: stages 0-2 with the flat optimizer.
+type Regime = PartitionedSync;
+
+fn get<M: Module>(regime: &mut Regime) -> &mut dyn GradSync<M> {
+    regime
 }
 
-impl Regime {
-    /// The whole parameters and optimizer state of this side's tensors restored.
-    fn restore_whole<M: Module>(
-        &mut self,
-        model: M,
-        params: &[f32],
-        state: PartitionState,
-    ) -> Result<M> {
-        match self {
-            Regime::Replicated(s) => s.restore_whole(model, params, state),
-            Regime::Partitioned(s) => s.restore_whole(model, params, &state),
-        }
-    }
-
-    fn get<M: Module>(&mut self) -> &mut dyn GradSync<M> {
-        match self {
-            Regime::Replicated(s) => s,
-            Regime::Partitioned(s) => s,
-        }
-    }
-
-    fn view<M: Module>(&self) -> &dyn GradSync<M> {
-        match self {
-            Regime::Replicated(s) => s,
-            Regime::Partitioned(s) => s,
-        }
-    }
+fn view<M: Module>(regime: &Regime) -> &dyn GradSync<M> {
+    regime
 }
 
 impl<M: Module> GradSync<M> for ExpertSync {
@@ -239,41 +196,38 @@ impl<M: Module> GradSync<M> for ExpertSync {
     }
 
     fn accumulate(&mut self, model: &M, grads: &GradientsParams) {
-        self.dense.get::<M>().accumulate(model, grads);
-        self.experts.get::<M>().accumulate(model, grads);
+        get::<M>(&mut self.dense).accumulate(model, grads);
+        get::<M>(&mut self.experts).accumulate(model, grads);
     }
 
     fn micro_steps(&self) -> u64 {
-        self.dense.view::<M>().micro_steps()
+        view::<M>(&self.dense).micro_steps()
     }
 
     /// Both means (the experts' divided by `ep_size` more, folded into the same multiply as
     /// the loss scale), then one clip by the norm of both.
     fn reduce(&mut self, loss_scale: f32) -> Result<Reduced> {
-        let experts = self
-            .experts
-            .get::<M>()
-            .reduce(loss_scale * self.ep_size as f32)?;
-        let dense = self.dense.get::<M>().reduce(loss_scale)?;
+        let experts = get::<M>(&mut self.experts).reduce(loss_scale * self.ep_size as f32)?;
+        let dense = get::<M>(&mut self.dense).reduce(loss_scale)?;
         let norm = (dense.norm * dense.norm + experts.norm * experts.norm).sqrt();
         if self.clip > 0.0 && norm.is_finite() {
             let coef = self.clip / (norm + 1e-6);
             if coef < 1.0 {
-                self.dense.get::<M>().scale_reduced(coef as f32)?;
-                self.experts.get::<M>().scale_reduced(coef as f32)?;
+                get::<M>(&mut self.dense).scale_reduced(coef as f32)?;
+                get::<M>(&mut self.experts).scale_reduced(coef as f32)?;
             }
         }
         Ok(Reduced::global(norm))
     }
 
     fn step(&mut self, model: M, lr: f64) -> Result<M> {
-        let model = self.dense.get::<M>().step(model, lr)?;
-        self.experts.get::<M>().step(model, lr)
+        let model = get::<M>(&mut self.dense).step(model, lr)?;
+        get::<M>(&mut self.experts).step(model, lr)
     }
 
     fn discard(&mut self) {
-        self.dense.get::<M>().discard();
-        self.experts.get::<M>().discard();
+        get::<M>(&mut self.dense).discard();
+        get::<M>(&mut self.experts).discard();
     }
 
     fn reduced_gradients(&mut self, _: &M) -> Result<GradientsParams> {
@@ -286,8 +240,8 @@ impl<M: Module> GradSync<M> for ExpertSync {
     /// The parameters once (the model's), both regimes' gradients and optimizer state.
     fn held(&self, model: &M) -> ModelStateBytes {
         let (d, e) = (
-            self.dense.view::<M>().held(model),
-            self.experts.view::<M>().held(model),
+            view::<M>(&self.dense).held(model),
+            view::<M>(&self.experts).held(model),
         );
         ModelStateBytes {
             params: d.params,
@@ -299,22 +253,22 @@ impl<M: Module> GradSync<M> for ExpertSync {
 
     /// The sum of the two regimes' peaks (at most that: their peaks may not coincide).
     fn peak(&self) -> u64 {
-        self.dense.view::<M>().peak() + self.experts.view::<M>().peak()
+        view::<M>(&self.dense).peak() + view::<M>(&self.experts).peak()
     }
 
     /// Both sides keep fp32 masters of their parameters, taken from the f32 `model`; the
     /// model becomes its working copy in `dtype`.
     fn keep_masters(&mut self, model: M, dtype: FloatDType) -> Result<M> {
-        let working = self.dense.get::<M>().keep_masters(model.clone(), dtype)?;
-        self.experts.get::<M>().keep_masters(model, dtype)?;
+        let working = get::<M>(&mut self.dense).keep_masters(model.clone(), dtype)?;
+        get::<M>(&mut self.experts).keep_masters(model, dtype)?;
         Ok(working)
     }
 
     /// Every rank's experts joined into the whole model (a collective over the data and the
     /// expert-parallel groups; the fp32 masters in a 16-bit run).
     fn whole_params(&self, model: &M, wanted: bool) -> Result<Option<Vec<f32>>> {
-        let dense = self.dense.view::<M>().whole_params(model, true)?;
-        let mine = self.experts.view::<M>().whole_params(model, true)?;
+        let dense = view::<M>(&self.dense).whole_params(model, true)?;
+        let mine = view::<M>(&self.experts).whole_params(model, true)?;
         let peers = all_gather_bytes(
             self.ep_group.as_ref(),
             &f32_bytes(&mine.unwrap_or_default()),
@@ -334,8 +288,8 @@ impl<M: Module> GradSync<M> for ExpertSync {
     /// The whole model's optimizer state, every expert's included (a collective over the
     /// data and the expert-parallel groups).
     fn whole_moments(&self) -> Result<Option<PartitionState>> {
-        let dense = self.dense.view::<M>().whole_moments()?;
-        let mine = self.experts.view::<M>().whole_moments()?;
+        let dense = view::<M>(&self.dense).whole_moments()?;
+        let mine = view::<M>(&self.experts).whole_moments()?;
         let (Some(dense), Some(mine)) = (dense, mine) else {
             return Ok(None);
         };
@@ -411,7 +365,7 @@ impl<M: Module> GradSync<M> for ExpertSync {
             m: mine_m,
             v: mine_v,
         };
-        let model = self.dense.restore_whole(model, &dense_params, dense)?;
-        self.experts.restore_whole(model, &mine_params, mine)
+        let model = self.dense.restore_whole(model, &dense_params, &dense)?;
+        self.experts.restore_whole(model, &mine_params, &mine)
     }
 }

@@ -85,20 +85,32 @@ fn own_part(cut: Cut, numel: usize, world: usize, rank: usize) -> (FlatPartition
 }
 
 impl<G: GradElem> PartitionedSync<HostGrads<G>> {
-    /// Stage 1 or 2 (`cut`) of `layout` on `comm` in host memory: a balanced flat partition
-    /// stepped by the [`PartitionedOptimizer`](burn_deepspeed_strategies::zero::PartitionedOptimizer)
-    /// of `kind`.
+    /// Stage 0, 1 or 2 (`cut`) of `layout` on `comm` in host memory: a balanced flat partition
+    /// (everything at stage 0) stepped by the
+    /// [`PartitionedOptimizer`](burn_deepspeed_strategies::zero::PartitionedOptimizer) of `kind`.
     pub fn new(
         layout: ParamLayout,
         comm: Arc<dyn Communicator>,
         options: &SyncOptions,
         cut: Cut,
         kind: PartitionedKind,
-    ) -> Self {
+    ) -> Result<Self> {
         let (partition, _) = own_part(cut, layout.numel, comm.world_size(), comm.rank());
         let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
-        let optim = HostFlatOptimizer::new(kind, &partition, comm.rank(), &sizes, comm.clone());
-        Self::host(layout, comm, options, cut, partition, Some(optim))
+        // Stage 0: every rank steps whole tensors, whose LAMB norms add over no other rank.
+        let (rank, norms) = match cut {
+            Cut::Nothing => (0, crate::grid::alone()?),
+            _ => (comm.rank(), comm.clone()),
+        };
+        let optim = HostFlatOptimizer::new(kind, &partition, rank, &sizes, norms);
+        Ok(Self::host(
+            layout,
+            comm,
+            options,
+            cut,
+            partition,
+            Some(optim),
+        ))
     }
 
     /// Stage 1 or 2 (`cut`) with a partition at tensor boundaries and no optimizer of its own:
@@ -335,9 +347,9 @@ impl<S: GradStore> PartitionedSync<S> {
             .ok_or_else(|| {
                 DeepSpeedError::Checkpoint(format!(
                     "optim.bin is not the flat Adam state of this model's {n} elements in {} \
-                     tensors, which stage 0 on a device resumes from (a stage-0 fp32 run on \
-                     the host, Flex, saves Burn's optimizer record instead: resume such a \
-                     checkpoint on the host)",
+                     tensors, which stage 0 resumes from in 16-bit or on a device (a stage-0 \
+                     fp32 run on the host, Flex, saves Burn's optimizer record instead: resume \
+                     such a checkpoint in fp32 on the host)",
                     sizes.len()
                 ))
             })

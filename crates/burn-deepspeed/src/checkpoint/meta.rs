@@ -74,10 +74,11 @@ pub struct CheckpointMeta {
 
 impl CheckpointMeta {
     /// What every driver's checkpoint states alike: the format, the step protocol's position,
-    /// the ZeRO stage, the optimizer and the working dtype. The caller fills in the world, the
-    /// tensors and the rest.
+    /// the ZeRO stage (`zero_stage`, as the regime's builder reads it), the optimizer and the
+    /// working dtype. The caller fills in the world, the tensors and the rest.
     pub(crate) fn of_run(
         config: &crate::config::DeepSpeedConfig,
+        zero_stage: u8,
         position: crate::step::core::StepPosition,
     ) -> Self {
         Self {
@@ -86,7 +87,7 @@ impl CheckpointMeta {
             global_step: position.global_step,
             skipped_steps: position.skipped_steps,
             world_size: 1,
-            zero_stage: config.zero_optimization.stage.into(),
+            zero_stage,
             optimizer: format!("{:?}", config.optimizer_kind()),
             compressing: None,
             param_ids: Vec::new(),

@@ -10,7 +10,7 @@ use burn_deepspeed_compress::pld::ProgressiveLayerDrop;
 use burn_deepspeed_strategies::comm::{CommsLogger, Communicator};
 
 use super::base::*;
-use crate::config::{DeepSpeedConfig, EntryPoint, OptimizerKind, ZeroStage, check_supported};
+use crate::config::{DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
 use crate::grid::Grid;
 use crate::moq::Moq;
 use crate::step::StepLoss;
@@ -67,8 +67,8 @@ where
         // parallelism alone.
         let sliced = grid.topology().tensor > 1 || grid.expert_parallel().size() > 1;
         let zero = &config.zero_optimization;
-        let overlapping = matches!(zero.stage, ZeroStage::Gradients | ZeroStage::Parameters)
-            && zero.overlap_comm();
+        let overlapping =
+            crate::sync::ZeroPlan::of(&config).reduces_during_backward() && zero.overlap_comm();
         // The regime is built from a copy with the overlap off; the engine keeps the caller's
         // config as given.
         let mut regime_config = config.clone();

@@ -104,7 +104,11 @@ where
                 None => param_paths(&self.model, layout),
             },
             ep_size: Some(self.grid.expert_parallel().size()).filter(|&n| n > 1),
-            ..CheckpointMeta::of_run(&self.config, self.core.position())
+            ..CheckpointMeta::of_run(
+                &self.config,
+                crate::sync::ZeroPlan::of(&self.config).number(),
+                self.core.position(),
+            )
         }
     }
 }

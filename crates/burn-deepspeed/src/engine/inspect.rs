@@ -154,7 +154,7 @@ impl<M: Module> DeepSpeedEngine<M> {
     /// 2Ψ + 14Ψ/N, 16Ψ/N. bf16, whose gradients accumulate in fp32 as in DeepSpeed's bf16
     /// optimizer ([`StatePrecision::MixedFp32Grads`]): 18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N.
     pub fn model_state_bytes_formula(&self) -> u64 {
-        let stage: u8 = self.config.zero_optimization.stage.into();
+        let stage = crate::sync::ZeroPlan::of(&self.config).number();
         let (params, world) = (self.num_params() as u64, self.comm.world_size() as u64);
         estimate_model_states(params, world, stage, self.state_precision(), 0, 0).total
     }

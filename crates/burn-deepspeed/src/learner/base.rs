@@ -52,7 +52,6 @@ use super::prepare::{Prepared, take_built, take_prepared};
 use super::settings::{Settings, Surroundings, resolve_settings};
 use crate::DeepSpeedConfig;
 use crate::activation::{take_stats, with_config_options};
-use crate::config::ZeroStage;
 use crate::flat::ParamLayout;
 use crate::launch::{launch_with_leader, launched_by_mpirun, mpirun_world_size};
 use crate::precision::{cast_module, unscaled_backward_message, with_loss_scale};
@@ -131,7 +130,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
     /// model's keys until the returned guard drops.
     fn build_sync(&mut self) -> crate::Result<(Box<dyn GradSync<M>>, Option<Answering>)> {
         let options = SyncOptions::of(&self.settings.config);
-        if options.stage == ZeroStage::Parameters {
+        if options.plan.shards_parameters() {
             let (sync, answering) = self.load_chunks(&options)?;
             return Ok((Box::new(sync), Some(answering)));
         }
@@ -554,7 +553,7 @@ impl DeepSpeedStrategy {
         &self,
         learner: &Learner<M>,
     ) -> crate::Result<Option<Arc<Prepared>>> {
-        if self.config.zero_optimization.stage != ZeroStage::Parameters {
+        if !crate::sync::ZeroPlan::of(&self.config).shards_parameters() {
             return Ok(None);
         }
         let prepared = take_prepared(&learner.model()).ok_or_else(|| {

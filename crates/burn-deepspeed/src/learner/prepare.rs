@@ -16,7 +16,7 @@ use burn::module::{Module, ParamId};
 use burn::train::{Learner, LearnerModel};
 
 use super::{ConfigSchedule, DeepSpeedStrategy};
-use crate::config::{OptimizerConfig, ZeroStage};
+use crate::config::OptimizerConfig;
 use crate::flat::{ParamLayout, params_to_flat};
 use crate::launch::mpirun_world_size;
 use crate::optim::build_optimizer;
@@ -109,7 +109,7 @@ impl DeepSpeedStrategy {
     /// per-parameter norm clipping) sees the chunk as the tensor. `gradient_clipping` from
     /// the config clips by the global norm across ranks, as at every stage.
     pub fn prepare_model<M: Module>(&self, model: M) -> M {
-        if self.config.zero_optimization.stage != ZeroStage::Parameters {
+        if !crate::sync::ZeroPlan::of(&self.config).shards_parameters() {
             return model;
         }
         // 0 ranks is refused when training starts; the plan needs one.

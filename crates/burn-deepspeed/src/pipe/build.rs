@@ -12,7 +12,6 @@ use burn_deepspeed_strategies::pipe::{PartitionMethod, PipeDataTopology, Schedul
 use super::engine::*;
 use super::layer::{PipeBatch, PipeLayer};
 use super::ties::{TiedGroup, find_ties};
-use crate::config::ZeroStage;
 use crate::config::{DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
 use crate::flat::{ParamLayout, param_paths, params_from_flat, params_to_flat};
 use crate::grid::Grid;
@@ -133,8 +132,8 @@ where
         let options = SyncOptions::of(&config);
         // Mixed precision: the optimizer steps fp32 masters, and the layers that run are
         // their 16-bit working copy.
-        let (grads, layers, masters) = match options.stage {
-            ZeroStage::Disabled => {
+        let (grads, layers, masters) = match options.plan.cut() {
+            Some(Cut::Nothing) => {
                 let grads = StageGrads::Replicated(Box::new(GradBuffer::new(
                     layout.clone(),
                     data.clone(),

@@ -135,7 +135,11 @@ where
             param_ids: (0..self.catalog.len() as u64).collect(),
             shapes: self.catalog.iter().map(|t| t.shape.clone()).collect(),
             paths: self.catalog.iter().map(|t| t.name.clone()).collect(),
-            ..CheckpointMeta::of_run(&self.config, self.core.position())
+            ..CheckpointMeta::of_run(
+                &self.config,
+                crate::sync::ZeroPlan::of(&self.config).number(),
+                self.core.position(),
+            )
         }
     }
 

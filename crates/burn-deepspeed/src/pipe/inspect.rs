@@ -99,7 +99,7 @@ where
     /// measured: its stage's parameters (its slices under tensor slicing) as Ψ, the
     /// optimizer state cut over the replicas at stage 1.
     pub fn model_state_bytes_formula(&self) -> u64 {
-        let stage: u8 = self.config.zero_optimization.stage.into();
+        let stage = crate::sync::ZeroPlan::of(&self.config).number();
         // The pipeline accumulates fp32 gradients under fp16 as under bf16.
         let precision = match StatePrecision::of(&self.config) {
             StatePrecision::Mixed => StatePrecision::MixedFp32Grads,

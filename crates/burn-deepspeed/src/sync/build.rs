@@ -76,8 +76,8 @@ fn build_with<M: Module, G: GradElem>(
         Some((device, optim)) => Some((device_collectives(comm.clone(), &device)?, device, optim)),
         None => None,
     };
-    Ok(match (options.stage, on_device) {
-        (ZeroStage::Disabled, on_device) => {
+    Ok(match (options.plan.cut(), on_device) {
+        (Some(Cut::Nothing), on_device) => {
             let host = HostPlace::new(comm.clone());
             match CompressedSync::new(host, layout.clone(), &options, optimizer)? {
                 Some(sync) => (model, Box::new(sync)),
@@ -107,24 +107,16 @@ fn build_with<M: Module, G: GradElem>(
                 }
             }
         }
-        (
-            stage @ (ZeroStage::OptimizerStates | ZeroStage::Gradients),
-            Some((coll, device, kind)),
-        ) => {
+        (Some(cut), Some((coll, device, kind))) => {
             let place = DevicePlace::new(coll, comm, &device);
-            let sync = PartitionedSync::on_device(place, layout, &options, cut(stage), kind);
+            let sync = PartitionedSync::on_device(place, layout, &options, cut, kind);
             (model, Box::new(sync))
         }
-        (stage @ (ZeroStage::OptimizerStates | ZeroStage::Gradients), None) => {
+        (Some(cut), None) => {
             let kind = partitioned_kind(optimizer)?;
             let overlap = overlaps(config, comm.world_size());
-            let mut sync = PartitionedSync::<HostGrads<G>>::new(
-                layout,
-                comm.clone(),
-                &options,
-                cut(stage),
-                kind,
-            )?;
+            let mut sync =
+                PartitionedSync::<HostGrads<G>>::new(layout, comm.clone(), &options, cut, kind)?;
             // Starting the communication thread can fail on one rank alone: the ranks agree
             // before the next collective.
             if overlap {
@@ -135,7 +127,7 @@ fn build_with<M: Module, G: GradElem>(
             }
             (model, Box::new(sync))
         }
-        (ZeroStage::Parameters, Some((coll, device, kind))) => {
+        (None, Some((coll, device, kind))) => {
             let optim = match kind {
                 PartitionedKind::Adam(adam) => DeviceOptimizer::Adam(adam),
                 PartitionedKind::Lamb(lamb) => DeviceOptimizer::Lamb(lamb),
@@ -144,7 +136,7 @@ fn build_with<M: Module, G: GradElem>(
             let model = sync.shard(model);
             (model, Box::new(sync))
         }
-        (ZeroStage::Parameters, None) => {
+        (None, None) => {
             let kind = partitioned_kind(optimizer)?;
             let rank = comm.rank();
             let gather_ahead = gathers_ahead(config, comm.world_size(), &options);
@@ -179,7 +171,7 @@ fn build_with<M: Module, G: GradElem>(
 /// communication thread holds MPI would deadlock).
 fn overlaps(config: &DeepSpeedConfig, world: usize) -> bool {
     let z = &config.zero_optimization;
-    z.stage == ZeroStage::Gradients && z.overlap_comm() && world > 1
+    ZeroPlan::of(config).cut() == Some(Cut::Gradients) && z.overlap_comm() && world > 1
 }
 
 /// Whether stage 3 all-gathers the next prefetch bundle on a communication thread while the
@@ -189,7 +181,7 @@ fn overlaps(config: &DeepSpeedConfig, world: usize) -> bool {
 /// off under tensor slicing, as for stage 2.
 fn gathers_ahead(config: &DeepSpeedConfig, world: usize, options: &SyncOptions) -> bool {
     let z = &config.zero_optimization;
-    z.stage == ZeroStage::Parameters
+    ZeroPlan::of(config).shards_parameters()
         && z.overlap_comm()
         && world > 1
         && z.offload_param.is_none()
@@ -232,12 +224,46 @@ fn device_kind(config: &DeepSpeedConfig) -> Option<PartitionedKind> {
     partitioned_kind(config.optimizer.as_ref()?).ok()
 }
 
-/// What stages 0-2 cut across the ranks.
-pub fn cut(stage: ZeroStage) -> Cut {
-    match stage {
-        ZeroStage::Disabled => Cut::Nothing,
-        ZeroStage::OptimizerStates => Cut::OptimizerStates,
-        ZeroStage::Gradients | ZeroStage::Parameters => Cut::Gradients,
+/// The ZeRO stage of a resolved config as the regimes and the drivers ask about it: this file
+/// is the one place outside `config/` that reads `zero_optimization.stage`; everything else
+/// asks a [`ZeroPlan`] what the stage means for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ZeroPlan {
+    stage: ZeroStage,
+}
+
+impl ZeroPlan {
+    /// The plan of a resolved config.
+    pub fn of(config: &DeepSpeedConfig) -> Self {
+        Self {
+            stage: config.zero_optimization.stage,
+        }
+    }
+
+    /// The stage's number (0-3), as checkpoints and reports write it.
+    pub fn number(self) -> u8 {
+        self.stage.into()
+    }
+
+    /// What stages 0-2 cut across the ranks; `None` at stage 3, which shards the parameters.
+    pub fn cut(self) -> Option<Cut> {
+        match self.stage {
+            ZeroStage::Disabled => Some(Cut::Nothing),
+            ZeroStage::OptimizerStates => Some(Cut::OptimizerStates),
+            ZeroStage::Gradients => Some(Cut::Gradients),
+            ZeroStage::Parameters => None,
+        }
+    }
+
+    /// Stage 3: each rank holds its shard of the parameters, gathered for use.
+    pub fn shards_parameters(self) -> bool {
+        self.stage == ZeroStage::Parameters
+    }
+
+    /// Stages 2-3: gradients are reduced during the backward, which `overlap_comm` can run on
+    /// a communication thread.
+    pub fn reduces_during_backward(self) -> bool {
+        matches!(self.stage, ZeroStage::Gradients | ZeroStage::Parameters)
     }
 }
 
@@ -250,17 +276,12 @@ pub fn for_caller_optimizer<M: Module>(
     comm: Arc<dyn Communicator>,
     options: &SyncOptions,
 ) -> Result<Box<dyn GradSync<M>>> {
-    Ok(match options.stage {
-        ZeroStage::Disabled => Box::new(ReplicatedSync::<f32>::new(layout, comm, options, None)),
-        stage @ (ZeroStage::OptimizerStates | ZeroStage::Gradients) => {
-            Box::new(PartitionedSync::<HostGrads<f32>>::for_whole_tensors(
-                layout,
-                comm,
-                options,
-                cut(stage),
-            ))
-        }
-        ZeroStage::Parameters => {
+    Ok(match options.plan.cut() {
+        Some(Cut::Nothing) => Box::new(ReplicatedSync::<f32>::new(layout, comm, options, None)),
+        Some(cut) => Box::new(PartitionedSync::<HostGrads<f32>>::for_whole_tensors(
+            layout, comm, options, cut,
+        )),
+        None => {
             return Err(DeepSpeedError::Regime(
                 "ZeRO stage 3 needs the model sharded first: build a ShardedSync::for_learner"
                     .into(),

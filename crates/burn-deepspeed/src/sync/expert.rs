@@ -20,6 +20,7 @@ use burn::tensor::FloatDType;
 use burn_deepspeed_strategies::comm::Communicator;
 use burn_deepspeed_strategies::zero::PartitionState;
 
+use super::{Cut, ZeroPlan};
 use super::{
     GradSync, ModelParallelNorm, PartitionedSync, Reduced, SavedState, SyncOptions, WholeLayout,
     broadcast_params, module_device,
@@ -28,7 +29,7 @@ use crate::checkpoint::{
     Loaded, all_gather_bytes, f32_bytes, f32_values, partition_state_bytes,
     partition_state_from_bytes,
 };
-use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
+use crate::config::{DeepSpeedConfig, OffloadDevice};
 use crate::flat::{ParamLayout, param_paths};
 use crate::memory::ModelStateBytes;
 use crate::moe::ExpertParallel;
@@ -88,7 +89,9 @@ pub fn build_expert_parallel<M: Module>(
     // Stage 0 steps the flat optimizer too (flat state that a checkpoint can cut by expert).
     let regime = |layout: ParamLayout, comm: Arc<dyn Communicator>| -> Result<Regime> {
         let kind = partitioned_kind(optimizer)?;
-        PartitionedSync::new(layout, comm, &options, super::cut(options.stage), kind)
+        // Stage 3 was refused above.
+        let cut = options.plan.cut().unwrap_or(Cut::Gradients);
+        PartitionedSync::new(layout, comm, &options, cut, kind)
     };
     let whole = whole_layout(&model, &layout, &expert_layout, data.as_ref(), ep, ep_group)?;
     let dense = regime(dense_layout, data)?;
@@ -100,7 +103,7 @@ pub fn build_expert_parallel<M: Module>(
         layout,
         whole,
         ep_group: ep_group.clone(),
-        partitioned: options.stage != ZeroStage::Disabled,
+        partitioned: options.plan.cut() != Some(Cut::Nothing),
         dense,
         experts,
         ep_size: ep.size(),
@@ -147,7 +150,7 @@ fn check<M: Module>(model: &M, config: &DeepSpeedConfig, ep: &ExpertParallel) ->
         })
     };
     let zero = &config.zero_optimization;
-    if zero.stage == ZeroStage::Parameters {
+    if ZeroPlan::of(config).shards_parameters() {
         return refuse(
             "zero_optimization.stage",
             "ZeRO stages 0-2 partition the experts in their own groups (as DeepSpeed-MoE); \

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use burn_deepspeed_strategies::swap::{AioOptions, IoEngine, SwapOptions, SwapStore, TilePlan};
 
 use crate::Result;
-use crate::config::{AioConfig, DeepSpeedConfig, OffloadDevice, ZeroStage};
+use crate::config::{AioConfig, DeepSpeedConfig, OffloadDevice};
 use crate::zero3::{ParamStore, ParamSwapOptions};
 
 /// The swap files of an NVMe offload.
@@ -16,7 +16,7 @@ pub struct NvmeOffload {
     /// The folder that holds them (`nvme_path`).
     pub dir: PathBuf,
     /// The ZeRO stage, which names the subfolder as in DeepSpeed (`zero_stage_N`).
-    pub stage: ZeroStage,
+    pub stage: u8,
     /// Elements per tile (`sub_group_size`).
     pub tile: usize,
     /// How tiles are moved (`aio`, `pipeline_read`, `pipeline_write`).
@@ -37,7 +37,7 @@ impl NvmeOffload {
         let aio = aio_options(&config.aio);
         Ok(Some(Self {
             dir: PathBuf::from(o.nvme_path.unwrap_or_default()),
-            stage: z.stage,
+            stage: super::ZeroPlan::of(config).number(),
             tile: z.sub_group_size as usize,
             swap: SwapOptions {
                 aio,
@@ -51,7 +51,7 @@ impl NvmeOffload {
     /// The swap file of `rank`'s optimizer state: `len` elements of fp32 masters, m and v,
     /// in `nvme_path/zero_stage_N/optimizer/rankR.swp`.
     pub fn store(&self, rank: usize, len: usize) -> Result<SwapStore> {
-        let stage = u8::from(self.stage);
+        let stage = self.stage;
         let dir = self
             .dir
             .join(format!("zero_stage_{stage}"))

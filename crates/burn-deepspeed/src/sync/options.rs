@@ -1,13 +1,14 @@
 //! [`SyncOptions`]: the reduction settings of a config, read once for every regime.
 
-use crate::config::{DeepSpeedConfig, ZeroStage};
+use super::ZeroPlan;
+use crate::config::DeepSpeedConfig;
 
 /// What the gradient-sync regimes read from a resolved [`DeepSpeedConfig`]. Built once by the
 /// caller ([`SyncOptions::of`]) and handed down, so that no regime reads the config itself.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SyncOptions {
-    /// `zero_optimization.stage`.
-    pub stage: ZeroStage,
+    /// What the ZeRO stage means for the regimes.
+    pub plan: ZeroPlan,
     /// Elements per reduction collective (`zero_optimization.reduce_bucket_size`; 0: one).
     pub reduce_bucket: usize,
     /// Elements per all-gather of updated slices (`zero_optimization.allgather_bucket_size`).
@@ -38,7 +39,7 @@ impl SyncOptions {
     pub fn of(config: &DeepSpeedConfig) -> Self {
         let z = &config.zero_optimization;
         Self {
-            stage: z.stage,
+            plan: ZeroPlan::of(config),
             reduce_bucket: z.reduce_bucket_size as usize,
             gather_bucket: z.allgather_bucket_size as usize,
             predivide: config

@@ -19,7 +19,7 @@ use crate::optim::build_optimizer;
 use crate::optim::partitioned_kind;
 use crate::step::core::StepCore;
 use crate::sync::{
-    Cut, GradBuffer, GradSync, HostGrads, ModelParallelNorm, PartitionedSync, SyncOptions,
+    Cut, GradSync, HostGrads, ModelParallelNorm, PartitionedSync, ReplicatedSync, SyncOptions,
     broadcast_params,
 };
 use crate::tensor_parallel::TensorParallel;
@@ -121,7 +121,6 @@ where
             .optimizer
             .clone()
             .ok_or_else(|| DeepSpeedError::Data("the config was not resolved".into()))?;
-        let optim = build_optimizer(&optim_cfg)?;
         let layout = ParamLayout::of(&mine);
         let mine = broadcast_params(data.as_ref(), &layout, mine)?;
         let mine = tie_params(mine, &layout, &ties)?;
@@ -130,19 +129,14 @@ where
             norm = norm.with_tensor(grid.tensor().clone(), &layout, &tp);
         }
         let options = SyncOptions::of(&config);
-        // Mixed precision: the optimizer steps fp32 masters, and the layers that run are
-        // their 16-bit working copy.
-        let (grads, layers, masters) = match options.plan.cut() {
+        // The engine's own regimes over this stage's replicas: stage 0 steps Burn's optimizer
+        // (on fp32 masters in 16-bit), stage 1 the flat optimizer on each replica's slice.
+        let mut grads: Box<dyn GradSync<Vec<L>>> = match options.plan.cut() {
             Some(Cut::Nothing) => {
-                let grads = StageGrads::Replicated(Box::new(GradBuffer::new(
-                    layout.clone(),
-                    data.clone(),
-                    &options,
-                )));
-                match config.working_dtype() {
-                    Some(dtype) => (grads, cast_layers(&mine, dtype), Some(mine)),
-                    None => (grads, mine, None),
-                }
+                let optim = build_optimizer(&optim_cfg)?;
+                let sync =
+                    ReplicatedSync::<f32>::new(layout.clone(), data.clone(), &options, Some(optim));
+                Box::new(sync)
             }
             _ => {
                 if !ties.is_empty() {
@@ -154,36 +148,32 @@ where
                     });
                 }
                 let kind = partitioned_kind(&optim_cfg)?;
-                let sync = PartitionedSync::<HostGrads>::new(
+                Box::new(PartitionedSync::<HostGrads>::new(
                     layout.clone(),
                     data.clone(),
                     &options,
                     Cut::OptimizerStates,
                     kind,
-                )?;
-                let mut sync: Box<dyn GradSync<Vec<L>>> = Box::new(sync);
-                sync.model_parallel_norm(norm.clone())?;
-                let layers = match config.working_dtype() {
-                    Some(dtype) => sync.keep_masters(mine, dtype)?,
-                    None => mine,
-                };
-                (StageGrads::Partitioned(sync), layers, None)
+                )?)
             }
+        };
+        grads.model_parallel_norm(norm)?;
+        // Mixed precision: the regime keeps fp32 masters, and the layers that run are their
+        // 16-bit working copy.
+        let layers = match config.working_dtype() {
+            Some(dtype) => grads.keep_masters(mine, dtype)?,
+            None => mine,
         };
         let core = StepCore::with_monitor(&config, grid.world().as_ref())?;
         Ok(Self {
             layers,
-            masters,
             core,
             parts,
             topo,
             pipe_stage: stage,
             replica,
             grid: grid.clone(),
-            norm,
             ties,
-            fresh_optim: optim.clone(),
-            optim,
             config,
             batch,
             grads,
@@ -191,7 +181,6 @@ where
             catalog,
             first_slot,
             reduced: None,
-            optim_bytes: 0,
             kind: ScheduleKind::default(),
             device,
             total_params,

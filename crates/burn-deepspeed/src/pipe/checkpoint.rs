@@ -19,14 +19,14 @@ use std::path::{Path, PathBuf};
 use burn_deepspeed_strategies::comm::CommunicatorExt;
 use burn_deepspeed_strategies::zero::PartitionState;
 
-use super::engine::{PipelineEngine, StageGrads};
+use super::engine::PipelineEngine;
 use super::layer::{PipeBatch, PipeLayer};
 use crate::checkpoint::{
     self as format, CheckpointMeta, Loaded, all_gather_bytes, f32_bytes, f32_values,
     partition_file, partition_state_bytes, partition_state_from_bytes,
 };
 use crate::step::core::RestoredPosition;
-use crate::sync::GradSync;
+use crate::sync::{Cut, GradSync, SyncOptions};
 use crate::tensor_parallel::{cut_flat, join_flat};
 use crate::{DeepSpeedError, Result, agreed};
 
@@ -111,11 +111,16 @@ where
         Ok(self.core.global_step())
     }
 
+    /// Whether this stage steps Burn's optimizer (ZeRO stage 0), whose state is not flat.
+    fn stage_zero(&self) -> bool {
+        SyncOptions::of(&self.config).plan.cut() == Some(Cut::Nothing)
+    }
+
     /// The regime whose flat state a checkpoint stores (ZeRO stage 1).
     fn flat_state(&self) -> Result<&dyn GradSync<Vec<L>>> {
-        match &self.grads {
-            StageGrads::Partitioned(sync) => Ok(sync.as_ref()),
-            StageGrads::Replicated(_) => Err(DeepSpeedError::Unsupported {
+        match self.stage_zero() {
+            false => Ok(self.grads.as_ref()),
+            true => Err(DeepSpeedError::Unsupported {
                 key: "zero_optimization.stage".into(),
                 reason: "pipelined checkpoints store the flat optimizer state of ZeRO stage 1 \
                          (which trains the same losses as stage 0 in the pipeline); set the \
@@ -212,10 +217,10 @@ where
         // The step protocol's position is checked before the regime takes the state.
         let position = self.core.restorable(&loaded.meta.position())?;
         let layers = self.layers.clone();
-        let layers = match &mut self.grads {
-            StageGrads::Partitioned(sync) => sync.load(layers, &local)?,
-            StageGrads::Replicated(_) => return Err(no_flat_state()),
-        };
+        if self.stage_zero() {
+            return Err(no_flat_state());
+        }
+        let layers = self.grads.load(layers, &local)?;
         Ok((layers, position))
     }
 }

@@ -3,7 +3,7 @@
 use std::marker::PhantomData;
 use std::time::{Duration, Instant};
 
-use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, FloatDType, Tensor};
 use burn_deepspeed_strategies::CommError;
 use burn_deepspeed_strategies::comm::{CommunicatorExt, ReduceOp};
@@ -21,12 +21,9 @@ use crate::activation::{checkpoint, with_config_options};
 use crate::config::{BatchSizes, DeepSpeedConfig};
 use crate::flat::ParamLayout;
 use crate::grid::Grid;
-use crate::memory::burn_state_bytes_per_elem;
 use crate::monitor::MonitorRecord;
-use crate::precision::cast_module;
 use crate::step::core::StepCore;
-use crate::sync::scale::clip_to;
-use crate::sync::{GradBuffer, GradSync, ModelParallelNorm, Reduced};
+use crate::sync::{GradSync, Reduced};
 use crate::{DeepSpeedError, Result, agreed};
 
 /// A `tracing` span named after the instruction (a timeline shows each one by name).
@@ -70,15 +67,14 @@ pub struct PipelineEngine<L, B> {
     /// The grid: its world, pipe, data and tensor groups, and the tensor-parallel group
     /// the layers are sliced over.
     pub(super) grid: Grid,
-    /// How the gradient norm sums over the stages and the slices.
-    pub(super) norm: ModelParallelNorm,
     pub(super) ties: Vec<TiedGroup>,
-    pub(super) optim: ModuleOptimizer,
     pub(super) config: DeepSpeedConfig,
     pub(super) batch: BatchSizes,
-    /// This stage's gradients: averaged and stepped whole (ZeRO stage 0), or reduce-scattered
-    /// over the replicas and stepped in slices (stage 1).
-    pub(super) grads: StageGrads<L>,
+    /// This stage's regime over its replicas, the engine's own: ZeRO stage 0
+    /// ([`ReplicatedSync`](crate::sync::ReplicatedSync): gradients averaged and stepped whole
+    /// by Burn's optimizer, on fp32 masters in 16-bit) or stage 1
+    /// ([`PartitionedSync`](crate::sync::PartitionedSync): each replica steps its slice).
+    pub(super) grads: Box<dyn GradSync<Vec<L>>>,
     /// This stage's parameter layout.
     pub(super) layout: ParamLayout,
     /// Every tensor of the whole model, whole (its slices joined), in layer order: what a
@@ -86,44 +82,18 @@ pub struct PipelineEngine<L, B> {
     pub(super) catalog: Vec<WholeTensor>,
     /// The catalog index of this stage's first tensor.
     pub(super) first_slot: usize,
-    /// Stage 1: the reduction [`GradSync::reduce`] left for the optimizer step.
+    /// The reduction [`GradSync::reduce`] left for the optimizer step.
     pub(super) reduced: Option<Reduced>,
-    /// The optimizer as built (stepped nothing), for measuring its state per element.
-    pub(super) fresh_optim: ModuleOptimizer,
-    /// Bytes of the optimizer's state (counted after the first step).
-    pub(super) optim_bytes: u64,
     pub(super) kind: ScheduleKind,
     pub(super) device: Device,
     pub(super) total_params: usize,
     /// The step protocol: loss scale, step counters, breakdown and monitor.
     pub(super) core: StepCore,
-    /// Mixed precision: the fp32 masters of this stage's layers, which the optimizer steps
-    /// (`layers` is their 16-bit working copy).
-    pub(super) masters: Option<Vec<L>>,
     pub(super) _batch: PhantomData<fn(&B)>,
-}
-
-/// How a stage keeps its gradients and steps: DeepSpeed allows ZeRO stage 1 on a pipeline's
-/// data-parallel axis (stages 2 and 3 would cut the gradients that accumulate across
-/// micro-batches).
-pub(super) enum StageGrads<L> {
-    /// Stage 0: the whole flat gradient, averaged over the replicas, and Burn's optimizer.
-    Replicated(Box<GradBuffer>),
-    /// Stage 1: the ZeRO regime over the data-parallel group ([`PartitionedSync`]): each
-    /// replica steps its slice of the stage's optimizer state.
-    Partitioned(Box<dyn GradSync<Vec<L>>>),
 }
 
 pub(super) fn pipeline_error(msg: String) -> DeepSpeedError {
     DeepSpeedError::Comm(CommError::Pipeline(msg))
-}
-
-/// The 16-bit working copy of `layers`.
-pub(super) fn cast_layers<L: burn::module::Module>(layers: &[L], dtype: FloatDType) -> Vec<L> {
-    layers
-        .iter()
-        .map(|l| cast_module(l.clone(), dtype))
-        .collect()
 }
 
 /// `layers` one after the other on hidden states.
@@ -208,22 +178,17 @@ where
                     }
                     PipeInstruction::ReduceTiedGrads => {
                         run.schedule_time = start.elapsed();
-                        // Stage 1 refuses ties: its gradient is whole only in the regime.
-                        if let StageGrads::Replicated(buffer) = &mut self.grads {
-                            let flat = buffer.flat_mut();
-                            for tie in &self.ties {
-                                tie.sum(flat)?;
-                            }
+                        // Stage 1 refuses ties at build: its gradient is whole only at stage 0.
+                        if !self.ties.is_empty() {
+                            let ties = &self.ties;
+                            self.grads.edit_accumulated(&mut |flat| {
+                                ties.iter().try_for_each(|tie| tie.sum(flat))
+                            })?;
                         }
                     }
                     PipeInstruction::ReduceGrads => {
                         let scale = self.loss_scale();
-                        match &mut self.grads {
-                            StageGrads::Replicated(buffer) => buffer.average(scale)?,
-                            StageGrads::Partitioned(sync) => {
-                                self.reduced = Some(sync.reduce(scale)?)
-                            }
-                        }
+                        self.reduced = Some(self.grads.reduce(scale)?);
                     }
                     PipeInstruction::OptimizerStep => {
                         grad_norm = self.clip()?;
@@ -231,15 +196,10 @@ where
                         // the replicas: every rank sees the same norm, and skips together.
                         overflow = !grad_norm.is_finite();
                         if self.core.decide(overflow, grad_norm)? {
-                            self.optimizer_step(lr)?;
+                            let layers = std::mem::take(&mut self.layers);
+                            self.layers = self.grads.step(layers, lr)?;
                         } else {
-                            match &mut self.grads {
-                                StageGrads::Replicated(buffer) => {
-                                    buffer.reset();
-                                    buffer.clear_marks();
-                                }
-                                StageGrads::Partitioned(sync) => sync.discard(),
-                            }
+                            self.grads.discard();
                         }
                     }
                     other => {
@@ -428,42 +388,6 @@ where
         self.core.loss_scale().unwrap_or(1.0)
     }
 
-    /// Steps this stage's layers with the averaged, clipped gradient (under mixed precision,
-    /// the fp32 masters, then casts them into the working copy).
-    fn optimizer_step(&mut self, lr: f64) -> Result<()> {
-        let buffer = match &mut self.grads {
-            StageGrads::Replicated(buffer) => buffer,
-            StageGrads::Partitioned(sync) => {
-                let layers = std::mem::take(&mut self.layers);
-                self.layers = sync.step(layers, lr)?;
-                return Ok(());
-            }
-        };
-        match self.masters.take() {
-            Some(masters) => {
-                let grads: GradientsParams = buffer.take(&masters);
-                let masters = self.optim.step(lr, masters, grads);
-                self.layers = cast_layers(&masters, self.wire_dtype());
-                self.masters = Some(masters);
-            }
-            None => {
-                let grads: GradientsParams = buffer.take(&self.layers);
-                let layers = std::mem::take(&mut self.layers);
-                self.layers = self.optim.step(lr, layers, grads);
-            }
-        }
-        if self.optim_bytes == 0 {
-            // The state per element, measured on a probe, for every element of this stage
-            // (all of them have a gradient after the first step).
-            let per_elem = burn_state_bytes_per_elem(&self.fresh_optim);
-            self.optim_bytes = (per_elem * self.stage_params() as f64).round() as u64;
-        }
-        if let StageGrads::Replicated(buffer) = &mut self.grads {
-            buffer.clear_marks();
-        }
-        Ok(())
-    }
-
     /// Runs this stage's layers on a slot's input. With `activation_checkpoint_interval` k > 0
     /// the layers run in checkpointed runs of k (see [`checkpoint`]): only each run's input is
     /// kept, and its activations are recomputed in backward. The first layer of the model reads
@@ -537,39 +461,21 @@ where
         }
         slot.batch = None;
         let grads = GradientsParams::from_grads(grads, &self.layers);
-        match &mut self.grads {
-            StageGrads::Replicated(buffer) => {
-                buffer.accumulate(&self.layers, &grads);
-            }
-            StageGrads::Partitioned(sync) => sync.accumulate(&self.layers, &grads),
-        }
+        self.grads.accumulate(&self.layers, &grads);
         Ok(())
     }
 
-    /// Clips the averaged gradient by its norm over every stage (tied copies counted once).
-    /// Returns the norm before clipping.
+    /// The gradient norm over every stage (tied copies counted once), by which the regime
+    /// clipped this rank's gradient when it reduced.
     fn clip(&mut self) -> Result<f64> {
-        let threshold = self.config.gradient_clipping;
         // A sliced layer's collective that failed left zeros: the step stops here (the op
         // aborted the world, so every rank fails).
         if let Some(e) = self.grid.tensor_parallel().take_error() {
             return Err(DeepSpeedError::Comm(e));
         }
-        match &mut self.grads {
-            StageGrads::Replicated(buffer) => {
-                let flat = buffer.flat_mut();
-                let local = self.norm.host_sq(flat, 0);
-                let norm = self.norm.across(local)?.sqrt();
-                clip_to(flat, norm, threshold);
-                Ok(norm)
-            }
-            // The regime clipped its slice by the norm over the replicas, the stages and the
-            // slices when it reduced.
-            StageGrads::Partitioned(_) => self
-                .reduced
-                .take()
-                .map(|r| r.norm)
-                .ok_or_else(|| pipeline_error("an optimizer step before the reduction".into())),
-        }
+        self.reduced
+            .take()
+            .map(|r| r.norm)
+            .ok_or_else(|| pipeline_error("an optimizer step before the reduction".into()))
     }
 }

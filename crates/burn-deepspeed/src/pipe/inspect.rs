@@ -10,8 +10,8 @@ use super::engine::*;
 use super::layer::{PipeBatch, PipeLayer};
 use crate::config::{BatchSizes, DeepSpeedConfig};
 use crate::grid::Grid;
+use crate::memory::ModelStateBytes;
 use crate::memory::estimate::{StatePrecision, estimate_model_states};
-use crate::memory::{ModelStateBytes, param_bytes};
 
 impl<L, B> PipelineEngine<L, B>
 where
@@ -42,10 +42,6 @@ where
     /// This stage's layers (under mixed precision, the 16-bit working copy).
     pub fn layers(&self) -> &[L] {
         &self.layers
-    }
-    /// Mixed precision: the fp32 masters of this stage's layers, which the optimizer steps.
-    pub fn master_layers(&self) -> Option<&[L]> {
-        self.masters.as_deref()
     }
     /// Steps skipped because the gradient norm was not finite (DeepSpeed's `skipped_steps`).
     pub fn skipped_steps(&self) -> u64 {
@@ -83,17 +79,7 @@ where
     /// buffer, and the state tensors of its optimizer (read after the first step), with the
     /// fp32 masters of a mixed-precision run.
     pub fn model_state_bytes(&self) -> ModelStateBytes {
-        let buffer = match &self.grads {
-            StageGrads::Replicated(buffer) => buffer,
-            StageGrads::Partitioned(sync) => return sync.held(&self.layers),
-        };
-        let masters: u64 = self.masters.iter().flatten().map(param_bytes).sum();
-        ModelStateBytes {
-            params: self.layers.iter().map(param_bytes).sum(),
-            grads: buffer.bytes(),
-            optimizer: self.optim_bytes + masters,
-            offloaded: 0,
-        }
+        self.grads.held(&self.layers)
     }
     /// What ZeRO's formula (arXiv 1910.02054) gives for this rank's model state, not
     /// measured: its stage's parameters (its slices under tensor slicing) as Ψ, the

@@ -104,6 +104,16 @@ pub trait GradSync<M: Module> {
     /// else 1) and clips by the global norm of the result.
     fn reduce(&mut self, loss_scale: f32) -> Result<Reduced>;
 
+    /// Before [`reduce`](Self::reduce): lets `edit` change the accumulated gradient, whole and
+    /// flat in layout order, where the regime holds it so (stage 0 with Burn's optimizer): the
+    /// pipeline adds its tied layers' gradients across stages here. Other regimes refuse.
+    fn edit_accumulated(&mut self, edit: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        let _ = edit;
+        Err(crate::DeepSpeedError::Regime(
+            "this gradient regime does not hold the whole accumulated gradient".into(),
+        ))
+    }
+
     /// After [`reduce`](Self::reduce): steps this regime's optimizer and returns the updated
     /// model (the same on every rank).
     fn step(&mut self, model: M, lr: f64) -> Result<M>;

@@ -3,8 +3,11 @@
 //! the whole model, its whole gradient and its whole optimizer state; gradients are averaged by
 //! bucketed all-reduce, clipped by their global norm, and every rank takes the same step.
 //!
-//! Stage 0 with the flat optimizer (mixed precision's fp32 masters, a device, expert
-//! parallelism) is [`PartitionedSync`](super::PartitionedSync) with nothing cut.
+//! In mixed precision ([`GradSync::keep_masters`]) every rank keeps fp32 masters of the whole
+//! model, and Burn's optimizer steps them: the model is rebuilt in f32 from the masters, stepped,
+//! and cast back into its 16-bit working copy (the pipeline's stage 0, and an optimizer with no
+//! flat form). Stage 0 with the flat optimizer (16-bit masters of Adam, AdamW or LAMB, a
+//! device, expert parallelism) is [`PartitionedSync`](super::PartitionedSync) with nothing cut.
 
 use std::sync::Arc;
 
@@ -19,10 +22,11 @@ use super::elem::GradElem;
 use super::scale::{clip_local, clip_to, scale};
 use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
 use crate::checkpoint::Loaded;
-use crate::flat::{ParamLayout, restore_params};
+use crate::flat::{ParamLayout, params_from_flat, params_to_flat, restore_params};
 use crate::memory::{
-    MemoryMeter, ModelStateBytes, burn_state_bytes_per_elem, grads_bytes, param_bytes,
+    MemoryMeter, ModelStateBytes, burn_state_bytes_per_elem, grads_bytes, param_bytes, vec_bytes,
 };
+use crate::precision::cast_module;
 use crate::{DeepSpeedError, Result};
 
 /// A rank's stage-0 state: the gradient buffer (of `G`: f32, or f16 under fp16) and, when
@@ -43,6 +47,8 @@ pub struct ReplicatedSync<G: GradElem = f32> {
     meter: MemoryMeter,
     /// Tensor slicing: the norm's group.
     slices: Option<ModelParallelNorm>,
+    /// Mixed precision: the fp32 masters, flat in layout order, and the working dtype.
+    masters: Option<(Vec<f32>, FloatDType)>,
 }
 
 impl<G: GradElem> ReplicatedSync<G> {
@@ -64,6 +70,7 @@ impl<G: GradElem> ReplicatedSync<G> {
             optim_bytes: 0,
             meter: MemoryMeter::default(),
             slices: None,
+            masters: None,
         }
     }
 
@@ -132,6 +139,18 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
     }
 
     fn step(&mut self, model: M, lr: f64) -> Result<M> {
+        if self.optim.is_none() {
+            return Err(no_optimizer());
+        }
+        // Mixed precision: the optimizer steps the model rebuilt in f32 from the masters.
+        let layout = self.buffer.layout();
+        let (model, mixed) = match self.masters.take() {
+            Some((values, dtype)) => {
+                let full = cast_module(model, FloatDType::F32);
+                (params_from_flat(full, layout, &values), Some(dtype))
+            }
+            None => (model, None),
+        };
         let grads = self.buffer.take(&model);
         let rebuilt = grads_bytes(&model, &grads);
         let optim = self.optim.as_mut().ok_or_else(no_optimizer)?;
@@ -145,7 +164,25 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
         // are still alive.
         let held = GradSync::<M>::held(self, &model);
         self.meter.observe(held, rebuilt);
-        Ok(model)
+        Ok(match mixed {
+            Some(dtype) => {
+                self.masters = Some((params_to_flat(&model, self.buffer.layout()), dtype));
+                cast_module(model, dtype)
+            }
+            None => model,
+        })
+    }
+
+    /// Lets `edit` change the accumulated gradient (whole, flat in layout order) before the
+    /// reduction: the pipeline adds its tied layers' gradients here.
+    fn edit_accumulated(&mut self, edit: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        let flat = self.buffer.flat_mut();
+        let mut wide = G::widen_all(flat).into_owned();
+        edit(&mut wide)?;
+        flat.iter_mut()
+            .zip(wide)
+            .for_each(|(g, w)| *g = G::narrow(w));
+        Ok(())
     }
 
     fn discard(&mut self) {
@@ -163,23 +200,27 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
         ModelStateBytes {
             params: param_bytes(model),
             grads: self.buffer.bytes(),
-            optimizer: self.optim_bytes,
+            optimizer: self.optim_bytes + self.masters.as_ref().map_or(0, |(m, _)| vec_bytes(m)),
             offloaded: 0,
         }
     }
 
-    /// Refused: stage 0 steps fp32 masters with the flat optimizer
-    /// ([`PartitionedSync`](super::PartitionedSync)), which this optimizer has no form of.
-    fn keep_masters(&mut self, _model: M, dtype: FloatDType) -> Result<M> {
+    /// Keeps fp32 masters of the whole model (still in f32), which Burn's optimizer steps;
+    /// returns the working copy in `dtype`.
+    fn keep_masters(&mut self, model: M, dtype: FloatDType) -> Result<M> {
         if self.optim.is_none() {
             return Err(caller_optimizer_keeps_no_masters(dtype));
         }
-        Err(DeepSpeedError::Unsupported {
-            key: "optimizer.type".into(),
-            reason: "16-bit training steps fp32 masters with Adam, AdamW or LAMB; this \
-                     optimizer has no flat form"
-                .into(),
-        })
+        self.masters = Some((params_to_flat(&model, self.buffer.layout()), dtype));
+        Ok(cast_module(model, dtype))
+    }
+
+    /// With masters, the fp32 values (the same on every rank), not the rounded copy.
+    fn whole_params(&self, model: &M, wanted: bool) -> Result<Option<Vec<f32>>> {
+        Ok(wanted.then(|| match &self.masters {
+            Some((values, _)) => values.clone(),
+            None => params_to_flat(model, self.buffer.layout()),
+        }))
     }
 
     fn peak(&self) -> u64 {
@@ -214,6 +255,9 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
         self.buffer.set_layout(ParamLayout::of(&model));
         self.buffer.reset();
         self.optim = Some(optim);
+        if let Some((values, _)) = &mut self.masters {
+            values.clone_from(&loaded.params);
+        }
         // A loaded optimizer keeps state for every parameter.
         self.stepped.iter_mut().for_each(|s| *s = false);
         self.buffer.mark_all_present();

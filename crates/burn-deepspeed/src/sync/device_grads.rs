@@ -14,7 +14,7 @@ use burn_deepspeed_strategies::place::{DevicePlace, Place};
 
 use super::ModelParallelNorm;
 use super::device::flat_grads;
-use super::grads::{Cut, GradStore};
+use super::grads::{Cut, GradStore, Part};
 use super::place::ModelPlace;
 use super::scale::Scaling;
 use crate::flat::ParamLayout;
@@ -38,22 +38,14 @@ pub struct DeviceGrads {
 }
 
 impl DeviceGrads {
-    /// The gradient of `numel` elements on `place`'s device, cut by `cut`: this rank owns
-    /// `own`, every rank `counts`; `pre` is the factor before a reduction
-    /// (`1 / gradient_predivide_factor`, or 1).
-    pub fn new(
-        place: &DevicePlace,
-        cut: Cut,
-        own: Range<usize>,
-        counts: Vec<usize>,
-        numel: usize,
-        pre: f32,
-    ) -> Self {
+    /// The gradient of `part` (this rank's) on `place`'s device; `pre` is the factor before
+    /// a reduction (`1 / gradient_predivide_factor`, or 1).
+    pub fn new(place: &DevicePlace, part: &Part, pre: f32) -> Self {
         Self {
-            cut,
-            own,
-            counts,
-            numel,
+            cut: part.cut,
+            own: part.own.clone(),
+            counts: part.counts(),
+            numel: part.partition.numel(),
             pre,
             grads: None,
             mask: None,

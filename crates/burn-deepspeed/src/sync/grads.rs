@@ -5,10 +5,12 @@
 //! device collectives).
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
+use burn_deepspeed_strategies::zero::FlatPartition;
 
 use super::scale::Scaling;
 use super::{ModelParallelNorm, ModelPlace};
@@ -25,6 +27,62 @@ pub enum Cut {
     OptimizerStates,
     /// Stage 2: the optimizer state and the gradients, reduce-scattered at every micro-batch.
     Gradients,
+}
+
+/// How a regime of stages 0-2 cuts the flat buffers: its [`Cut`], the partition over the
+/// ranks (of one part at stage 0), and this rank's part of it (everything at stage 0).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Part {
+    /// What is cut.
+    pub cut: Cut,
+    /// The flat buffers' partition.
+    pub partition: FlatPartition,
+    /// This rank's range of the flat buffers.
+    pub own: Range<usize>,
+}
+
+impl Part {
+    /// A balanced partition of `numel` elements over `world` ranks, `rank`'s part.
+    pub fn balanced(cut: Cut, numel: usize, world: usize, rank: usize) -> Self {
+        match cut {
+            Cut::Nothing => Self::whole(numel),
+            cut => Self::of(cut, FlatPartition::new(numel, world), rank),
+        }
+    }
+
+    /// A partition at the boundaries of tensors of `sizes` elements over `world` ranks,
+    /// `rank`'s part: each rank steps whole tensors.
+    pub fn tensor_aligned(cut: Cut, sizes: &[usize], world: usize, rank: usize) -> Self {
+        match cut {
+            Cut::Nothing => Self::whole(sizes.iter().sum()),
+            cut => Self::of(cut, FlatPartition::tensor_aligned(sizes, world), rank),
+        }
+    }
+
+    fn whole(numel: usize) -> Self {
+        Self {
+            cut: Cut::Nothing,
+            partition: FlatPartition::new(numel, 1),
+            own: 0..numel,
+        }
+    }
+
+    fn of(cut: Cut, partition: FlatPartition, rank: usize) -> Self {
+        let own = partition.range(rank);
+        Self {
+            cut,
+            partition,
+            own,
+        }
+    }
+
+    /// Every rank's part length (the whole at stage 0).
+    pub fn counts(&self) -> Vec<usize> {
+        match self.cut {
+            Cut::Nothing => vec![self.own.len()],
+            _ => self.partition.sizes(),
+        }
+    }
 }
 
 /// A step's gradient in a place: accumulated per micro-batch, reduced over the ranks to this
@@ -81,4 +139,20 @@ pub trait GradStore: Send + 'static {
 
     /// The gradients' device, once a micro-batch was accumulated.
     fn device(&self) -> Option<Device>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_part_is_everything_at_stage_0_and_a_slice_above() {
+        let whole = Part::balanced(Cut::Nothing, 10, 4, 3);
+        assert_eq!((whole.own.clone(), whole.counts()), (0..10, vec![10]));
+        let slice = Part::balanced(Cut::Gradients, 10, 4, 3);
+        assert_eq!(slice.own, slice.partition.range(3));
+        assert_eq!(slice.counts().iter().sum::<usize>(), 10);
+        let aligned = Part::tensor_aligned(Cut::OptimizerStates, &[6, 4], 2, 1);
+        assert_eq!(aligned.own, 6..10);
+    }
 }

@@ -23,7 +23,7 @@ use burn_deepspeed_strategies::zero::FlatPartition;
 
 use super::bucket::{Bucket, Overlap};
 use super::elem::{GradElem, add_into};
-use super::grads::{Cut, GradStore};
+use super::grads::{Cut, GradStore, Part};
 use super::scale::{Scaling, all_reduce_mean, scale, squared_sum};
 use super::{ModelParallelNorm, SyncOptions};
 use crate::flat::{ParamLayout, for_each_grad};
@@ -49,15 +49,13 @@ pub struct HostGrads<G: GradElem = f32> {
 }
 
 impl<G: GradElem> HostGrads<G> {
-    /// The buffers of `numel` elements cut by `cut`: this rank (of `comm`) owns `own` of
-    /// `partition`.
-    pub fn new(
-        comm: Arc<dyn Communicator>,
-        cut: Cut,
-        partition: FlatPartition,
-        own: Range<usize>,
-        options: &SyncOptions,
-    ) -> Self {
+    /// The buffers of `part` (this rank's, of `comm`), reduced as `options` say.
+    pub fn new(comm: Arc<dyn Communicator>, part: &Part, options: &SyncOptions) -> Self {
+        let Part {
+            cut,
+            partition,
+            own,
+        } = part.clone();
         let numel = partition.numel();
         let streams = cut == Cut::Gradients;
         Self {

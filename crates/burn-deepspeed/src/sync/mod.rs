@@ -41,7 +41,7 @@ pub use elem::*;
 pub use expert::*;
 pub use expert_layout::WholeLayout;
 pub use flat_optim::*;
-pub use grads::{Cut, GradStore};
+pub use grads::{Cut, GradStore, Part};
 pub use host_grads::HostGrads;
 pub use norm::ModelParallelNorm;
 pub use offload::*;

@@ -30,7 +30,7 @@ use burn_deepspeed_strategies::place::{DevicePlace, HostPlace, Place};
 use burn_deepspeed_strategies::zero::{FlatPartition, PartitionState, PartitionedKind};
 
 use super::buffer::merge_presence;
-use super::grads::{Cut, GradStore};
+use super::grads::{Cut, GradStore, Part};
 use super::scale::{Scaling, sum_across};
 use super::{
     DeviceFlatOptimizer, DeviceGrads, FlatOptimizer, GradElem, GradSync, HostFlatOptimizer,
@@ -71,19 +71,6 @@ pub struct PartitionedSync<S: GradStore = HostGrads<f32>> {
     slices: Option<ModelParallelNorm>,
 }
 
-/// The partition of `numel` elements over `world` ranks that `cut` asks for, and `rank`'s part
-/// (everything at stage 0).
-fn own_part(cut: Cut, numel: usize, world: usize, rank: usize) -> (FlatPartition, Range<usize>) {
-    match cut {
-        Cut::Nothing => (FlatPartition::new(numel, 1), 0..numel),
-        _ => {
-            let partition = FlatPartition::new(numel, world);
-            let own = partition.range(rank);
-            (partition, own)
-        }
-    }
-}
-
 impl<G: GradElem> PartitionedSync<HostGrads<G>> {
     /// Stage 0, 1 or 2 (`cut`) of `layout` on `comm` in host memory: a balanced flat partition
     /// (everything at stage 0) stepped by the
@@ -95,22 +82,15 @@ impl<G: GradElem> PartitionedSync<HostGrads<G>> {
         cut: Cut,
         kind: PartitionedKind,
     ) -> Result<Self> {
-        let (partition, _) = own_part(cut, layout.numel, comm.world_size(), comm.rank());
+        let part = Part::balanced(cut, layout.numel, comm.world_size(), comm.rank());
         let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
         // Stage 0: every rank steps whole tensors, whose LAMB norms add over no other rank.
         let (rank, norms) = match cut {
             Cut::Nothing => (0, crate::grid::alone()?),
             _ => (comm.rank(), comm.clone()),
         };
-        let optim = HostFlatOptimizer::new(kind, &partition, rank, &sizes, norms);
-        Ok(Self::host(
-            layout,
-            comm,
-            options,
-            cut,
-            partition,
-            Some(optim),
-        ))
+        let optim = HostFlatOptimizer::new(kind, &part.partition, rank, &sizes, norms);
+        Ok(Self::host(layout, comm, options, part, Some(optim)))
     }
 
     /// Stage 1 or 2 (`cut`) with a partition at tensor boundaries and no optimizer of its own:
@@ -123,25 +103,19 @@ impl<G: GradElem> PartitionedSync<HostGrads<G>> {
         cut: Cut,
     ) -> Self {
         let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
-        let partition = FlatPartition::tensor_aligned(&sizes, comm.world_size());
-        Self::host(layout, comm, options, cut, partition, None)
+        let part = Part::tensor_aligned(cut, &sizes, comm.world_size(), comm.rank());
+        Self::host(layout, comm, options, part, None)
     }
 
     fn host(
         layout: ParamLayout,
         comm: Arc<dyn Communicator>,
         options: &SyncOptions,
-        cut: Cut,
-        partition: FlatPartition,
+        part: Part,
         optim: Option<HostFlatOptimizer>,
     ) -> Self {
-        let own = match cut {
-            Cut::Nothing => 0..layout.numel,
-            _ => partition.range(comm.rank()),
-        };
-        let grads = HostGrads::new(comm.clone(), cut, partition.clone(), own.clone(), options);
-        let place = HostPlace::new(comm);
-        Self::with(place, grads, cut, layout, partition, own, options, optim)
+        let grads = HostGrads::new(comm.clone(), &part, options);
+        Self::with(HostPlace::new(comm), grads, layout, part, options, optim)
     }
 
     /// DeepSpeed's `overlap_comm` at stage 2: from now on each full bucket is reduced on a
@@ -189,39 +163,21 @@ impl PartitionedSync<DeviceGrads> {
         cut: Cut,
         kind: PartitionedKind,
     ) -> Self {
-        let (world, rank) = (place.world_size(), place.rank());
-        let (partition, own) = own_part(cut, layout.numel, world, rank);
-        let counts = match cut {
-            Cut::Nothing => vec![layout.numel],
-            _ => partition.sizes(),
-        };
+        let part = Part::balanced(cut, layout.numel, place.world_size(), place.rank());
         let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
         let across = cut != Cut::Nothing;
-        let optim = DeviceFlatOptimizer::new(kind, &place, own.clone(), &sizes, across);
-        let pre = options.pre_factor();
-        let grads = DeviceGrads::new(&place, cut, own.clone(), counts, layout.numel, pre);
-        Self::with(
-            place,
-            grads,
-            cut,
-            layout,
-            partition,
-            own,
-            options,
-            Some(optim),
-        )
+        let optim = DeviceFlatOptimizer::new(kind, &place, part.own.clone(), &sizes, across);
+        let grads = DeviceGrads::new(&place, &part, options.pre_factor());
+        Self::with(place, grads, layout, part, options, Some(optim))
     }
 }
 
 impl<S: GradStore> PartitionedSync<S> {
-    #[allow(clippy::too_many_arguments)]
     fn with(
         place: S::Place,
         grads: S,
-        cut: Cut,
         layout: ParamLayout,
-        partition: FlatPartition,
-        own: Range<usize>,
+        part: Part,
         options: &SyncOptions,
         optim: Option<<S::Place as ModelPlace>::Optim>,
     ) -> Self {
@@ -229,10 +185,10 @@ impl<S: GradStore> PartitionedSync<S> {
             present: vec![0; layout.slots.len()],
             place,
             grads,
-            cut,
+            cut: part.cut,
             layout,
-            partition,
-            own,
+            partition: part.partition,
+            own: part.own,
             options: *options,
             optim,
             micro_steps: 0,

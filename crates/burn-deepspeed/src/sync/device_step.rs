@@ -46,10 +46,9 @@ pub(super) fn squared_norm(grads: &Tensor<1>) -> f64 {
 /// `grads` scaled down to the global norm `clip` when clipping is on (`clip > 0`) and the
 /// finite global `norm` exceeds it (DeepSpeed's `clip / (norm + 1e-6)`).
 pub(super) fn clip_to(grads: Tensor<1>, norm: f64, clip: f64) -> Tensor<1> {
-    let coef = clip / (norm + 1e-6);
-    match clip > 0.0 && norm.is_finite() && coef < 1.0 {
-        true => grads.mul_scalar(coef as f32),
-        false => grads,
+    match super::scale::clip_factor(norm, clip) {
+        Some(factor) => grads.mul_scalar(factor),
+        None => grads,
     }
 }
 

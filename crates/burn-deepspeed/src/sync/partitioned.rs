@@ -31,7 +31,7 @@ use burn_deepspeed_strategies::zero::{FlatPartition, PartitionState, Partitioned
 
 use super::buffer::merge_presence;
 use super::grads::{Cut, GradStore, Part};
-use super::scale::{Scaling, sum_across};
+use super::scale::{Scaling, clip_factor, sum_across};
 use super::{
     DeviceFlatOptimizer, DeviceGrads, FlatOptimizer, GradElem, GradSync, HostFlatOptimizer,
     HostGrads, ModelParallelNorm, ModelPlace, NvmeOffload, Reduced, SavedState, SyncOptions,
@@ -385,9 +385,8 @@ impl<M: Module, S: GradStore> GradSync<M> for PartitionedSync<S> {
             Some(slices) => slices.across(data)?.sqrt(),
             None => data.sqrt(),
         };
-        let (clip, coef) = (self.options.clip, self.options.clip / (norm + 1e-6));
-        if clip > 0.0 && norm.is_finite() && coef < 1.0 {
-            self.grads.scale_own(&self.place, coef as f32);
+        if let Some(factor) = clip_factor(norm, self.options.clip) {
+            self.grads.scale_own(&self.place, factor);
         }
         Ok(Reduced::global(norm))
     }

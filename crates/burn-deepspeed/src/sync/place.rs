@@ -17,7 +17,7 @@ use burn_deepspeed_strategies::zero::FlatPartition;
 use super::device::{flat_grads, flat_params, write_back};
 use super::elem::add_into;
 use super::flat_optim::{DeviceFlatOptimizer, FlatOptimizer, HostFlatOptimizer};
-use super::scale::{Scaling, all_reduce_mean};
+use super::scale::{Scaling, all_reduce_mean, clip_factor};
 use crate::Result;
 use crate::flat::{ParamLayout, for_each_grad, params_from_flat, params_range, params_to_flat};
 use crate::transfer;
@@ -259,9 +259,8 @@ impl ModelPlace for DevicePlace {
 /// `clip` when clipping is on (`clip > 0`) and the finite norm exceeds it (DeepSpeed's
 /// coefficient `clip / (norm + 1e-6)`).
 pub fn clipped<P: Place>(place: &P, buf: P::Buf, norm: f64, clip: f64) -> P::Buf {
-    let coef = clip / (norm + 1e-6);
-    match clip > 0.0 && norm.is_finite() && coef < 1.0 {
-        true => place.scaled(buf, coef as f32),
-        false => buf,
+    match clip_factor(norm, clip) {
+        Some(factor) => place.scaled(buf, factor),
+        None => buf,
     }
 }

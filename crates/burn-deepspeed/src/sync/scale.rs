@@ -106,6 +106,14 @@ pub fn clip_to<G: GradElem>(values: &mut [G], norm: f64, max_norm: f64) {
     }
 }
 
+/// The factor that scales a gradient of finite norm `norm` down to the norm `clip`, when
+/// clipping is on (`clip > 0`) and the norm exceeds it (DeepSpeed's `clip / (norm + 1e-6)`);
+/// `None` when nothing is clipped.
+pub fn clip_factor(norm: f64, clip: f64) -> Option<f32> {
+    let coef = clip / (norm + 1e-6);
+    (clip > 0.0 && norm.is_finite() && coef < 1.0).then_some(coef as f32)
+}
+
 /// Clips a whole gradient held by this rank by its own norm; returns the norm before
 /// clipping.
 pub fn clip_local<G: GradElem>(values: &mut [G], max_norm: f64) -> f64 {

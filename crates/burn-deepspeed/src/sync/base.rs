@@ -267,14 +267,6 @@ pub(crate) fn caller_optimizer_keeps_no_masters(dtype: FloatDType) -> crate::Dee
     }
 }
 
-/// The refusal of a device-resident regime asked for its gradients by a caller that steps
-/// with its own optimizer: the regime steps its fused optimizer on the device.
-pub(crate) fn steps_its_own_fused_optimizer(stage: u8) -> crate::DeepSpeedError {
-    crate::DeepSpeedError::Regime(format!(
-        "the device-resident stage {stage} steps its own fused optimizer"
-    ))
-}
-
 /// The refusal of a 1-bit regime asked for its gradients: its optimizer steps the flat
 /// buffers itself.
 pub(crate) fn one_bit_has_no_gradients() -> crate::DeepSpeedError {

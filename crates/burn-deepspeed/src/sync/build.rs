@@ -11,9 +11,8 @@ use burn_deepspeed_strategies::zero::PartitionedKind;
 use half::f16;
 
 use super::{
-    CompressedSync, Cut, DeviceOptimizer, DeviceShardedSync, GradElem, GradSync, HostGrads,
-    NvmeOffload, ParamOffload, PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions,
-    broadcast_params, module_device,
+    CompressedSync, Cut, GradElem, GradSync, HostGrads, HostShards, NvmeOffload, ParamOffload,
+    PartitionedSync, ReplicatedSync, ShardedSync, SyncOptions, broadcast_params, module_device,
 };
 use crate::config::{DeepSpeedConfig, OffloadDevice, ZeroStage};
 use crate::flat::ParamLayout;
@@ -128,11 +127,8 @@ fn build_with<M: Module, G: GradElem>(
             (model, Box::new(sync))
         }
         (None, Some((coll, device, kind))) => {
-            let optim = match kind {
-                PartitionedKind::Adam(adam) => DeviceOptimizer::Adam(adam),
-                PartitionedKind::Lamb(lamb) => DeviceOptimizer::Lamb(lamb),
-            };
-            let mut sync = DeviceShardedSync::new(layout, comm, coll, &options, optim, device);
+            let place = DevicePlace::new(coll, comm, &device);
+            let sync = ShardedSync::on_device(place, layout, &options, kind);
             let model = sync.shard(model);
             (model, Box::new(sync))
         }
@@ -140,7 +136,7 @@ fn build_with<M: Module, G: GradElem>(
             let kind = partitioned_kind(optimizer)?;
             let rank = comm.rank();
             let gather_ahead = gathers_ahead(config, comm.world_size(), &options);
-            let mut sync = ShardedSync::<G>::new(layout, comm.clone(), &options, kind);
+            let mut sync = ShardedSync::<HostShards<G>>::new(layout, comm.clone(), &options, kind);
             // Starting the communication thread can fail on one rank alone: the ranks agree
             // before the next collective.
             if gather_ahead {

@@ -1,7 +1,7 @@
 //! The model's parameters and gradients as flat f32 tensors on its device, and the
 //! parameters written back from one: what the device place reads and writes of a model
 //! ([`super::ModelPlace`] for [`DevicePlace`](burn_deepspeed_strategies::place::DevicePlace)),
-//! the device-resident stage 3 ([`super::DeviceShardedSync`]) too.
+//! the device-resident stage 3 ([`super::ShardedSync`] over the device place) too.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;

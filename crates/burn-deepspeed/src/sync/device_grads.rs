@@ -116,12 +116,7 @@ impl GradStore for DeviceGrads {
     }
 
     fn own_sq(&self, place: &DevicePlace, _slices: Option<&ModelParallelNorm>) -> Result<f64> {
-        let grads = self.grads.as_ref().ok_or_else(before_reduce)?;
-        let counted = match &self.mask {
-            Some(mask) => grads.clone() * mask.clone(),
-            None => grads.clone(),
-        };
-        Ok(place.staged(|| place.squared_norm(&counted))?)
+        own_squares(place, &self.grads, &self.mask)
     }
 
     fn scale_own(&mut self, place: &DevicePlace, factor: f32) {
@@ -129,10 +124,7 @@ impl GradStore for DeviceGrads {
     }
 
     fn own(&self) -> Result<Cow<'_, Tensor<1>>> {
-        self.grads
-            .as_ref()
-            .map(Cow::Borrowed)
-            .ok_or_else(before_reduce)
+        own_part(&self.grads)
     }
 
     fn bytes(&self) -> u64 {
@@ -150,4 +142,24 @@ impl GradStore for DeviceGrads {
 
 fn before_reduce() -> DeepSpeedError {
     DeepSpeedError::Regime("the gradient was read before the reduction".into())
+}
+
+/// A device store's reduced part, read by the norm, the clip and the step.
+pub(super) fn own_part(grads: &Option<Tensor<1>>) -> Result<Cow<'_, Tensor<1>>> {
+    grads.as_ref().map(Cow::Borrowed).ok_or_else(before_reduce)
+}
+
+/// Σ g² of a device store's reduced part `grads`, of what `mask` counts (all when `None`):
+/// one value read to the host, counted as collective staging.
+pub(super) fn own_squares(
+    place: &DevicePlace,
+    grads: &Option<Tensor<1>>,
+    mask: &Option<Tensor<1>>,
+) -> Result<f64> {
+    let grads = own_part(grads)?;
+    let counted = match mask {
+        Some(mask) => grads.into_owned() * mask.clone(),
+        None => grads.into_owned(),
+    };
+    Ok(place.staged(|| place.squared_norm(&counted))?)
 }

@@ -1,6 +1,6 @@
 //! The optimizer step of the device-resident regimes (the device place's
 //! [`DeviceFlatOptimizer`](super::DeviceFlatOptimizer) at stages 0-2,
-//! [`DeviceShardedSync`](super::DeviceShardedSync) at stage 3) on a rank's flat fp32 buffer, and the
+//! [`ShardedSync`](super::ShardedSync) over the device place at stage 3) on a rank's flat fp32 buffer, and the
 //! count of the bytes their collectives stage through host memory.
 //!
 //! - **Adam/AdamW**: the fused kernel (`burn-deepspeed-cubecl-kernels`: CubeCL on wgpu and
@@ -32,25 +32,7 @@ pub enum DeviceOptimizer {
     Lamb(LambParams),
 }
 
-use crate::transfer;
 pub(super) use crate::transfer::staged_collective as staged;
-
-/// The squared L2 norm of this rank's gradient buffer, in f64: the one value a device regime
-/// reads to the host each step (its input to the norm's sum over ranks, so counted as
-/// collective staging).
-pub(super) fn squared_norm(grads: &Tensor<1>) -> f64 {
-    let squared = transfer::staging(|| transfer::read_f32(grads.clone().powi_scalar(2).sum()));
-    squared.first().copied().unwrap_or(0.0) as f64
-}
-
-/// `grads` scaled down to the global norm `clip` when clipping is on (`clip > 0`) and the
-/// finite global `norm` exceeds it (DeepSpeed's `clip / (norm + 1e-6)`).
-pub(super) fn clip_to(grads: Tensor<1>, norm: f64, clip: f64) -> Tensor<1> {
-    match super::scale::clip_factor(norm, clip) {
-        Some(factor) => grads.mul_scalar(factor),
-        None => grads,
-    }
-}
 
 /// The state one step updates beside the parameters: m and v (the buffer's length), each
 /// tensor's step count, and which tensors have a gradient this step.

@@ -7,16 +7,20 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use burn::tensor::Tensor;
+use burn_deepspeed_strategies::Result as StrategiesResult;
 use burn_deepspeed_strategies::comm::Communicator;
 use burn_deepspeed_strategies::place::{DevicePlace, HostPlace, Place};
 use burn_deepspeed_strategies::swap::SwapSummary;
 use burn_deepspeed_strategies::zero::{
-    FlatPartition, PartitionState, PartitionedKind, PartitionedOptimizer,
+    FlatPartition, PartitionState, PartitionedKind, PartitionedOptimizer, Segment,
 };
 
 use super::ModelPlace;
 use super::device_step::{DeviceOptimizer, StepState, device_step};
 use crate::Result;
+
+/// Where an offloaded step hands each stepped tile: its range of the slice and its values.
+pub type TileSink<'a> = dyn FnMut(Range<usize>, &[f32]) -> StrategiesResult<()> + 'a;
 
 /// The optimizer of one rank's slice of the flat parameters, in place `P`. Its state is the
 /// same [`PartitionState`] in every place, so that checkpoints move between them.
@@ -61,6 +65,22 @@ pub trait FlatOptimizer<P: ModelPlace>: Send {
     fn swap_summary(&self) -> Option<SwapSummary> {
         None
     }
+
+    /// An offloaded step tile by tile: each stepped range of the slice goes to `done` as soon
+    /// as it is stepped, so that no buffer of the whole slice is made (ZeRO-Infinity with
+    /// `offload_param`). Only an optimizer offloaded to a swap file has tiles.
+    fn step_tiles(
+        &mut self,
+        grads: &P::Slice,
+        present: &[u8],
+        lr: f64,
+        done: &mut TileSink<'_>,
+    ) -> Result<()> {
+        let _ = (grads, present, lr, done);
+        Err(crate::DeepSpeedError::Regime(
+            "only an optimizer offloaded to a swap file steps tile by tile".into(),
+        ))
+    }
 }
 
 /// The host's flat optimizer: the [`PartitionedOptimizer`] and the communicator its LAMB norms
@@ -84,6 +104,23 @@ impl HostFlatOptimizer {
     ) -> Self {
         Self {
             inner: PartitionedOptimizer::new(kind, partition, rank, sizes),
+            comm,
+        }
+    }
+}
+
+impl HostFlatOptimizer {
+    /// `kind` on a rank's buffer of `own_len` elements made of the pieces `segments` of
+    /// `tensors` tensors (ZeRO stage 3), its norms summed over `comm`.
+    pub fn over_segments(
+        kind: PartitionedKind,
+        segments: Vec<Segment>,
+        own_len: usize,
+        tensors: usize,
+        comm: Arc<dyn Communicator>,
+    ) -> Self {
+        Self {
+            inner: PartitionedOptimizer::over_segments(kind, segments, 0..own_len, tensors),
             comm,
         }
     }
@@ -135,6 +172,16 @@ impl FlatOptimizer<HostPlace> for HostFlatOptimizer {
     fn swap_summary(&self) -> Option<SwapSummary> {
         self.inner.swap_summary()
     }
+
+    fn step_tiles(
+        &mut self,
+        grads: &[f32],
+        present: &[u8],
+        lr: f64,
+        done: &mut TileSink<'_>,
+    ) -> Result<()> {
+        Ok(self.inner.step_tiles(grads, present, lr, done)?)
+    }
 }
 
 /// The device's flat optimizer: m and v of the slice as device tensors, each tensor's step
@@ -169,15 +216,28 @@ impl DeviceFlatOptimizer {
                 (a < b).then(|| (i, a - own.start..b - own.start))
             })
             .collect();
+        Self::over_pieces(kind, place, pieces, own.len(), sizes.len(), across)
+    }
+
+    /// `kind` on a buffer of `len` elements whose `pieces` (tensor, range in the buffer, in
+    /// buffer order) cover it, of `tensors` tensors in all.
+    pub fn over_pieces(
+        kind: PartitionedKind,
+        place: &DevicePlace,
+        pieces: Vec<(usize, Range<usize>)>,
+        len: usize,
+        tensors: usize,
+        across: bool,
+    ) -> Self {
         let kind = match kind {
             PartitionedKind::Adam(adam) => DeviceOptimizer::Adam(adam),
             PartitionedKind::Lamb(lamb) => DeviceOptimizer::Lamb(lamb),
         };
         Self {
             kind,
-            m: place.zeros(own.len()),
-            v: place.zeros(own.len()),
-            steps: vec![0; sizes.len()],
+            m: place.zeros(len),
+            v: place.zeros(len),
+            steps: vec![0; tensors],
             pieces,
             across,
         }
@@ -233,6 +293,17 @@ impl FlatOptimizer<DevicePlace> for DeviceFlatOptimizer {
         state: PartitionState,
         _masters: Option<&[f32]>,
     ) -> Result<()> {
+        let len = self.m.dims()[0];
+        if state.m.len() != len || state.v.len() != len || state.steps.len() != self.steps.len() {
+            return Err(crate::DeepSpeedError::Checkpoint(format!(
+                "the optimizer state holds {} elements in {} tensors; this rank's part is {} \
+                 elements of {} tensors",
+                state.m.len(),
+                state.steps.len(),
+                len,
+                self.steps.len()
+            )));
+        }
         self.m = place.write(state.m);
         self.v = place.write(state.v);
         self.steps = state.steps;

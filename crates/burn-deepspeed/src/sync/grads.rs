@@ -12,10 +12,12 @@ use burn::optim::GradientsParams;
 use burn::tensor::Device;
 use burn_deepspeed_strategies::zero::FlatPartition;
 
-use super::scale::Scaling;
-use super::{ModelParallelNorm, ModelPlace};
+use burn_deepspeed_strategies::place::Place;
+
+use super::scale::{Scaling, clip_factor, sum_across};
+use super::{FlatOptimizer, ModelParallelNorm, ModelPlace};
 use crate::flat::ParamLayout;
-use crate::{DeepSpeedError, Result};
+use crate::{DeepSpeedError, Result, agreed};
 
 /// What a regime of ZeRO stages 0-2 cuts across the data-parallel ranks (arXiv 1910.02054
 /// §5): the builder's reading of `zero_optimization.stage`.
@@ -139,6 +141,69 @@ pub trait GradStore: Send + 'static {
 
     /// The gradients' device, once a micro-batch was accumulated.
     fn device(&self) -> Option<Device>;
+}
+
+/// Reduces `store`'s gradient over the ranks (the mean `scaling` describes) and clips this
+/// rank's part by the global norm: the part's squared sum added over the ranks where each
+/// holds a part (`parted`), then over the model-parallel groups of `slices`. Returns the norm
+/// before clipping. Collective.
+pub(super) fn reduce_and_clip<S: GradStore>(
+    store: &mut S,
+    place: &S::Place,
+    scaling: Scaling,
+    parted: bool,
+    slices: Option<&ModelParallelNorm>,
+    clip: f64,
+) -> Result<f64> {
+    store.reduce(place, scaling)?;
+    let local = store.own_sq(place, slices)?;
+    let data = match parted {
+        true => sum_across(place.comm(), local)?,
+        false => local,
+    };
+    let norm = match slices {
+        Some(slices) => slices.across(data)?.sqrt(),
+        None => data.sqrt(),
+    };
+    if let Some(factor) = clip_factor(norm, clip) {
+        store.scale_own(place, factor);
+    }
+    Ok(norm)
+}
+
+/// One step of this rank's part `params` by `optim` (`None`: the caller steps with its own
+/// optimizer, refused) with `store`'s reduced gradient, agreed on by the ranks when the
+/// optimizer's state lives in a swap file (which can fail on one rank alone, before the
+/// gather that follows). Returns the bytes of a transient f32 copy of a 16-bit gradient.
+pub(super) fn step_part<S: GradStore>(
+    optim: Option<&mut <S::Place as ModelPlace>::Optim>,
+    place: &S::Place,
+    store: &S,
+    params: &mut <S::Place as Place>::Buf,
+    present: &[u8],
+    lr: f64,
+) -> Result<u64> {
+    let _span = tracing::debug_span!("optimizer_step", rank = place.rank()).entered();
+    let Some(optim) = optim else {
+        return Err(DeepSpeedError::Data(
+            "this ZeRO regime has no optimizer: the caller steps its tensors and calls \
+             finish_external_step"
+                .into(),
+        ));
+    };
+    let offloaded = optim.is_offloaded();
+    let stepped = store.own().and_then(|grads| {
+        let widened = match &grads {
+            Cow::Owned(widened) => 4 * place.len(widened) as u64,
+            Cow::Borrowed(_) => 0,
+        };
+        optim.step(place, params, &grads, present, lr)?;
+        Ok(widened)
+    });
+    match offloaded {
+        true => agreed(place.comm(), "offloaded optimizer step", stepped),
+        false => stepped,
+    }
 }
 
 #[cfg(test)]

@@ -30,8 +30,8 @@ use burn_deepspeed_strategies::place::{DevicePlace, HostPlace, Place};
 use burn_deepspeed_strategies::zero::{FlatPartition, PartitionState, PartitionedKind};
 
 use super::buffer::merge_presence;
-use super::grads::{Cut, GradStore, Part};
-use super::scale::{Scaling, clip_factor, sum_across};
+use super::grads::{Cut, GradStore, Part, reduce_and_clip, step_part};
+use super::scale::Scaling;
 use super::{
     DeviceFlatOptimizer, DeviceGrads, FlatOptimizer, GradElem, GradSync, HostFlatOptimizer,
     HostGrads, ModelParallelNorm, ModelPlace, NvmeOffload, Reduced, SavedState, SyncOptions,
@@ -374,20 +374,10 @@ impl<M: Module, S: GradStore> GradSync<M> for PartitionedSync<S> {
         let world = self.place.world_size();
         let scaling =
             Scaling::mean(self.options.predivide, world, self.micro_steps).unscaled(loss_scale);
-        self.grads.reduce(&self.place, scaling)?;
-        let local = self.grads.own_sq(&self.place, self.slices.as_ref())?;
-        // The slices' squares add over the ranks; at stage 0 every rank holds the whole.
-        let data = match self.cut {
-            Cut::Nothing => local,
-            _ => sum_across(self.place.comm(), local)?,
-        };
-        let norm = match &self.slices {
-            Some(slices) => slices.across(data)?.sqrt(),
-            None => data.sqrt(),
-        };
-        if let Some(factor) = clip_factor(norm, self.options.clip) {
-            self.grads.scale_own(&self.place, factor);
-        }
+        // The parts' squares add over the ranks; at stage 0 every rank holds the whole.
+        let parted = self.cut != Cut::Nothing;
+        let (slices, clip) = (self.slices.as_ref(), self.options.clip);
+        let norm = reduce_and_clip(&mut self.grads, &self.place, scaling, parted, slices, clip)?;
         Ok(Reduced::global(norm))
     }
 
@@ -411,31 +401,14 @@ impl<M: Module, S: GradStore> GradSync<M> for PartitionedSync<S> {
             None if offloaded => self.place.zeros(self.own.len()),
             None => (self.place).params_range(&model, &self.layout, self.own.clone()),
         };
-        {
-            let rank = self.place.rank();
-            let _span = tracing::debug_span!("optimizer_step", rank).entered();
-            let grads = self.grads.own()?;
-            // A 16-bit slice is stepped through a transient fp32 copy.
-            if let Cow::Owned(widened) = &grads {
+        let (optim, present) = (self.optim.as_mut(), &self.present);
+        match step_part(optim, &self.place, &self.grads, &mut params, present, lr) {
+            Ok(widened) => {
+                // A 16-bit slice is stepped through a transient fp32 copy.
                 let held = GradSync::<M>::held(self, &model);
-                self.meter.observe(held, 4 * self.place.len(widened) as u64);
+                self.meter.observe(held, widened);
             }
-            let (place, present) = (&self.place, &self.present);
-            let stepped: Result<()> = match self.optim.as_mut() {
-                Some(optim) => optim.step(place, &mut params, &grads, present, lr),
-                None => Err(DeepSpeedError::Data(
-                    "this ZeRO sync has no optimizer; step its tensors and call \
-                     finish_external_step"
-                        .into(),
-                )),
-            };
-            drop(grads);
-            // A swap file can fail on one rank: all agree before the gather.
-            let stepped = match offloaded {
-                true => agreed(self.place.comm(), "offloaded optimizer step", stepped),
-                false => stepped,
-            };
-            if let Err(e) = stepped {
+            Err(e) => {
                 if keep {
                     self.master = Some(params);
                 }

@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_deepspeed_strategies::bucket::bucket_ranges;
 use burn_deepspeed_strategies::comm::{CommunicatorExt, ReduceOp};
 use burn_deepspeed_strategies::place::{DevicePlace, HostPlace, Place};
@@ -19,7 +19,10 @@ use super::elem::add_into;
 use super::flat_optim::{DeviceFlatOptimizer, FlatOptimizer, HostFlatOptimizer};
 use super::scale::{Scaling, all_reduce_mean, clip_factor};
 use crate::Result;
-use crate::flat::{ParamLayout, for_each_grad, params_from_flat, params_range, params_to_flat};
+use crate::flat::{
+    ParamLayout, for_each_grad, params_from_flat, params_range, params_to_flat, to_f32_vec,
+};
+use crate::primitive::autodiff_like;
 use crate::transfer;
 
 /// A [`Place`] a regime can hold a model's flat state in. The algorithms of the regimes are
@@ -86,6 +89,35 @@ pub trait ModelPlace: Place + Sized + 'static {
     /// Runs `f`, counting what it moved between host and device memory (the collectives'
     /// staging, the scalars read) as collective staging. Nothing to count on the host.
     fn staged<T>(&self, f: impl FnOnce() -> T) -> T;
+
+    /// Every rank's `own` joined in rank order, rank `r` giving `counts[r]` elements.
+    /// Collective.
+    fn all_gather_counts(&self, own: Self::Buf, counts: &[usize]) -> Result<Self::Buf>;
+
+    /// A parameter's stored values (`tensor`, without autodiff) flat, in f32.
+    fn param_flat<const D: usize>(&self, tensor: Tensor<D>) -> Self::Buf;
+
+    /// The f32 `values` as a parameter of `shape` like `like`: its device, dtype (rounding
+    /// into a 16-bit one), autodiff and `require_grad` flag.
+    fn to_param<const D: usize>(
+        &self,
+        values: Self::Buf,
+        shape: &[usize],
+        like: &Tensor<D>,
+    ) -> Tensor<D>;
+
+    /// The f32 `values` as a gradient of `shape` on `device`.
+    fn to_grad<const D: usize>(
+        &self,
+        values: Self::Buf,
+        shape: &[usize],
+        device: &Device,
+    ) -> Tensor<D>;
+}
+
+/// `shape` as an array of rank `D`.
+fn dims<const D: usize>(shape: &[usize]) -> [usize; D] {
+    shape.try_into().expect("a shape of the tensor's rank")
 }
 
 impl ModelPlace for HostPlace {
@@ -172,6 +204,36 @@ impl ModelPlace for HostPlace {
     fn staged<T>(&self, f: impl FnOnce() -> T) -> T {
         f()
     }
+
+    fn all_gather_counts(&self, own: Vec<f32>, counts: &[usize]) -> Result<Vec<f32>> {
+        let mut out = vec![0.0f32; counts.iter().sum()];
+        self.comm().all_gather(&own, &mut out, counts)?;
+        Ok(out)
+    }
+
+    fn param_flat<const D: usize>(&self, tensor: Tensor<D>) -> Vec<f32> {
+        to_f32_vec(tensor)
+    }
+
+    fn to_param<const D: usize>(
+        &self,
+        values: Vec<f32>,
+        shape: &[usize],
+        like: &Tensor<D>,
+    ) -> Tensor<D> {
+        let data = TensorData::new(values, dims::<D>(shape));
+        transfer::write::<D>(data, &like.device(), like.dtype())
+            .set_require_grad(like.is_require_grad())
+    }
+
+    fn to_grad<const D: usize>(
+        &self,
+        values: Vec<f32>,
+        shape: &[usize],
+        device: &Device,
+    ) -> Tensor<D> {
+        transfer::write_default(TensorData::new(values, dims::<D>(shape)), device)
+    }
 }
 
 impl ModelPlace for DevicePlace {
@@ -252,6 +314,34 @@ impl ModelPlace for DevicePlace {
         let read = (self.host_reads() - reads) as usize;
         transfer::staging(|| transfer::count(self.device(), read));
         out
+    }
+
+    fn all_gather_counts(&self, own: Tensor<1>, counts: &[usize]) -> Result<Tensor<1>> {
+        Ok(self.staged(|| self.collectives().all_gather(own, counts))?)
+    }
+
+    fn param_flat<const D: usize>(&self, tensor: Tensor<D>) -> Tensor<1> {
+        let n = tensor.shape().num_elements();
+        tensor.inner().reshape([n]).cast(DType::F32)
+    }
+
+    fn to_param<const D: usize>(
+        &self,
+        values: Tensor<1>,
+        shape: &[usize],
+        like: &Tensor<D>,
+    ) -> Tensor<D> {
+        let new = values.cast(like.dtype()).reshape(dims::<D>(shape));
+        autodiff_like(new, like).set_require_grad(like.is_require_grad())
+    }
+
+    fn to_grad<const D: usize>(
+        &self,
+        values: Tensor<1>,
+        shape: &[usize],
+        _device: &Device,
+    ) -> Tensor<D> {
+        values.reshape(dims::<D>(shape))
     }
 }
 

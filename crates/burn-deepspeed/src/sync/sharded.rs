@@ -1,12 +1,18 @@
-//! [`ShardedSync`]: ZeRO stage 3 (arXiv 1910.02054 §5.3). Parameters are stored as per-rank
-//! chunks ([`crate::zero3`]); forward and backward gather them through a [`GatherGroup`], and
-//! the backward of each gather reduce-scatters the tensor's gradient, so after a micro-batch's
-//! backward a rank holds only the gradients of its chunks. At the accumulation boundary the
-//! persistent (whole) tensors' gradients are all-reduced, the rank's gradients are averaged
-//! and clipped by the global norm, the rank steps its pieces with the
-//! [`PartitionedOptimizer`], and writes the new chunks back into the module. Only the
-//! persistent tensors are all-gathered after the step. The module rewriting lives in
-//! `shards.rs` beside this file.
+//! [`ShardedSync`]: ZeRO stage 3 (arXiv 1910.02054 §5.3), written once over a [`GradStore`]
+//! and its place: host memory ([`HostShards`]) or the model's device ([`DeviceShards`]).
+//!
+//! Parameters are stored as per-rank chunks ([`crate::zero3`]); forward and backward gather
+//! them through a [`GatherGroup`], and the backward of each gather reduce-scatters the
+//! tensor's gradient, so after a micro-batch's backward a rank holds only the gradients of
+//! its chunks. At the accumulation boundary the persistent (whole) tensors' gradients are
+//! all-reduced, the rank's gradients are averaged and clipped by the global norm, the
+//! [`FlatOptimizer`] steps the rank's pieces (its fp32 masters under fp16/bf16), and the new
+//! chunks are written back into the module. Only the persistent tensors are all-gathered
+//! after the step. How the module is read and rewritten lives in `shards.rs` beside this file.
+//!
+//! On the host, ZeRO-Infinity moves the optimizer state to a swap file
+//! ([`offload_optimizer`](ShardedSync::offload_optimizer)) and the pieces to a parameter
+//! store ([`shard_offloaded`](ShardedSync::shard_offloaded), `offload_param`).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -14,66 +20,53 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, FloatDType};
-use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp};
-use burn_deepspeed_strategies::zero::{
-    PartitionState, PartitionedKind, PartitionedOptimizer, Segment, ShardPlan,
-};
+use burn::tensor::FloatDType;
+use burn_deepspeed_strategies::comm::Communicator;
+use burn_deepspeed_strategies::place::{DevicePlace, HostPlace, Place};
+use burn_deepspeed_strategies::zero::{PartitionState, PartitionedKind, ShardPlan};
 
-use super::ModelParallelNorm;
 use super::buffer::merge_presence;
-use super::elem::{GradElem, add_into};
-use super::scale::{Scaling, clip_across, clip_to, squared_sum, sum_across};
+use super::grads::{GradStore, reduce_and_clip, step_part};
+use super::scale::Scaling;
 use super::{
-    GradSync, NvmeOffload, PieceReader, PieceWriter, Reduced, SavedState, SyncOptions,
-    caller_optimizer_keeps_no_masters,
+    DeviceFlatOptimizer, DeviceShards, FlatOptimizer, GradElem, GradSync, HostFlatOptimizer,
+    HostShards, ModelParallelNorm, ModelPlace, NvmeOffload, PieceReader, PieceWriter, Reduced,
+    SavedState, ShardCut, SyncOptions, caller_optimizer_keeps_no_masters,
 };
-use crate::checkpoint::{Loaded, gather_moments, no_state_to_restore, save_slice};
-use crate::flat::{ParamLayout, for_each_grad, set_param_ids};
-use crate::memory::{MemoryMeter, ModelStateBytes, param_bytes, vec_bytes};
+use crate::checkpoint::{Loaded, gather_state, no_state_to_restore, partition_state_bytes};
+use crate::flat::{ParamLayout, set_param_ids};
+use crate::memory::{MemoryMeter, ModelStateBytes, param_bytes};
 use crate::precision::cast_module;
 use crate::zero3::{
     GatherGroup, GatherStats, ParamStore, ParamStoreSummary, shard_module, shard_module_to_store,
 };
 use crate::{DeepSpeedError, Result, agreed};
 
-/// A rank's stage-3 state: the gather group, its gradient pieces (of `G`: f32, or f16 under
-/// fp16) and its optimizer.
-pub struct ShardedSync<G: GradElem = f32> {
-    pub(super) comm: Arc<dyn Communicator>,
+/// A rank's stage-3 state: the gather group, its gradient in the store `S` (host buffers of
+/// f32 or f16, or device tensors) and the optimizer of its pieces.
+pub struct ShardedSync<S: GradStore = HostShards<f32>> {
+    pub(super) place: S::Place,
+    pub(super) grads: S,
     pub(super) layout: ParamLayout,
     pub(super) group: Arc<GatherGroup>,
-    /// This rank's pieces, back to back (the optimizer's buffer order).
-    pub(super) segments: Vec<Segment>,
-    /// Where tensor `t`'s piece starts in the rank's buffers, if it has one.
-    pub(super) local_start: Vec<Option<usize>>,
-    /// Model parallelism: the norm's groups, and the ranges of this rank's pieces it leaves
-    /// out.
-    pub(super) slices: Option<(ModelParallelNorm, Vec<std::ops::Range<usize>>)>,
-    /// Accumulated gradient of this rank's pieces. Under `offload_param` the group sums the
-    /// chunk gradients, and this holds them only from the reduction to the end of the step.
-    pub(super) grads: Vec<G>,
-    /// Elements of this rank's pieces (the length of its buffers).
-    pub(super) own_len: usize,
+    pub(super) cut: ShardCut,
     /// ZeRO-Infinity's `offload_param`: the store of the partitioned tensors' pieces (the
     /// module holds empty placeholders for them).
     pub(super) store: Option<Arc<ParamStore>>,
-    /// Accumulated whole gradients of the persistent tensors, back to back.
-    pub(super) persistent: Vec<G>,
-    /// Where tensor `t` starts in `persistent`, if it is persistent.
-    pub(super) persistent_at: Vec<Option<usize>>,
     pub(super) present: Vec<u8>,
-    /// The device the gradients came on (for [`GradSync::reduced_gradients`]).
-    pub(super) grad_device: Option<Device>,
     micro_steps: u64,
     options: SyncOptions,
     /// `None` when the caller steps the pieces with its own optimizer
-    /// ([`for_learner`](Self::for_learner)).
-    optim: Option<PartitionedOptimizer>,
+    /// ([`for_learner`](ShardedSync::for_learner)).
+    optim: Option<<S::Place as ModelPlace>::Optim>,
     meter: MemoryMeter,
     /// Mixed precision: the fp32 masters of this rank's pieces (buffer order), which the
     /// optimizer steps; the module's chunks hold them rounded to its 16-bit dtype.
-    master: Option<Vec<f32>>,
+    master: Option<<S::Place as Place>::Buf>,
+    /// Tensor slicing: the norm's groups.
+    slices: Option<ModelParallelNorm>,
+    /// A failure of the store during a micro-batch, reported by the next step.
+    deferred: Option<DeepSpeedError>,
 }
 
 /// DeepSpeed's stage-3 cut of the tensors of `layout` over `world` ranks under the
@@ -90,7 +83,7 @@ pub fn shard_plan(layout: &ParamLayout, options: &SyncOptions, world: usize) -> 
 
 /// The stage-3 gather group of a model of `layout` on `comm`: DeepSpeed's cut
 /// ([`shard_plan`]) and the prefetch, live-parameter, pre-division and fetch options.
-pub(super) fn gather_group(
+fn gather_group(
     layout: &ParamLayout,
     comm: Arc<dyn Communicator>,
     options: &SyncOptions,
@@ -107,22 +100,21 @@ pub(super) fn gather_group(
     )
 }
 
-impl<G: GradElem> ShardedSync<G> {
-    /// The stage-3 state for a model of `layout` (whole shapes) on `comm`, stepped by the
-    /// [`PartitionedOptimizer`] of `kind`.
+impl<G: GradElem> ShardedSync<HostShards<G>> {
+    /// The stage-3 state for a model of `layout` (whole shapes) on `comm` in host memory,
+    /// stepped by the [`PartitionedOptimizer`](burn_deepspeed_strategies::zero::PartitionedOptimizer)
+    /// of `kind`.
     pub fn new(
         layout: ParamLayout,
         comm: Arc<dyn Communicator>,
         options: &SyncOptions,
         kind: PartitionedKind,
     ) -> Self {
-        let mut sync = Self::for_learner(layout, comm, options);
-        sync.optim = Some(PartitionedOptimizer::over_segments(
-            kind,
-            sync.segments.clone(),
-            0..sync.own_len,
-            sync.layout.slots.len(),
-        ));
+        let mut sync = Self::for_learner(layout, comm.clone(), options);
+        let (segments, own_len) = (sync.cut.segments.clone(), sync.cut.own_len);
+        let tensors = sync.layout.slots.len();
+        let optim = HostFlatOptimizer::over_segments(kind, segments, own_len, tensors, comm);
+        sync.optim = Some(optim);
         sync
     }
 
@@ -135,42 +127,10 @@ impl<G: GradElem> ShardedSync<G> {
         options: &SyncOptions,
     ) -> Self {
         let group = gather_group(&layout, comm.clone(), options);
-        let plan = group.plan();
-        let tensors = plan.tensors().len();
-        let segments = plan.segments(comm.rank());
-        let own_len = plan.own_len(comm.rank());
-        let mut local_start = vec![None; tensors];
-        for s in &segments {
-            local_start[s.tensor] = Some(s.local.start);
-        }
-        let mut persistent_at = vec![None; tensors];
-        let mut at = 0;
-        for (t, s) in plan.tensors().iter().enumerate() {
-            if s.persistent {
-                persistent_at[t] = Some(at);
-                at += s.numel;
-            }
-        }
-        Self {
-            comm,
-            group,
-            segments,
-            local_start,
-            slices: None,
-            grads: vec![G::default(); own_len],
-            own_len,
-            store: None,
-            persistent: vec![G::default(); at],
-            persistent_at,
-            present: vec![0; tensors],
-            grad_device: None,
-            micro_steps: 0,
-            options: *options,
-            optim: None,
-            meter: MemoryMeter::default(),
-            master: None,
-            layout,
-        }
+        let cut = ShardCut::of(group.plan(), comm.rank());
+        let grads = HostShards::new(group.clone(), cut.clone());
+        let place = HostPlace::new(comm);
+        Self::with(place, grads, layout, group, cut, options, None)
     }
 
     /// Moves the optimizer state of this rank's pieces, with their fp32 masters read from the
@@ -179,42 +139,42 @@ impl<G: GradElem> ShardedSync<G> {
     /// Under `offload_param` the masters are read from the parameter store tile by tile, so
     /// that the slice is never whole in memory.
     pub fn offload_optimizer<M: Module>(&mut self, model: &M, nvme: &NvmeOffload) -> Result<()> {
-        let rank = self.comm.rank();
-        let kept = self.persistent_pieces(model);
+        let rank = self.place.rank();
+        let kept = self.module_pieces(model);
         let masters = match &self.store {
             Some(_) => Vec::new(),
-            None => {
-                let mut masters = vec![0.0f32; self.own_len];
-                self.read_own(model, &mut masters)?;
-                masters
-            }
+            None => self.read_pieces(model)?,
         };
-        let (segments, params) = (&self.segments, &self.store);
+        let (segments, params) = (&self.cut.segments, &self.store);
         let local = match self.optim.as_mut() {
             Some(optim) => nvme
-                .store(rank, self.own_len)
+                .store(rank, self.cut.own_len)
                 .and_then(|swap| match params {
                     Some(params) => {
                         let mut reader = PieceReader::new(segments);
+                        let optim = &mut optim.inner;
                         optim
                             .offload_with(swap, |r, out| {
-                                reader.fill(r, out, |t| piece_of(params, &kept, t))
+                                reader.fill(r, out, |t| match params.holds(t) {
+                                    true => params.read(t),
+                                    false => Ok(kept[t].clone().unwrap_or_default()),
+                                })
                             })
                             .map_err(DeepSpeedError::from)
                     }
-                    None => optim.offload(swap, &masters).map_err(DeepSpeedError::from),
+                    None => (optim.inner.offload(swap, &masters)).map_err(DeepSpeedError::from),
                 }),
             None => Err(DeepSpeedError::Data(
                 "this stage-3 state has no optimizer to offload".into(),
             )),
         };
-        agreed(self.comm.as_ref(), "optimizer offload", local)
+        agreed(self.place.comm(), "optimizer offload", local)
     }
 
     /// The length of each tensor's piece on this rank for a parameter store (`None` for the
     /// persistent tensors, which the module keeps whole).
     pub fn piece_lens(&self) -> Vec<Option<usize>> {
-        let (plan, rank) = (self.plan(), self.comm.rank());
+        let (plan, rank) = (self.plan(), self.cut.rank);
         (0..plan.tensors().len())
             .map(|t| (!plan.tensors()[t].persistent).then(|| plan.own(rank, t).len()))
             .collect()
@@ -225,111 +185,64 @@ impl<G: GradElem> ShardedSync<G> {
     /// and the module keeps empty placeholders. Collective: the ranks agree on creating the
     /// store and on writing it.
     pub fn shard_offloaded<M: Module>(&mut self, model: M, store: Result<ParamStore>) -> Result<M> {
-        let store = Arc::new(agreed(self.comm.as_ref(), "parameter offload", store)?);
+        let store = Arc::new(agreed(self.place.comm(), "parameter offload", store)?);
         let (model, written) = shard_module_to_store(model, &self.group, &store);
         let written = written.map_err(DeepSpeedError::from);
-        agreed(self.comm.as_ref(), "parameter offload", written)?;
+        agreed(self.place.comm(), "parameter offload", written)?;
         self.group.offload_to(store.clone());
+        self.grads.sum_in_group(store.clone());
         self.store = Some(store);
         Ok(model)
     }
+}
 
-    /// Whether tensor `t`'s piece lives in the parameter store.
-    pub(super) fn held_in_store(&self, t: usize) -> bool {
-        self.store.as_ref().is_some_and(|s| s.holds(t))
+impl ShardedSync<DeviceShards> {
+    /// Stage 3 of a model of `layout` with every buffer in `place` (the model's device):
+    /// the gathers and reduce-scatters move the device's buffers through its collectives,
+    /// and `kind` steps the pieces (the fused Adam/AdamW kernel or LAMB by device ops).
+    pub fn on_device(
+        place: DevicePlace,
+        layout: ParamLayout,
+        options: &SyncOptions,
+        kind: PartitionedKind,
+    ) -> Self {
+        let group = gather_group(&layout, place.communicator().clone(), options);
+        group.set_device_collectives(place.collectives().clone());
+        let cut = ShardCut::of(group.plan(), place.rank());
+        let (pieces, tensors) = (cut.pieces(), layout.slots.len());
+        let optim =
+            DeviceFlatOptimizer::over_pieces(kind, &place, pieces, cut.own_len, tensors, true);
+        let grads = DeviceShards::new(&place, group.clone(), cut.clone());
+        Self::with(place, grads, layout, group, cut, options, Some(optim))
     }
+}
 
-    /// Whether the optimizer state lives in a swap file.
-    fn offloaded(&self) -> bool {
-        self.optim.as_ref().is_some_and(|o| o.is_offloaded())
-    }
-
-    /// The fp32 masters of this rank's pieces where they are kept apart from the model
-    /// (mixed precision, or an offloaded optimizer's swap file); a rank-local read that the
-    /// ranks agree on, so that a failed read fails them all before the gather that follows.
-    fn agreed_masters<M: Module>(&self, model: &M) -> Result<Option<Cow<'_, [f32]>>> {
-        let local = match (&self.master, &self.optim) {
-            (Some(m), _) => Ok(Some(Cow::Borrowed(&m[..]))),
-            (None, Some(o)) if o.is_offloaded() => o
-                .masters()
-                .map(|m| m.map(Cow::Owned))
-                .map_err(DeepSpeedError::from),
-            // The parameter store holds the f32 values the optimizer stepped.
-            (None, _) if self.store.is_some() => {
-                let mut pieces = vec![0.0f32; self.own_len];
-                return self
-                    .read_own_agreed(model, &mut pieces)
-                    .map(|()| Some(Cow::Owned(pieces)));
-            }
-            _ => Ok(None),
-        };
-        if self.master.is_some() || !self.offloaded() {
-            return local;
+impl<S: GradStore> ShardedSync<S> {
+    fn with(
+        place: S::Place,
+        grads: S,
+        layout: ParamLayout,
+        group: Arc<GatherGroup>,
+        cut: ShardCut,
+        options: &SyncOptions,
+        optim: Option<<S::Place as ModelPlace>::Optim>,
+    ) -> Self {
+        Self {
+            present: vec![0; layout.slots.len()],
+            place,
+            grads,
+            layout,
+            group,
+            cut,
+            store: None,
+            micro_steps: 0,
+            options: *options,
+            optim,
+            meter: MemoryMeter::default(),
+            master: None,
+            slices: None,
+            deferred: None,
         }
-        agreed(self.comm.as_ref(), "read masters", local)
-    }
-
-    /// The step under `offload_param`: the stepped pieces go to the store (from an offloaded
-    /// optimizer, tile by tile as they are stepped, so that no buffer of the whole slice is
-    /// made), and only the persistent tensors are gathered into the module.
-    fn step_into_store<M: Module>(&mut self, model: M, lr: f64, store: &ParamStore) -> Result<M> {
-        let comm = self.comm.clone();
-        store.forget_read_ahead();
-        let mixed = self.master.is_some();
-        // Without an offloaded optimizer, the step needs the slice's values in memory.
-        let mut params = match (self.master.take(), self.offloaded()) {
-            (Some(master), _) => Some(master),
-            (None, true) => None,
-            (None, false) => {
-                let mut params = vec![0.0f32; self.own_len];
-                self.read_own_agreed(&model, &mut params)?;
-                Some(params)
-            }
-        };
-        let mut kept: HashMap<usize, Vec<f32>> = HashMap::new();
-        let mut done = |t: usize, piece: &[f32]| match store.holds(t) {
-            true => store.write(t, piece),
-            false => {
-                kept.insert(t, piece.to_vec());
-                Ok(())
-            }
-        };
-        let stepped = {
-            let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
-            let grads = G::widen_all(&self.grads);
-            let mut writer = PieceWriter::new(&self.segments);
-            match (self.optim.as_mut(), params.as_mut()) {
-                (Some(optim), None) => optim
-                    .step_tiles(&grads, &self.present, lr, |r, p| {
-                        writer.push(r, p, &mut done)
-                    })
-                    .map_err(DeepSpeedError::from),
-                (Some(optim), Some(params)) => optim
-                    .step(comm.as_ref(), params, &grads, &self.present, lr)
-                    .and_then(|()| writer.push(0..params.len(), params, &mut done))
-                    .map_err(DeepSpeedError::from),
-                (None, _) => Err(DeepSpeedError::Data(
-                    "this stage-3 state steps with the caller's optimizer".into(),
-                )),
-            }
-        };
-        if mixed {
-            self.master = params;
-        }
-        // A swap file can fail on one rank: all agree before the gather.
-        agreed(comm.as_ref(), "offloaded parameter step", stepped)?;
-        let input = self.persistent_input(|t| kept.get(&t).map_or(&[][..], |p| &p[..]));
-        let whole = self.gather_persistent_input(input)?;
-        let model = self.replace(
-            model,
-            |t, _| {
-                let at = self.persistent_at[t].expect("only persistent tensors are replaced");
-                whole[at..at + self.layout.slots[t].numel].to_vec()
-            },
-            false,
-        );
-        self.clear();
-        Ok(model)
     }
 
     /// Shards a model whose parameters are whole (and identical on every rank).
@@ -347,70 +260,109 @@ impl<G: GradElem> ShardedSync<G> {
         self.group.plan()
     }
 
-    pub(super) fn reset(&mut self) {
-        self.grads.iter_mut().for_each(|g| *g = G::default());
-        self.persistent.iter_mut().for_each(|g| *g = G::default());
-        self.micro_steps = 0;
-        if self.store.is_some() {
-            // The zeroed buffer goes back to the group, which sums the next chunk gradients.
-            match self.grads.is_empty() {
-                true => self.group.zero_offloaded_grads(),
-                false => {
-                    let grads = G::into_f32_vec(std::mem::take(&mut self.grads));
-                    self.group.exchange_offloaded_grads(grads);
-                }
+    /// Whether tensor `t`'s piece lives in the parameter store.
+    pub(super) fn held_in_store(&self, t: usize) -> bool {
+        self.store.as_ref().is_some_and(|s| s.holds(t))
+    }
+
+    /// Whether the optimizer state lives in a swap file.
+    fn offloaded(&self) -> bool {
+        self.optim.as_ref().is_some_and(|o| o.is_offloaded())
+    }
+
+    /// This rank's fp32 pieces as the optimizer steps them: the masters (mixed precision, or
+    /// an offloaded optimizer's swap file) or the module's values (with the parameter store's);
+    /// a read the ranks agree on where it can fail on one rank.
+    fn agreed_pieces<M: Module>(&self, model: &M) -> Result<Cow<'_, <S::Place as Place>::Buf>> {
+        if let Some(m) = &self.master {
+            return Ok(Cow::Borrowed(m));
+        }
+        if let Some(optim) = self.optim.as_ref().filter(|o| o.is_offloaded()) {
+            let read = optim.masters();
+            if let Some(masters) = agreed(self.place.comm(), "read masters", read)? {
+                return Ok(Cow::Owned(self.place.write(masters)));
             }
         }
+        self.read_pieces_agreed(model).map(Cow::Owned)
+    }
+
+    /// The step under `offload_param`: the stepped pieces go to the store (from an offloaded
+    /// optimizer, tile by tile as they are stepped, so that no buffer of the whole slice is
+    /// made), and only the persistent tensors are gathered into the module.
+    fn step_into_store<M: Module>(&mut self, model: M, lr: f64, store: &ParamStore) -> Result<M> {
+        store.forget_read_ahead();
+        let mixed = self.master.is_some();
+        // Without an offloaded optimizer, the step needs the slice's values in memory.
+        let mut params = match (self.master.take(), self.offloaded()) {
+            (Some(master), _) => Some(master),
+            (None, true) => None,
+            (None, false) => Some(self.read_pieces_agreed(&model)?),
+        };
+        let mut kept: HashMap<usize, Vec<f32>> = HashMap::new();
+        let mut done = |t: usize, piece: &[f32]| match store.holds(t) {
+            true => store.write(t, piece),
+            false => {
+                kept.insert(t, piece.to_vec());
+                Ok(())
+            }
+        };
+        let stepped = (|| {
+            let _span = tracing::debug_span!("optimizer_step", rank = self.cut.rank).entered();
+            let grads = self.grads.own()?;
+            let mut writer = PieceWriter::new(&self.cut.segments);
+            let (place, present) = (&self.place, &self.present);
+            match (self.optim.as_mut(), params.as_mut()) {
+                (Some(optim), None) => optim.step_tiles(&grads, present, lr, &mut |r, p| {
+                    writer.push(r, p, &mut done)
+                }),
+                (Some(optim), Some(params)) => {
+                    optim.step(place, params, &grads, present, lr)?;
+                    let values = place.read(params);
+                    Ok(writer.push(0..values.len(), &values, &mut done)?)
+                }
+                (None, _) => Err(steps_with_the_callers_optimizer()),
+            }
+        })();
+        if mixed {
+            self.master = params;
+        }
+        // A swap file can fail on one rank: all agree before the gather.
+        agreed(self.place.comm(), "offloaded parameter step", stepped)?;
+        let input: Vec<f32> = (self.cut.persistent())
+            .filter(|&t| self.cut.local[t].is_some())
+            .flat_map(|t| kept.remove(&t).unwrap_or_default())
+            .collect();
+        let whole = self.gather_persistent_input(self.place.write(input))?;
+        let model = self.write_persistent(model, &whole);
+        self.clear();
+        Ok(model)
     }
 
     fn clear(&mut self) {
-        self.reset();
+        self.grads.reset();
+        self.micro_steps = 0;
         self.present.iter_mut().for_each(|p| *p = 0);
     }
 }
 
-impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
+fn steps_with_the_callers_optimizer() -> DeepSpeedError {
+    DeepSpeedError::Data("this stage-3 state steps with the caller's optimizer".into())
+}
+
+impl<M: Module, S: GradStore> GradSync<M> for ShardedSync<S> {
     fn layout(&self) -> &ParamLayout {
         &self.layout
     }
 
     /// Adds one micro-batch's gradients (chunk gradients from the gathers' backward, whole
-    /// gradients of persistent tensors) into this rank's buffers.
+    /// gradients of persistent tensors) into this rank's store.
     fn accumulate(&mut self, model: &M, grads: &GradientsParams) {
         self.micro_steps += 1;
-        let rank = self.comm.rank();
-        let (plan, layout) = (self.group.plan(), &self.layout);
-        let (persistent_at, local_start) = (&self.persistent_at, &self.local_start);
-        let (persistent, own_grads, present) =
-            (&mut self.persistent, &mut self.grads, &mut self.present);
-        let group = &self.group;
-        let store = self.store.as_deref();
-        let tensors = for_each_grad(model, layout, grads, &mut self.grad_device, |t, values| {
-            let Some(values) = values else {
-                return;
-            };
-            present[t] = 1;
-            // Under `offload_param` the group summed the chunk gradient already.
-            if store.is_some_and(|s| s.holds(t)) {
-                return;
-            }
-            // A 16-bit module's chunk gradients, unrounded.
-            let values = match persistent_at[t] {
-                None => group.take_chunk_grad(t).unwrap_or(values),
-                Some(_) => values,
-            };
-            if let Some(at) = persistent_at[t] {
-                add_into(&mut persistent[at..at + values.len()], &values);
-            } else if let Some(at) = local_start[t] {
-                let own = plan.own(rank, t);
-                add_into(&mut own_grads[at..at + own.len()], &values);
-            }
-        });
-        // Alive during the micro-batch beyond the held state: its chunk gradients, and what
-        // the gathers allocated at once (gathered weights and the prefetch cache).
-        let gathered = 4 * self.group.stats().peak_live_elems as u64;
+        let (place, layout) = (&self.place, &self.layout);
+        let (present, deferred) = (&mut self.present, &mut self.deferred);
+        let transient = (self.grads).accumulate(place, model, layout, grads, present, deferred);
         let held = GradSync::<M>::held(self, model);
-        self.meter.observe(held, tensors + gathered);
+        self.meter.observe(held, transient);
     }
 
     fn micro_steps(&self) -> u64 {
@@ -420,107 +372,59 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     /// Ends the accumulation: reports a failed gather, all-reduces the persistent tensors'
     /// gradients, averages over ranks and micro-batches, and clips by the global norm.
     fn reduce(&mut self, loss_scale: f32) -> Result<Reduced> {
-        let comm = self.comm.clone();
-        if self.store.is_some() {
-            let summed = self.group.exchange_offloaded_grads(Vec::new());
-            self.grads = G::from_f32_vec(summed);
-        }
-        let gathers = self.group.take_error().map_or(Ok(()), |e| Err(e.into()));
-        if let Err(e) = agreed(comm.as_ref(), "ZeRO-3 gathers", gathers) {
-            self.reset();
-            return Err(e);
-        }
-        let rank = comm.rank();
-        let refuse = (!self.options.ignore_unused).then_some(&self.layout);
-        if let Err(e) = merge_presence(comm.as_ref(), &mut self.present, refuse) {
-            self.reset();
-            return Err(e);
-        }
-        let scaling = Scaling::mean(self.options.predivide, comm.world_size(), self.micro_steps)
-            .unscaled(loss_scale);
-        if !self.persistent.is_empty() {
-            scaling.apply_pre(&mut self.persistent);
-            if comm.world_size() > 1 {
-                let _span = tracing::debug_span!("zero3_persistent_all_reduce").entered();
-                comm.all_reduce(&mut self.persistent, ReduceOp::Sum)?;
-            }
-            for (t, at) in self.persistent_at.iter().enumerate() {
-                if let (Some(at), Some(local)) = (at, self.local_start[t]) {
-                    let own = self.group.plan().own(rank, t);
-                    self.grads[local..local + own.len()]
-                        .copy_from_slice(&self.persistent[at + own.start..at + own.end]);
-                }
-            }
-        }
-        scaling.apply_post(&mut self.grads);
-        let norm = match &self.slices {
-            Some((mp, skipped)) => {
-                let skipped: f64 = skipped
-                    .iter()
-                    .map(|r| squared_sum(&self.grads[r.clone()]))
-                    .sum();
-                let local = (squared_sum(&self.grads) - skipped).max(0.0);
-                let norm = mp.across(sum_across(comm.as_ref(), local)?)?.sqrt();
-                clip_to(&mut self.grads, norm, self.options.clip);
-                norm
-            }
-            None => clip_across(comm.as_ref(), &mut self.grads, self.options.clip)?,
+        let gathers = match (self.deferred.take(), self.group.take_error()) {
+            (Some(e), _) => Err(e),
+            (None, e) => e.map_or(Ok(()), |e| Err(e.into())),
         };
+        if let Err(e) = agreed(self.place.comm(), "ZeRO-3 gathers", gathers) {
+            self.clear();
+            return Err(e);
+        }
+        let refuse = (!self.options.ignore_unused).then_some(&self.layout);
+        if let Err(e) = merge_presence(self.place.comm(), &mut self.present, refuse) {
+            self.clear();
+            return Err(e);
+        }
+        let world = self.place.world_size();
+        let scaling =
+            Scaling::mean(self.options.predivide, world, self.micro_steps).unscaled(loss_scale);
+        let (slices, clip) = (self.slices.as_ref(), self.options.clip);
+        let norm = reduce_and_clip(&mut self.grads, &self.place, scaling, true, slices, clip)?;
         Ok(Reduced::global(norm))
     }
 
-    fn model_parallel_norm(&mut self, norm: ModelParallelNorm) -> Result<()> {
-        let windows = self
-            .segments
-            .iter()
-            .map(|s| (s.local.start, s.global.clone()));
-        let skipped = norm.skipped_local(windows);
-        self.slices = Some((norm, skipped));
+    fn scale_reduced(&mut self, factor: f32) -> Result<()> {
+        self.grads.scale_own(&self.place, factor);
         Ok(())
     }
 
-    /// Steps this rank's pieces, writes the new chunks into `model`, and all-gathers the
-    /// persistent tensors.
+    fn model_parallel_norm(&mut self, norm: ModelParallelNorm) -> Result<()> {
+        self.grads.model_parallel(&self.place, &norm);
+        self.slices = Some(norm);
+        Ok(())
+    }
+
+    /// Steps this rank's pieces, all-gathers the persistent tensors, and writes the new
+    /// chunks into `model`.
     fn step(&mut self, model: M, lr: f64) -> Result<M> {
         if let Some(store) = self.store.clone() {
             return self.step_into_store(model, lr, &store);
         }
-        let comm = self.comm.clone();
         let mixed = self.master.is_some();
-        let offloaded = self.offloaded();
         let mut params = match self.master.take() {
             Some(master) => master,
             // The swapped optimizer hands out its masters.
-            None if offloaded => vec![0.0f32; self.own_len],
-            None => {
-                let mut params = vec![0.0f32; self.own_len];
-                self.read_own(&model, &mut params)?;
-                params
-            }
+            None if self.offloaded() => self.place.zeros(self.cut.own_len),
+            None => self.read_pieces(&model)?,
         };
-        let stepped = {
-            let _span = tracing::debug_span!("optimizer_step", rank = comm.rank()).entered();
+        let (optim, present) = (self.optim.as_mut(), &self.present);
+        let stepped = step_part(optim, &self.place, &self.grads, &mut params, present, lr);
+        let whole = match stepped.and_then(|widened| {
             // A 16-bit buffer is stepped through a transient fp32 copy.
-            let grads = G::widen_all(&self.grads);
-            if let Cow::Owned(widened) = &grads {
-                let held = GradSync::<M>::held(self, &model);
-                self.meter.observe(held, vec_bytes(widened));
-            }
-            match self.optim.as_mut() {
-                Some(optim) => optim
-                    .step(comm.as_ref(), &mut params, &grads, &self.present, lr)
-                    .map_err(DeepSpeedError::from),
-                None => Err(DeepSpeedError::Data(
-                    "this stage-3 state steps with the caller's optimizer".into(),
-                )),
-            }
-        };
-        // A swap file can fail on one rank: all agree before the gather.
-        let stepped = match offloaded {
-            true => agreed(comm.as_ref(), "offloaded optimizer step", stepped),
-            false => stepped,
-        };
-        let whole = match stepped.and_then(|()| self.gather_persistent(&params)) {
+            let held = GradSync::<M>::held(self, &model);
+            self.meter.observe(held, widened);
+            self.gather_persistent(&params)
+        }) {
             Ok(whole) => whole,
             Err(e) => {
                 if mixed {
@@ -531,9 +435,9 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
         };
         // The new chunks are assembled while the old ones are alive.
         let held = GradSync::<M>::held(self, &model);
-        self.meter
-            .observe(held, vec_bytes(&params) + vec_bytes(&whole) + held.params);
-        let model = self.write_back(model, &params, whole);
+        let new = 4 * (self.cut.own_len + self.cut.persistent_len) as u64;
+        self.meter.observe(held, new + held.params);
+        let model = self.write_back(model, &params, &whole);
         if mixed {
             self.master = Some(params);
         }
@@ -556,17 +460,15 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
         Ok(None)
     }
 
-    /// Its chunks and the persistent tensors, the gradients of its pieces and of the
-    /// persistent tensors, and its pieces' optimizer state.
+    /// Its chunks and the persistent tensors (and the parameter store), the gradients it
+    /// holds, and its pieces' optimizer state and masters.
     fn held(&self, model: &M) -> ModelStateBytes {
-        let masters = self.master.as_ref().map_or(0, vec_bytes);
+        let masters = self.master.as_ref().map_or(0, |m| self.place.len(m));
         let store = self.store.as_deref();
         ModelStateBytes {
             params: param_bytes(model) + store.map_or(0, ParamStore::host_bytes),
-            grads: vec_bytes(&self.grads)
-                + vec_bytes(&self.persistent)
-                + self.group.offloaded_grad_bytes(),
-            optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()) + masters,
+            grads: self.grads.bytes(),
+            optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()) + 4 * masters as u64,
             offloaded: self.optim.as_ref().map_or(0, |o| o.disk_bytes())
                 + store.map_or(0, ParamStore::disk_bytes),
         }
@@ -578,9 +480,7 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
         }
         // An offloaded optimizer keeps the masters in its swap file already.
         if !self.offloaded() {
-            let mut master = vec![0.0f32; self.own_len];
-            self.read_own_agreed(&model, &mut master)?;
-            self.master = Some(master);
+            self.master = Some(self.read_pieces_agreed(&model)?);
         }
         let model = cast_module(model, dtype);
         // The gathers read the 16-bit chunks from now on, and send them as they are.
@@ -606,27 +506,30 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     }
 
     /// A collective; with masters, the fp32 values, not the rounded chunks.
-    fn whole_params(&self, model: &M, _wanted: bool) -> Result<Option<Vec<f32>>> {
-        match self.agreed_masters(model)? {
-            Some(master) => self.full_from_pieces(&master).map(Some),
-            None => self.full_params(model).map(Some),
-        }
+    fn whole_params(&self, model: &M, wanted: bool) -> Result<Option<Vec<f32>>> {
+        let pieces = self.agreed_pieces(model)?;
+        let flat = self.full_from_pieces(pieces.as_ref())?;
+        Ok(wanted.then(|| self.place.read(&flat)))
     }
 
     fn whole_model(&self, model: &M) -> Result<M> {
-        gathered_copy(model, &self.group)
+        let whole = model.clone().materialize();
+        match self.group.take_error() {
+            Some(e) => Err(e.into()),
+            None => Ok(whole),
+        }
     }
 
     fn release_whole(&self, model: M) -> Result<M> {
-        let flat = match self.agreed_masters(&model)? {
-            Some(master) => self.full_from_pieces(&master)?,
-            None => self.full_params(&model)?,
-        };
+        let pieces = self.agreed_pieces(&model)?;
+        let flat = self.full_from_pieces(pieces.as_ref())?;
         Ok(self.unshard(model, &flat))
     }
 
     fn save(&self, _root: bool) -> Result<SavedState> {
-        save_slice(self.optim.as_ref())
+        let optim = self.optim.as_ref().ok_or_else(no_state_to_restore)?;
+        let state = optim.export(&self.place)?;
+        Ok(SavedState::Slice(partition_state_bytes(&state)))
     }
 
     /// Everything fallible (cutting the state, restoring the optimizer) happens before the
@@ -634,17 +537,16 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
         let layout = self.layout.with_ids(&loaded.meta.param_ids);
         let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
-        let ranges: Vec<_> = self.segments.iter().map(|s| s.global.clone()).collect();
+        let ranges: Vec<_> = self.cut.segments.iter().map(|s| s.global.clone()).collect();
         let state = loaded.slice_state(&sizes, &ranges)?;
         // `restore` checks the state before it replaces anything.
-        let offloaded = self.optim.as_ref().is_some_and(|o| o.is_offloaded());
-        let masters = offloaded.then(|| self.pieces_of(&loaded.params));
+        let masters = self.offloaded().then(|| self.pieces_of(&loaded.params));
         let optim = self.optim.as_mut().ok_or_else(no_state_to_restore)?;
-        optim.restore(state, masters.as_deref())?;
+        optim.restore(&self.place, state, masters.as_deref())?;
         let model = self.load_flat(model, &loaded.params)?;
         let model = set_param_ids(model, &loaded.meta.param_ids);
         if self.master.is_some() {
-            self.master = Some(self.pieces_of(&loaded.params));
+            self.master = Some(self.place.write(self.pieces_of(&loaded.params)));
         }
         self.layout = layout;
         self.clear();
@@ -652,8 +554,12 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
     }
 
     fn whole_moments(&self) -> Result<Option<PartitionState>> {
+        let Some(optim) = &self.optim else {
+            return Ok(None);
+        };
+        let state = optim.export(&self.place)?;
         let sizes: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
-        gather_moments(self.comm.as_ref(), self.optim.as_ref(), &sizes, 3)
+        gather_state(self.place.comm(), &state, &sizes, 3).map(Some)
     }
 
     fn gather_stats(&self) -> Option<GatherStats> {
@@ -666,28 +572,5 @@ impl<M: Module, G: GradElem> GradSync<M> for ShardedSync<G> {
 
     fn forward_scope(&self, running: bool) {
         self.group.set_overlapping(running);
-    }
-}
-
-/// A copy of the sharded `model` with every parameter gathered whole through `group` (a
-/// collective: every rank gathers the same tensors in the same order), or the gathers' error.
-pub(super) fn gathered_copy<M: Module>(model: &M, group: &GatherGroup) -> Result<M> {
-    let whole = model.clone().materialize();
-    match group.take_error() {
-        Some(e) => Err(e.into()),
-        None => Ok(whole),
-    }
-}
-
-/// Tensor `t`'s piece on this rank: from the parameter store, or (a persistent tensor) from
-/// the pieces read from the module.
-pub(super) fn piece_of(
-    store: &ParamStore,
-    kept: &HashMap<usize, Vec<f32>>,
-    t: usize,
-) -> burn_deepspeed_strategies::Result<Vec<f32>> {
-    match store.holds(t) {
-        true => store.read(t),
-        false => Ok(kept.get(&t).cloned().unwrap_or_default()),
     }
 }

@@ -31,15 +31,13 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use burn::tensor::{FloatDType, Tensor};
 use burn_deepspeed_strategies::CommError;
-use burn_deepspeed_strategies::comm::{
-    CommWorker, Communicator, CommunicatorExt, Pending, ReduceOp,
-};
+use burn_deepspeed_strategies::comm::{CommWorker, Communicator, Pending};
 use burn_deepspeed_strategies::device::DeviceCollectives;
 use burn_deepspeed_strategies::zero::ShardPlan;
 
+use super::chunks::Chunks;
 use super::registry::{ALIASES, Entry, NEXT_ID, registry};
 use super::store::ParamStore;
-use super::wire::fetch;
 
 /// Why a tensor is fetched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,7 +63,7 @@ pub struct GatherStats {
     /// (`overlap_comm`).
     pub gathered_ahead: u64,
     /// Of the all-gathers and reduce-scatters, those that moved the device's buffers through
-    /// its device collectives ([`GatherGroup::gather_on_device`]) rather than host copies.
+    /// its device collectives ([`Chunks`] of the device) rather than host copies.
     pub on_device: u64,
     /// Bytes this rank's transport sent for the parameter fetches (measured around each
     /// collective; half as many for a 16-bit model as for an f32 one).
@@ -78,14 +76,14 @@ pub struct GatherStats {
     pub peak_live_elems: usize,
 }
 
-pub(super) struct State {
+pub(crate) struct State {
     /// The module's current shards (flat, `chunk` elements, no autodiff), for prefetching.
     pub(super) shards: Vec<Option<Tensor<1>>>,
     pub(super) trace: Vec<usize>,
     /// Recording the first forward's order.
     pub(super) recording: bool,
     pub(super) cache: HashMap<usize, Vec<f32>>,
-    /// The prefetched tensors of gathers on the device ([`GatherGroup::gather_on_device`]).
+    /// The prefetched tensors of gathers on the device.
     pub(super) device_cache: HashMap<usize, Tensor<1>>,
     pub(super) cache_elems: usize,
     pub(super) error: Option<CommError>,
@@ -151,7 +149,7 @@ pub struct GatherGroup {
     /// (`stage3_use_all_reduce_for_fetch_params`): the same values, twice the traffic.
     pub(super) fetch_by_all_reduce: bool,
     /// The collectives on the device's buffers, when the regime gathers there
-    /// ([`set_device_collectives`](Self::set_device_collectives)).
+    /// ([`set_device_collectives`](GatherGroup::set_device_collectives)).
     pub(super) device: OnceLock<Arc<dyn DeviceCollectives>>,
     /// The communication thread that all-gathers bundles ahead (`overlap_comm`).
     pub(super) worker: OnceLock<CommWorker>,
@@ -299,6 +297,19 @@ impl GatherGroup {
             .map_or(0, |o| 4 * o.grads.len() as u64)
     }
 
+    /// From now on the op gathers and reduce-scatters the tensors of a Cube device (wgpu,
+    /// CUDA) through `coll` on their own buffers: NCCL moves them without leaving the GPU, the
+    /// host collectives stage them as they must. Set once, by the device-resident regime.
+    pub fn set_device_collectives(&self, coll: Arc<dyn DeviceCollectives>) {
+        // A second call keeps the first collectives: a group has one transport.
+        let _ = self.device.set(coll);
+    }
+
+    /// The device collectives, when the regime gathers on the device.
+    pub fn device_collectives(&self) -> Option<&Arc<dyn DeviceCollectives>> {
+        self.device.get()
+    }
+
     /// Marks this group's parameters whole again: from now on the op passes stored values
     /// through unchanged. Called once the module's shards were replaced by whole tensors.
     pub fn release(&self) {
@@ -332,67 +343,54 @@ impl GatherGroup {
         self.state().stats
     }
 
-    /// Tensor `t` whole (`numel` values), from this rank's `shard` (`chunk` values).
-    pub fn gather(&self, t: usize, shard: Vec<f32>, phase: Phase) -> Vec<f32> {
+    /// Tensor `t` whole (rank-1, `numel` elements) from this rank's `shard` (`chunk`
+    /// elements), as host values or on the device ([`Chunks`]): from the prefetch cache, or
+    /// by one all-gather of the bundle the trace names from `t` on (for a forward), whose
+    /// other tensors are cached until asked for.
+    pub(crate) fn gather<C: Chunks>(&self, t: usize, shard: C, phase: Phase) -> C {
         let mut st = self.state();
-        let numel = self.plan.tensors()[t].numel;
         self.note_gather(&mut st, t, phase);
         if phase == Phase::Forward {
             let coming = st.inflight.as_ref().is_some_and(|f| f.bundle.contains(&t));
             if coming {
                 self.settle_inflight(&mut st, true);
             }
-            if let Some(values) = st.cache.remove(&t) {
+            if let Some(values) = C::cache(&mut st).remove(&t) {
                 st.cache_elems -= values.len();
                 self.read_ahead(&st, t, phase);
-                self.gather_ahead(&mut st, t);
+                if C::GATHERS_AHEAD {
+                    self.gather_ahead(&mut st, t);
+                }
                 return values;
             }
         }
         // This rank's own collective comes next: the one in flight ends first (its tensors
         // are kept for this forward).
         self.settle_inflight(&mut st, phase == Phase::Forward);
-        // Under `offload_param` the module's shard is an empty placeholder.
-        let shard = match st.offload.is_some() {
-            true => self.read_piece(&mut st, t),
-            false => shard,
-        };
+        let shard = C::own(self, &mut st, t, shard);
         let mut bundle = vec![t];
         if phase == Phase::Forward && !st.recording {
             self.plan_prefetch(&st, t, &mut bundle);
         }
-        // A traced tensor without a registered shard (the same on every rank) is not
-        // prefetched; it is gathered when read.
-        let mut shards: Vec<Vec<f32>> = Vec::with_capacity(bundle.len());
-        shards.push(shard);
         let mut fetched = vec![t];
+        let mut shards = vec![shard];
         for &j in &bundle[1..] {
-            let values = match st.offload.is_some() {
-                true => Some(self.read_piece(&mut st, j)),
-                false => st
-                    .shards
-                    .get(j)
-                    .cloned()
-                    .flatten()
-                    .map(crate::transfer::read_f32),
-            };
-            if let Some(values) = values {
+            if let Some(s) = C::bundled(self, &mut st, j, &shards[0]) {
                 fetched.push(j);
-                shards.push(values);
+                shards.push(s);
             }
         }
-        let bundle = fetched;
-        let mut wholes = self.all_gather(&mut st, &bundle, &shards);
+        let mut wholes = C::all_gather(self, &mut st, &fetched, shards);
         let first = wholes.remove(0);
-        for (&j, values) in bundle[1..].iter().zip(wholes) {
+        for (&j, values) in fetched[1..].iter().zip(wholes) {
             st.cache_elems += values.len();
-            st.cache.insert(j, values);
+            C::cache(&mut st).insert(j, values);
         }
         st.stats.peak_prefetched = st.stats.peak_prefetched.max(st.cache_elems);
         st.stats.peak_live_elems = st.stats.peak_live_elems.max(st.cache_elems + first.len());
-        debug_assert_eq!(first.len(), numel);
+        debug_assert_eq!(first.len(), self.plan.tensors()[t].numel);
         self.read_ahead(&st, t, phase);
-        if phase == Phase::Forward {
+        if phase == Phase::Forward && C::GATHERS_AHEAD {
             self.gather_ahead(&mut st, t);
         }
         first
@@ -413,44 +411,6 @@ impl GatherGroup {
                 vec![0.0; chunk]
             }
         }
-    }
-
-    /// One all-gather of the chunks of `bundle` (this rank's in `shards`): every rank's
-    /// chunks of all bundled tensors, back to back in rank order.
-    pub(super) fn all_gather(
-        &self,
-        st: &mut State,
-        bundle: &[usize],
-        shards: &[Vec<f32>],
-    ) -> Vec<Vec<f32>> {
-        let tensors = self.plan.tensors();
-        let world = self.comm.world_size();
-        let per_rank: usize = bundle.iter().map(|&j| tensors[j].chunk).sum();
-        let mut input = Vec::with_capacity(per_rank);
-        for (&j, s) in bundle.iter().zip(shards) {
-            debug_assert_eq!(s.len(), tensors[j].chunk);
-            input.extend_from_slice(s);
-        }
-        let mut out = vec![0.0f32; per_rank * world];
-        if st.error.is_none() {
-            st.stats.all_gathers += 1;
-            let _span = tracing::trace_span!("zero3_all_gather", elems = out.len()).entered();
-            self.comm.label_next(label("gather", bundle));
-            let before = self.comm.stats().total_sent();
-            let result = fetch(
-                self.comm.as_ref(),
-                st.wire,
-                self.fetch_by_all_reduce,
-                &input,
-                &mut out,
-            );
-            st.stats.gather_bytes_sent += self.comm.stats().total_sent() - before;
-            if let Err(e) = result {
-                self.fail(st, e);
-                out.iter_mut().for_each(|x| *x = 0.0);
-            }
-        }
-        self.split_wholes(bundle, &out)
     }
 
     /// Each tensor of `bundle` whole, from `out`: every rank's chunks of the bundle, back to
@@ -492,50 +452,18 @@ impl GatherGroup {
         st.error = Some(e);
     }
 
-    /// This rank's chunk of the sum over ranks of tensor `t`'s whole gradient `grad`.
-    pub fn reduce_scatter(&self, t: usize, mut grad: Vec<f32>) -> Vec<f32> {
+    /// This rank's chunk of the sum over ranks of tensor `t`'s whole gradient `grad` (rank-1,
+    /// as host values or on the device), times `gradient_predivide_factor`'s factor.
+    pub(crate) fn reduce_scatter<C: Chunks>(&self, t: usize, grad: C) -> C {
         let mut st = self.state();
         self.end_forward(&mut st);
         st.stats.reduce_scatters += 1;
         let s = self.plan.tensors()[t];
-        grad.resize(s.chunk * self.comm.world_size(), 0.0);
-        if self.pre != 1.0 {
-            grad.iter_mut().for_each(|g| *g *= self.pre);
-        }
-        let mut out = vec![0.0f32; s.chunk];
-        st.stats.peak_live_elems = st.stats.peak_live_elems.max(grad.len() + out.len());
-        if st.error.is_none() {
-            let _span = tracing::trace_span!("zero3_reduce_scatter", elems = grad.len()).entered();
-            self.comm.label_next(label("reduce", &[t]));
-            if let Err(e) = self
-                .comm
-                .reduce_scatter_equal(&grad, &mut out, ReduceOp::Sum)
-            {
-                self.fail(&mut st, e);
-                out.iter_mut().for_each(|x| *x = 0.0);
-            }
-        }
-        if let Some(o) = st.offload.as_mut() {
-            // Summed into the rank's buffer; autodiff gets the placeholder's empty gradient.
-            if let Some(at) = o.local_start[t] {
-                let n = self.plan.own(self.comm.rank(), t).len();
-                o.grads[at..at + n]
-                    .iter_mut()
-                    .zip(&out)
-                    .for_each(|(s, g)| *s += g);
-            }
-            return Vec::new();
-        }
-        if st.wire.is_some() && st.keep_chunk_grads {
-            match st.chunk_grads.get_mut(&t) {
-                // A tensor read twice (tied weights) is reduce-scattered once per read.
-                Some(sum) => sum.iter_mut().zip(&out).for_each(|(s, g)| *s += g),
-                None => {
-                    st.chunk_grads.insert(t, out.clone());
-                }
-            }
-        }
-        out
+        let world = self.comm.world_size();
+        let padded = grad.padded(s.chunk * world, self.pre);
+        st.stats.peak_live_elems = st.stats.peak_live_elems.max(s.chunk * (world + 1));
+        let chunk = C::reduce_scatter(self, &mut st, t, padded, s.chunk);
+        C::keep(self, &mut st, t, chunk)
     }
 
     /// Whether a 16-bit module's reduce-scatters keep their f32 sums for

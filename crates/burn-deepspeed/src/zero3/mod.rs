@@ -4,8 +4,8 @@
 //! traces and prefetches. Under `offload_param` the pieces live in a [`ParamStore`] (host
 //! memory or a swap file) and the module keeps empty placeholders.
 
+mod chunks;
 mod coordinator;
-mod device;
 mod group;
 mod op;
 mod registry;

@@ -120,7 +120,7 @@ mod cube {
         fn gather_shard(shard: FloatTensor<Self>, key: u64, phase: Phase) -> FloatTensor<Self> {
             match resolve(key) {
                 Resolved::Group(group, t) if group.device_collectives().is_some() => {
-                    let whole = group.gather_on_device(t, Cube::into_flat(shard), phase);
+                    let whole = group.gather(t, Cube::into_flat(shard), phase);
                     Cube::from_flat(whole, Shape::from(group.shape(t).to_vec()))
                 }
                 _ => gather_on_host::<Self>(shard, key, phase),
@@ -134,7 +134,7 @@ mod cube {
         ) -> FloatTensor<Self> {
             match resolve(key) {
                 Resolved::Group(group, t) if group.device_collectives().is_some() => {
-                    let chunk = group.reduce_scatter_on_device(t, Cube::into_flat(grad));
+                    let chunk = group.reduce_scatter(t, Cube::into_flat(grad));
                     Cube::from_flat(chunk, chunk_shape)
                 }
                 _ => reduce_scatter_on_host::<Self>(grad, key, chunk_shape),

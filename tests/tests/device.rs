@@ -127,6 +127,41 @@ fn gpt_on_wgpu_matches_flex_at_every_stage() {
     }
 }
 
+/// Device-resident stage 3 with `overlap_comm` (on by default at stage 3) on wgpu, whose
+/// collectives stage through the host: the communication thread all-gathers the next bundle
+/// while the layer computes, and the run's losses, bytes and gathers equal the run without it.
+#[test]
+fn device_resident_stage_3_gathers_ahead_on_wgpu() {
+    let run = |overlap: bool| {
+        let mut s = spec(3, ModelDevice::Wgpu, 4, GPT_MINI);
+        // Bundles of a few tensors, so that there is a next one to gather ahead.
+        s.config.zero_optimization.prefetch_bucket_size = 3000;
+        s.config.zero_optimization.overlap_comm = Some(overlap);
+        run_spec(&s)
+    };
+    let (off, on) = (run(false), run(true));
+    let (a, b) = (
+        off.gather_stats.expect("stats"),
+        on.gather_stats.expect("stats"),
+    );
+    println!(
+        "stage 3 on wgpu: {} all-gathers, {} of them ahead on the communication thread; \
+         host/device bytes per step {:?} (without {:?})",
+        b.all_gathers,
+        b.gathered_ahead,
+        on.host_device_bytes_per_step,
+        off.host_device_bytes_per_step
+    );
+    assert_eq!(off.losses, on.losses);
+    assert_eq!(a.gathered_ahead, 0);
+    assert!(b.gathered_ahead > 0, "nothing went to the thread");
+    assert_eq!(a.all_gathers, b.all_gathers, "the same bundles");
+    assert_eq!(
+        on.host_device_bytes_per_step, on.staged_collective_bytes_per_step,
+        "every byte that crossed staged a collective"
+    );
+}
+
 /// Device-resident stage 3 with persistent tensors (GPT_MINI's biases and norms stay whole and
 /// their pieces are all-gathered after the step) beside cut ones: wgpu matches Flex,
 /// a checkpoint it saves resumes on wgpu and on Flex (the host regime) with the uninterrupted

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt};
-use burn_deepspeed_strategies::zero::{PartitionState, PartitionedOptimizer, ShardPlan};
+use burn_deepspeed_strategies::zero::{PartitionState, ShardPlan};
 
 use super::{
     CheckpointFile, CheckpointMeta, check_tag, commit_checkpoint, create_staging, f32_bytes,
@@ -267,13 +267,6 @@ fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta, show: bool) 
     })
 }
 
-/// A partitioned optimizer's slice, to save.
-pub fn save_slice(optim: Option<&PartitionedOptimizer>) -> Result<SavedState> {
-    let optim = optim.ok_or_else(no_state_to_restore)?;
-    let state = optim.export()?;
-    Ok(SavedState::Slice(partition_state_bytes(&state)))
-}
-
 /// The refusal of a rank that steps with its caller's optimizer and so keeps no state.
 pub fn no_state_to_restore() -> DeepSpeedError {
     DeepSpeedError::Checkpoint(
@@ -283,24 +276,9 @@ pub fn no_state_to_restore() -> DeepSpeedError {
     )
 }
 
-/// Every rank's optimizer slice joined into the whole state (steps, and m and v in layout
-/// order) on every rank: a collective (two all-gathers). `stage` says how the slices were cut
-/// (see [`join_slices`]). `None` when this rank keeps no optimizer state.
-pub fn gather_moments(
-    comm: &dyn Communicator,
-    optim: Option<&PartitionedOptimizer>,
-    sizes: &[usize],
-    stage: u8,
-) -> Result<Option<PartitionState>> {
-    let Some(optim) = optim else {
-        return Ok(None);
-    };
-    let state = optim.export()?;
-    gather_state(comm, &state, sizes, stage).map(Some)
-}
-
 /// Every rank's optimizer slice `state` joined into the whole state (steps, and m and v in
-/// layout order) on every rank, as [`gather_moments`]: a collective (two all-gathers).
+/// layout order) on every rank: a collective (two all-gathers). `stage` says how the slices
+/// were cut (see [`join_slices`]).
 pub fn gather_state(
     comm: &dyn Communicator,
     state: &PartitionState,

@@ -134,14 +134,6 @@ impl<G: GradElem> GradBuffer<G> {
         )
     }
 
-    /// Averages the accumulated gradient over this rank's micro-batches only and divides out
-    /// `loss_scale`, with no communication (the 1-bit optimizers' compression stage).
-    pub fn average_local(&mut self, loss_scale: f32) {
-        Scaling::mean(None, 1, self.micro_steps)
-            .unscaled(loss_scale)
-            .apply_post(&mut self.flat);
-    }
-
     /// Zeroes the buffer and the micro-batch count.
     pub fn reset(&mut self) {
         self.flat.iter_mut().for_each(|g| *g = G::default());

@@ -127,8 +127,16 @@ fn build_with<M: Module, G: GradElem>(
             (model, Box::new(sync))
         }
         (None, Some((coll, device, kind))) => {
-            let place = DevicePlace::new(coll, comm, &device);
+            let gather_ahead = gathers_ahead(config, comm.world_size(), &options);
+            let host_staged = coll.kind() == "host";
+            let place = DevicePlace::new(coll, comm.clone(), &device);
             let sync = ShardedSync::on_device(place, layout, &options, kind);
+            // On a device whose collectives stage through the host (wgpu), the communication
+            // thread gathers ahead in host memory as the host regime does.
+            if gather_ahead && host_staged {
+                let started = sync.group().overlap_prefetch().map_err(Into::into);
+                agreed(comm.as_ref(), "overlap_comm thread", started)?;
+            }
             let model = sync.shard(model);
             (model, Box::new(sync))
         }

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorData};
 use burn_deepspeed_strategies::comm::{CommunicatorExt, ReduceOp};
 
 use super::group::{GatherGroup, State, label};
@@ -20,15 +20,18 @@ use crate::transfer;
 
 /// One kind of buffer the gather group gathers and reduce-scatters (see the module docs).
 pub(crate) trait Chunks: Sized {
-    /// Whether the group may all-gather the next bundle of this kind on its communication
-    /// thread (`overlap_comm`).
-    const GATHERS_AHEAD: bool;
+    /// Whether the group may all-gather the next bundle for this kind on its communication
+    /// thread (`overlap_comm`), which moves host values through the communicator.
+    fn gathers_ahead(group: &GatherGroup) -> bool;
 
     /// Elements.
     fn len(&self) -> usize;
 
     /// The prefetched tensors of this kind.
     fn cache(st: &mut State) -> &mut HashMap<usize, Self>;
+
+    /// Tensor `t` whole from the prefetch cache, as `like` (its device and dtype), if there.
+    fn cached(st: &mut State, t: usize, like: &Self) -> Option<Self>;
 
     /// This rank's chunk of tensor `t` as the gather sends it, given the module's `shard`.
     fn own(group: &GatherGroup, st: &mut State, t: usize, shard: Self) -> Self;
@@ -66,7 +69,9 @@ pub(crate) trait Chunks: Sized {
 }
 
 impl Chunks for Vec<f32> {
-    const GATHERS_AHEAD: bool = true;
+    fn gathers_ahead(_group: &GatherGroup) -> bool {
+        true
+    }
 
     fn len(&self) -> usize {
         Vec::len(self)
@@ -74,6 +79,10 @@ impl Chunks for Vec<f32> {
 
     fn cache(st: &mut State) -> &mut HashMap<usize, Self> {
         &mut st.cache
+    }
+
+    fn cached(st: &mut State, t: usize, _like: &Self) -> Option<Self> {
+        st.cache.remove(&t)
     }
 
     /// Under `offload_param` the module's shard is an empty placeholder: the piece is read.
@@ -185,8 +194,13 @@ impl Chunks for Vec<f32> {
 }
 
 impl Chunks for Tensor<1> {
-    /// The communication thread moves host values only.
-    const GATHERS_AHEAD: bool = false;
+    /// Where the device collectives stage through the host anyway (wgpu): the thread's host
+    /// all-gather moves the same bytes. NCCL keeps its gathers on the device.
+    fn gathers_ahead(group: &GatherGroup) -> bool {
+        group
+            .device_collectives()
+            .is_some_and(|c| c.kind() == "host")
+    }
 
     fn len(&self) -> usize {
         self.dims()[0]
@@ -194,6 +208,20 @@ impl Chunks for Tensor<1> {
 
     fn cache(st: &mut State) -> &mut HashMap<usize, Self> {
         &mut st.device_cache
+    }
+
+    /// A tensor the communication thread gathered ahead is host values: written to the
+    /// device as the staging of that all-gather.
+    fn cached(st: &mut State, t: usize, like: &Self) -> Option<Self> {
+        if let Some(whole) = st.device_cache.remove(&t) {
+            return Some(whole);
+        }
+        let values = st.cache.remove(&t)?;
+        let n = values.len();
+        let data = TensorData::new(values, [n]);
+        Some(transfer::staging(|| {
+            transfer::write(data, &like.device(), like.dtype())
+        }))
     }
 
     fn own(_group: &GatherGroup, _st: &mut State, _t: usize, shard: Self) -> Self {

@@ -140,7 +140,8 @@ impl GatherGroup {
         let mut input = Vec::new();
         for &j in &bundle {
             if let Some(shard) = st.shards[j].clone() {
-                input.extend(transfer::read_f32(shard));
+                // On a device, the all-gather's staging.
+                input.extend(transfer::staging(|| transfer::read_f32(shard)));
             }
         }
         st.stats.all_gathers += 1;

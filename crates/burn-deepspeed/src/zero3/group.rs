@@ -355,10 +355,10 @@ impl GatherGroup {
             if coming {
                 self.settle_inflight(&mut st, true);
             }
-            if let Some(values) = C::cache(&mut st).remove(&t) {
+            if let Some(values) = C::cached(&mut st, t, &shard) {
                 st.cache_elems -= values.len();
                 self.read_ahead(&st, t, phase);
-                if C::GATHERS_AHEAD {
+                if C::gathers_ahead(self) {
                     self.gather_ahead(&mut st, t);
                 }
                 return values;
@@ -390,7 +390,7 @@ impl GatherGroup {
         st.stats.peak_live_elems = st.stats.peak_live_elems.max(st.cache_elems + first.len());
         debug_assert_eq!(first.len(), self.plan.tensors()[t].numel);
         self.read_ahead(&st, t, phase);
-        if phase == Phase::Forward && C::GATHERS_AHEAD {
+        if phase == Phase::Forward && C::gathers_ahead(self) {
             self.gather_ahead(&mut st, t);
         }
         first

@@ -560,9 +560,7 @@ fn device_resident_stage_0_in_fp16_matches_flex() {
     let fp16 = |device| {
         let mut s = spec(0, device, 20, GPT_MINI);
         s.config.fp16.enabled = true;
-        // A scale that overflows neither run: the host regime sums fp16 gradient buffers
-        // (DeepSpeed's 2Ψ), which overflow at a scale the device regime's fp32 buffer takes,
-        // so the runs would skip different steps.
+        // A scale that overflows neither run.
         s.config.fp16.initial_scale_power = 8;
         run_spec(&s)
     };
@@ -583,6 +581,48 @@ fn device_resident_stage_0_in_fp16_matches_flex() {
     assert!(worst <= 5e-3, "fp16 on wgpu vs Flex: {worst:e}");
     assert!(wgpu.losses[19] < wgpu.losses[0] - 0.5, "it trains");
     assert_only_the_staged_all_reduce(&wgpu);
+}
+
+/// fp16 gradient buffers on the device: at stages 2 and 3 under dynamic loss scaling from
+/// DeepSpeed's default scale, the device regimes hold the accumulated gradient in fp16 as the
+/// host regimes do (the paper's 2Ψ): they skip the steps Flex skips, the losses follow Flex,
+/// and at stage 2 the peak model-state bytes equal the host regime's.
+#[test]
+fn device_resident_fp16_gradient_buffers_skip_the_steps_flex_skips() {
+    for stage in [2u8, 3] {
+        let fp16 = |device| {
+            let mut s = spec(stage, device, 8, GPT_MINI);
+            s.config.fp16.enabled = true;
+            run_spec(&s)
+        };
+        let (flex, wgpu) = (fp16(ModelDevice::Flex), fp16(ModelDevice::Wgpu));
+        let worst = max_rel_diff(&flex.losses, &wgpu.losses);
+        println!(
+            "fp16 stage {stage}: skipped {} on Flex, {} on wgpu; max rel diff {worst:.2e}; peak \
+             model-state bytes {} on Flex, {} on wgpu",
+            flex.skipped_steps,
+            wgpu.skipped_steps,
+            flex.peak_model_state_bytes_per_rank,
+            wgpu.peak_model_state_bytes_per_rank
+        );
+        assert!(
+            flex.skipped_steps > 0,
+            "stage {stage}: the default scale overflows"
+        );
+        assert_eq!(flex.skipped_steps, wgpu.skipped_steps, "stage {stage}");
+        assert!(
+            worst <= 5e-3,
+            "stage {stage}: fp16 on wgpu vs Flex {worst:e}"
+        );
+        if stage == 2 {
+            // The fp16 slice of the gradient weighs what the host's does (an fp32 one would
+            // add 2 bytes per element of the slice).
+            assert_eq!(
+                flex.peak_model_state_bytes_per_rank,
+                wgpu.peak_model_state_bytes_per_rank
+            );
+        }
+    }
 }
 
 /// Host/device bytes per step of a device-resident 1-bit run of `params` parameters on 2 wgpu

@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use burn_deepspeed_strategies::comm::ReduceOp;
 use burn_deepspeed_strategies::place::{DevicePlace, Place};
 
@@ -34,14 +34,17 @@ pub struct DeviceGrads {
     grads: Option<Tensor<1>>,
     /// Tensor slicing: the 0/1 mask of what this rank counts in its part (`None`: all).
     mask: Option<Tensor<1>>,
+    /// The dtype the accumulated gradient is held in (f16 under fp16).
+    dtype: DType,
     device: Device,
 }
 
 impl DeviceGrads {
-    /// The gradient of `part` (this rank's) on `place`'s device; `pre` is the factor before
-    /// a reduction (`1 / gradient_predivide_factor`, or 1).
-    pub fn new(place: &DevicePlace, part: &Part, pre: f32) -> Self {
+    /// The gradient of `part` (this rank's) on `place`'s device, accumulated in `dtype`; `pre`
+    /// is the factor before a reduction (`1 / gradient_predivide_factor`, or 1).
+    pub fn new(place: &DevicePlace, part: &Part, pre: f32, dtype: DType) -> Self {
         Self {
+            dtype,
             cut: part.cut,
             own: part.own.clone(),
             counts: part.counts(),
@@ -83,17 +86,14 @@ impl GradStore for DeviceGrads {
             }
             _ => flat,
         };
-        self.grads = Some(match self.grads.take() {
-            Some(acc) => acc + flat,
-            None => flat,
-        });
+        self.grads = Some(held(self.grads.take(), flat, self.dtype));
         4 * self.numel as u64
     }
 
     fn reduce(&mut self, place: &DevicePlace, scaling: Scaling) -> Result<()> {
         let streamed = self.cut == Cut::Gradients;
         let len = if streamed { self.own.len() } else { self.numel };
-        let grads = self.grads.take().unwrap_or_else(|| place.zeros(len));
+        let grads = (self.grads.take()).map_or_else(|| place.zeros(len), widened);
         let coll = place.collectives();
         let grads = match self.cut {
             Cut::Nothing => {
@@ -128,7 +128,7 @@ impl GradStore for DeviceGrads {
     }
 
     fn bytes(&self) -> u64 {
-        self.grads.as_ref().map_or(0, |g| 4 * g.dims()[0] as u64)
+        self.grads.as_ref().map_or(0, buffer_bytes)
     }
 
     fn reset(&mut self) {
@@ -142,6 +142,30 @@ impl GradStore for DeviceGrads {
 
 fn before_reduce() -> DeepSpeedError {
     DeepSpeedError::Regime("the gradient was read before the reduction".into())
+}
+
+/// `acc` (none yet) plus `add` (f32), held in `dtype`: f32 as it is, a 16-bit dtype summed in
+/// f32 and rounded once, as the host's buffers are.
+pub(super) fn held(acc: Option<Tensor<1>>, add: Tensor<1>, dtype: DType) -> Tensor<1> {
+    match (acc, dtype) {
+        (None, DType::F32) => add,
+        (Some(acc), DType::F32) => acc + add,
+        (None, dtype) => add.cast(dtype),
+        (Some(acc), dtype) => (acc.cast(DType::F32) + add).cast(dtype),
+    }
+}
+
+/// A held gradient in f32, for its reduction.
+pub(super) fn widened(grads: Tensor<1>) -> Tensor<1> {
+    match grads.dtype() {
+        DType::F32 => grads,
+        _ => grads.cast(DType::F32),
+    }
+}
+
+/// Bytes of a device buffer.
+pub(super) fn buffer_bytes(buf: &Tensor<1>) -> u64 {
+    (buf.dims()[0] * buf.dtype().size()) as u64
 }
 
 /// A device store's reduced part, read by the norm, the clip and the step.

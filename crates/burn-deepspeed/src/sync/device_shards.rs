@@ -17,7 +17,7 @@ use burn::tensor::{DType, Device, Tensor};
 use burn_deepspeed_strategies::comm::ReduceOp;
 use burn_deepspeed_strategies::place::{DevicePlace, Place};
 
-use super::device_grads::{own_part, own_squares};
+use super::device_grads::{buffer_bytes, held, own_part, own_squares, widened};
 use super::grads::GradStore;
 use super::scale::Scaling;
 use super::{ModelParallelNorm, ModelPlace, ShardCut};
@@ -41,12 +41,15 @@ pub struct DeviceShards {
     reduced: Option<Tensor<1>>,
     /// Tensor slicing: the 0/1 mask of what this rank counts in its pieces (`None`: all).
     mask: Option<Tensor<1>>,
+    /// The dtype the accumulated gradients are held in (f16 under fp16).
+    dtype: DType,
     device: Device,
 }
 
 impl DeviceShards {
-    /// The gradient of `cut`'s pieces on `place`'s device, reduce-scattered by `group`.
-    pub fn new(place: &DevicePlace, group: Arc<GatherGroup>, cut: ShardCut) -> Self {
+    /// The gradient of `cut`'s pieces on `place`'s device, reduce-scattered by `group`, held
+    /// in `dtype`.
+    pub fn new(place: &DevicePlace, group: Arc<GatherGroup>, cut: ShardCut, dtype: DType) -> Self {
         let mut chunk_at = vec![None; cut.local.len()];
         let mut chunk_len = 0;
         for s in &cut.segments {
@@ -66,6 +69,7 @@ impl DeviceShards {
             persistent: None,
             reduced: None,
             mask: None,
+            dtype,
             device: place.device().clone(),
         }
     }
@@ -149,14 +153,8 @@ impl GradStore for DeviceShards {
             })
             .collect();
         let persistent_flat = self.join(persistent_parts);
-        self.chunks = Some(match self.chunks.take() {
-            Some(acc) => acc + chunk_flat,
-            None => chunk_flat,
-        });
-        self.persistent = Some(match self.persistent.take() {
-            Some(acc) => acc + persistent_flat,
-            None => persistent_flat,
-        });
+        self.chunks = Some(held(self.chunks.take(), chunk_flat, self.dtype));
+        self.persistent = Some(held(self.persistent.take(), persistent_flat, self.dtype));
         // Beyond the store: what the gathers allocated at once.
         4 * self.group.stats().peak_live_elems as u64
     }
@@ -164,9 +162,10 @@ impl GradStore for DeviceShards {
     /// All-reduces the persistent tensors' gradients and joins this rank's pieces (buffer
     /// order); the mean that `scaling` describes.
     fn reduce(&mut self, place: &DevicePlace, scaling: Scaling) -> Result<()> {
-        let chunks = (self.chunks.take()).unwrap_or_else(|| self.zeros(self.chunk_len));
+        let chunks = (self.chunks.take()).map_or_else(|| self.zeros(self.chunk_len), widened);
         let persistent_len = self.cut.persistent_len;
-        let mut persistent = (self.persistent.take()).unwrap_or_else(|| self.zeros(persistent_len));
+        let mut persistent =
+            (self.persistent.take()).map_or_else(|| self.zeros(persistent_len), widened);
         if persistent_len > 0 {
             if scaling.pre != 1.0 {
                 persistent = persistent.mul_scalar(scaling.pre);
@@ -217,7 +216,7 @@ impl GradStore for DeviceShards {
         [&self.chunks, &self.persistent, &self.reduced]
             .into_iter()
             .flatten()
-            .map(|g| 4 * g.dims()[0] as u64)
+            .map(buffer_bytes)
             .sum()
     }
 

@@ -1,5 +1,7 @@
 //! [`SyncOptions`]: the reduction settings of a config, read once for every regime.
 
+use burn::tensor::DType;
+
 use super::ZeroPlan;
 use crate::config::DeepSpeedConfig;
 
@@ -32,6 +34,9 @@ pub struct SyncOptions {
     pub model_persistence: usize,
     /// `stage3_use_all_reduce_for_fetch_params`.
     pub fetch_by_all_reduce: bool,
+    /// The dtype the accumulated gradient is held in: f16 under fp16 (the paper's 2Ψ), f32
+    /// otherwise (bf16 accumulates in f32, as DeepSpeed's bf16 optimizer does).
+    pub grad_dtype: DType,
 }
 
 impl SyncOptions {
@@ -53,6 +58,10 @@ impl SyncOptions {
             param_persistence: z.param_persistence_threshold as usize,
             model_persistence: usize::try_from(z.model_persistence_threshold).unwrap_or(usize::MAX),
             fetch_by_all_reduce: z.stage3_use_all_reduce_for_fetch_params,
+            grad_dtype: match config.fp16.enabled {
+                true => DType::F16,
+                false => DType::F32,
+            },
         }
     }
 

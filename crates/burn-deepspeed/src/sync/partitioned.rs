@@ -167,7 +167,7 @@ impl PartitionedSync<DeviceGrads> {
         let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
         let across = cut != Cut::Nothing;
         let optim = DeviceFlatOptimizer::new(kind, &place, part.own.clone(), &sizes, across);
-        let grads = DeviceGrads::new(&place, &part, options.pre_factor());
+        let grads = DeviceGrads::new(&place, &part, options.pre_factor(), options.grad_dtype);
         Self::with(place, grads, layout, part, options, Some(optim))
     }
 }

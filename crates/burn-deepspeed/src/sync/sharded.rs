@@ -212,7 +212,7 @@ impl ShardedSync<DeviceShards> {
         let (pieces, tensors) = (cut.pieces(), layout.slots.len());
         let optim =
             DeviceFlatOptimizer::over_pieces(kind, &place, pieces, cut.own_len, tensors, true);
-        let grads = DeviceShards::new(&place, group.clone(), cut.clone());
+        let grads = DeviceShards::new(&place, group.clone(), cut.clone(), options.grad_dtype);
         Self::with(place, grads, layout, group, cut, options, Some(optim))
     }
 }

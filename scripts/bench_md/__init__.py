@@ -1,0 +1,1 @@
+"""The sections of BENCHMARKS.md, one module each (see scripts/benchmarks_md.py)."""

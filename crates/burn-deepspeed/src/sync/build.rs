@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn::tensor::Device;
+use burn::tensor::{DType, Device};
 use burn_deepspeed_strategies::comm::Communicator;
 use burn_deepspeed_strategies::device::{device_collectives, host_resident};
 use burn_deepspeed_strategies::place::{DevicePlace, HostPlace};
@@ -29,10 +29,10 @@ pub fn build<M: Module>(
     config: &DeepSpeedConfig,
     comm: Arc<dyn Communicator>,
 ) -> Result<(M, Box<dyn GradSync<M>>)> {
-    if config.fp16.enabled {
-        build_with::<M, f16>(model, config, comm)
-    } else {
-        build_with::<M, f32>(model, config, comm)
+    // The host stores' element is the dtype every regime holds its gradient in.
+    match SyncOptions::of(config).grad_dtype {
+        DType::F16 => build_with::<M, f16>(model, config, comm),
+        _ => build_with::<M, f32>(model, config, comm),
     }
 }
 

@@ -185,11 +185,7 @@ pub(super) fn step_part<S: GradStore>(
 ) -> Result<u64> {
     let _span = tracing::debug_span!("optimizer_step", rank = place.rank()).entered();
     let Some(optim) = optim else {
-        return Err(DeepSpeedError::Data(
-            "this ZeRO regime has no optimizer: the caller steps its tensors and calls \
-             finish_external_step"
-                .into(),
-        ));
+        return Err(no_optimizer());
     };
     let offloaded = optim.is_offloaded();
     let stepped = store.own().and_then(|grads| {
@@ -204,6 +200,15 @@ pub(super) fn step_part<S: GradStore>(
         true => agreed(place.comm(), "offloaded optimizer step", stepped),
         false => stepped,
     }
+}
+
+/// The refusal of a regime without an optimizer of its own asked to step.
+pub(super) fn no_optimizer() -> DeepSpeedError {
+    DeepSpeedError::Data(
+        "this ZeRO regime has no optimizer: the caller steps its tensors and calls \
+         finish_external_step"
+            .into(),
+    )
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ use burn_deepspeed_strategies::place::{DevicePlace, HostPlace, Place};
 use burn_deepspeed_strategies::zero::{PartitionState, PartitionedKind, ShardPlan};
 
 use super::buffer::merge_presence;
-use super::grads::{GradStore, reduce_and_clip, step_part};
+use super::grads::{GradStore, no_optimizer, reduce_and_clip, step_part};
 use super::scale::Scaling;
 use super::{
     DeviceFlatOptimizer, DeviceShards, FlatOptimizer, GradElem, GradSync, HostFlatOptimizer,
@@ -320,7 +320,7 @@ impl<S: GradStore> ShardedSync<S> {
                     let values = place.read(params);
                     Ok(writer.push(0..values.len(), &values, &mut done)?)
                 }
-                (None, _) => Err(steps_with_the_callers_optimizer()),
+                (None, _) => Err(no_optimizer()),
             }
         })();
         if mixed {
@@ -343,10 +343,6 @@ impl<S: GradStore> ShardedSync<S> {
         self.micro_steps = 0;
         self.present.iter_mut().for_each(|p| *p = 0);
     }
-}
-
-fn steps_with_the_callers_optimizer() -> DeepSpeedError {
-    DeepSpeedError::Data("this stage-3 state steps with the caller's optimizer".into())
 }
 
 impl<M: Module, S: GradStore> GradSync<M> for ShardedSync<S> {

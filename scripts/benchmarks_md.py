@@ -1,6 +1,10 @@
 """Writes one section of BENCHMARKS.md from benchmark JSON, keeping the other sections.
 
-Sections are delimited by `<!-- section: NAME -->` ... `<!-- end: NAME -->`.
+Sections are delimited by `<!-- section: NAME -->` ... `<!-- end: NAME -->`. Each section's
+prose is a template in `bench_md/templates/` (Python format syntax); its module in `bench_md/`
+reads the benchmark's JSON and computes the figures and table rows that fill it.
+`python3 scripts/bench_md/selfcheck.py` renders every section from symbolic output.
+
 Usage: benchmarks_md.py pipeline BENCH_JSON GRID_MPI_JSON GRID_THREADS_JSON CORES
        benchmarks_md.py onebit DIR FREEZE_STEP CORES
        benchmarks_md.py zero DIR CORES

@@ -135,6 +135,8 @@ while read -r name kind harness folder exe <&3; do
     esac
 done 3< "$out/binaries.txt"
 group "doc tests" cargo test --workspace --features "$FEATURES" --doc
+# The BENCHMARKS.md generator: every section's code against its prose templates.
+group "bench_md templates" python3 scripts/bench_md/selfcheck.py
 
 # The binaries the runs under mpirun use.
 conformance=$(binary mpi_conformance)

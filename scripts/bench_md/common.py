@@ -7,6 +7,7 @@ from pathlib import Path
 
 PATH = Path(__file__).resolve().parent.parent.parent / "BENCHMARKS.md"
 CORPUS = PATH.parent / "examples" / "gpt" / "data" / "corpus.txt"
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 HEADER = "# Benchmarks\n\nMeasured figures; each section names the command that regenerates it.\n"
 
 
@@ -22,6 +23,22 @@ def write_section(name, body):
         text = text.rstrip("\n") + "\n\n" + block
     PATH.write_text(text)
     print(f"wrote the `{name}` section of {PATH}")
+
+
+def render(template, **values):
+    """The text of `templates/TEMPLATE.md` with its `{name}` and `{name:spec}` placeholders
+    filled from `values` (Python's format syntax). The prose of every section lives in such a
+    file; the section's code computes the figures and the table rows. A line that is only a
+    placeholder whose value is empty (a table without rows) is left out."""
+    lines = (TEMPLATES / f"{template}.md").read_text().split("\n")
+    text = "\n".join(
+        line for line in lines
+        if not (line.startswith("{") and line.endswith("}") and values.get(line[1:-1]) == "")
+    )
+    try:
+        return text.format_map(values)
+    except KeyError as e:
+        raise SystemExit(f"templates/{template}.md names {e}, which its section does not compute")
 
 
 def last20(losses):

@@ -1,5 +1,7 @@
-"""The `device-flex` section of BENCHMARKS.md."""
+"""The `device-flex` section of BENCHMARKS.md (prose: templates/device-flex.md)."""
 import json
+
+from .common import render
 
 
 def device_flex(out, rounds, rev, cores):
@@ -14,24 +16,13 @@ def device_flex(out, rounds, rev, cores):
         return {s: sum(v) / len(v) for s, v in by_stage.items()}
 
     before, after = speeds("before"), speeds("after")
-    lines = [
-        "## Training on the model's device: Flex before and after",
-        "",
-        f"`bash scripts/bench-zero-compare.sh {rev}` (`ROUNDS={rounds}`): the ZeRO benchmark of",
-        f"`{rev}` (the last commit before the device-resident regimes) and of this checkout,",
-        "built side by side and interleaved round by round in one session on GPT `small`, world 2,",
-        f"{cores} cores; tokens/s averaged over the rounds. Flex keeps the host regimes, so the",
-        "losses of GPT `small` trained 3 steps at each stage by both binaries must be identical.",
-        "",
-        "| stage | before tokens/s | after tokens/s | after / before | losses bit-identical |",
-        "|---|---|---|---|---|",
-    ]
+    rows = []
     for s in sorted(before):
         lb = json.load(open(f"{out}/before-gpt-stage{s}.json"))["losses"]
         la = json.load(open(f"{out}/after-gpt-stage{s}.json"))["losses"]
         same = "yes" if lb == la else f"no: {lb} vs {la}"
-        lines.append(
+        rows.append(
             f"| {s} | {before[s]:.0f} | {after[s]:.0f} | {after[s] / before[s]:.3f} | {same} |"
         )
-    return "\n".join(lines) + "\n\n"
+    return render("device-flex", rev=rev, rounds=rounds, cores=cores, rows="\n".join(rows))
 

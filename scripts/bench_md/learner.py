@@ -1,7 +1,9 @@
-"""The `learner` section of BENCHMARKS.md."""
+"""The `learner` section of BENCHMARKS.md (prose: templates/learner.md)."""
 import json
 from statistics import median
 from pathlib import Path
+
+from .common import render
 
 
 def learner(directory, cores):
@@ -15,35 +17,7 @@ def learner(directory, cores):
 
     any_run = next(iter(runs.values()))[0]
     rounds = max(len(v) for v in runs.values())
-    lines = [
-        "## Learner strategy beside Burn's `MultiDevice(OptimSharded)`",
-        "",
-        f"`bash scripts/bench-learner.sh` (STEPS={any_run['steps']}, ROUNDS={rounds}) on a "
-        f"machine with {cores} CPU cores, Flex backend, fp32. GPT `{any_run['model']}` "
-        f"({any_run['params']:,} parameters), 4 sequences per rank per step, one epoch inside "
-        "`SupervisedTraining` with the Learner's AdamW (lr 1e-3). Each run is its own process, "
-        "so its peak RSS (`VmHWM`) is its own; every rank or Burn device is a thread of that "
-        "process, so the per-rank share is the process's peak over the world size. The "
-        "configurations are interleaved round by round; the table gives each one's median. "
-        "tokens/s counts training tokens over the whole `launch` (including one validation "
-        "batch and the event processing, the same for all).",
-        "",
-        "Burn's `OptimSharded` steps each parameter on one device (chosen by its id) and keeps "
-        "a full replica and full gradients on every device. It adds the devices' gradients "
-        "instead of averaging them, so its trajectory (held-out loss) differs; ours equals "
-        "stage 0's at every stage.",
-        "",
-        "Why Burn's is faster here: its devices are threads of one process sharing one "
-        "address space, so a parameter's gradients are added and stepped where they lie, "
-        "with no copies. Our ranks keep to SPMD as under MPI: gradients go through flat "
-        "buffers and the communicator, and at stage 0 every rank steps the whole model with "
-        "its own optimizer. Stage 3 holds the least: each rank stores its chunks, and only "
-        "the tensor in use is whole.",
-        "",
-        "| world | strategy | tokens/s | ratio to Burn's | peak RSS (B) | per rank (B) "
-        "| RSS ratio to Burn's | held-out loss |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for world in sorted({w for w, _ in runs}):
         base = runs.get((world, "burn-sharded"))
         base_tps = median([r["tokens_per_s"] for r in base]) if base else None
@@ -56,10 +30,12 @@ def learner(directory, cores):
             label = "Burn `MultiDevice(OptimSharded)`" if name == "burn-sharded" else name
             ratio = f"{tps / base_tps:.2f}" if base_tps else "-"
             rss_ratio = f"{rss / base_rss:.2f}" if base_rss else "-"
-            lines.append(
+            rows.append(
                 f"| {world} | {label} | {tps:.0f} | {ratio} | {rss:,} | {rss // world:,} "
                 f"| {rss_ratio} | {rs[0]['held_out_loss']:.4f} |"
             )
-    lines.append("")
-    return "\n".join(lines) + "\n"
+    return render(
+        "learner", steps=any_run["steps"], rounds=rounds, cores=cores, model=any_run["model"],
+        params=any_run["params"], rows="\n".join(rows),
+    )
 

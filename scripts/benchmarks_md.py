@@ -18,6 +18,7 @@ Usage: benchmarks_md.py pipeline BENCH_JSON GRID_MPI_JSON GRID_THREADS_JSON CORE
        benchmarks_md.py moe DIR STEPS CORES
        benchmarks_md.py overhead DIR CORES
        benchmarks_md.py vs-pytorch DIR CORES
+       benchmarks_md.py device-flex|redesign-flex OUT ROUNDS REV CORES
 """
 import sys
 
@@ -58,8 +59,8 @@ if __name__ == "__main__":
         write_section("offload", offload(*sys.argv[2:4]))
     elif kind == "moonshot":
         write_section("moonshot", moonshot(*sys.argv[2:5]))
-    elif kind == "device-flex":
-        write_section("device-flex", device_flex(*sys.argv[2:6]))
+    elif kind in ("device-flex", "redesign-flex"):
+        write_section(kind, device_flex(*sys.argv[2:6], section=kind))
     elif kind == "3d":
         write_section("3d", grid3d(*sys.argv[2:5]))
     elif kind == "inference":

@@ -1,11 +1,13 @@
-"""The `device-flex` section of BENCHMARKS.md (prose: templates/device-flex.md)."""
+"""The `device-flex` and `redesign-flex` sections of BENCHMARKS.md: two builds of the ZeRO
+benchmark interleaved in one session (prose: templates/device-flex.md, redesign-flex.md)."""
 import json
 
 from .common import render
 
 
-def device_flex(out, rounds, rev, cores):
-    """Flex before and after the device-resident regimes: `scripts/bench-zero-compare.sh`."""
+def device_flex(out, rounds, rev, cores, section="device-flex"):
+    """Flex before and after a change (`scripts/bench-zero-compare.sh`); `section` names the
+    change's section and template."""
     rounds = int(rounds)
 
     def speeds(side):
@@ -24,5 +26,5 @@ def device_flex(out, rounds, rev, cores):
         rows.append(
             f"| {s} | {before[s]:.0f} | {after[s]:.0f} | {after[s] / before[s]:.3f} | {same} |"
         )
-    return render("device-flex", rev=rev, rounds=rounds, cores=cores, rows="\n".join(rows))
+    return render(section, rev=rev, rounds=rounds, cores=cores, rows="\n".join(rows))
 

@@ -137,6 +137,8 @@ done 3< "$out/binaries.txt"
 group "doc tests" cargo test --workspace --features "$FEATURES" --doc
 # The BENCHMARKS.md generator: every section's code against its prose templates.
 group "bench_md templates" python3 scripts/bench_md/selfcheck.py
+# Every published crate packages, with its license files; the library has no CLI dependency.
+group "packaging" bash scripts/package-check.sh
 
 # The binaries the runs under mpirun use.
 conformance=$(binary mpi_conformance)
@@ -159,6 +161,22 @@ final = float(re.search(r"final loss ([0-9.]+)", text).group(1))
 assert len(losses) == 5 and final < 0.1 * losses[0], (losses, final)
 print(f"own_loop: 1 passed, 0 failed (loss {losses[0]:.4f} -> {final:.4f})")
 PY
+}
+
+# What a user sees of a run whose stderr is a file: the engine's step line every
+# `steps_per_print` steps (2 here, over 6 steps: 3 lines), through the default subscriber.
+gpt_log_lines() {
+python3 - examples/gpt/configs/default.json > "$out/log-config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["steps_per_print"] = 2
+print(json.dumps(c))
+PY
+"$gpt" --ranks 2 --steps 6 --config "$out/log-config.json" > /dev/null 2> "$out/gpt-log.err"
+grep "step" "$out/gpt-log.err" || true
+lines=$(grep -c "^\[burn-deepspeed\] INFO step [246]: loss" "$out/gpt-log.err" || true)
+[ "$lines" -eq 3 ] || { echo "gpt log lines: expected 3 step lines, found $lines" >&2; return 1; }
+echo "gpt log lines: 1 passed, 0 failed"
 }
 
 # The communicator conformance suite over MPI at 2 and 3 ranks.
@@ -241,18 +259,19 @@ echo "mpi faults: $fault_passed passed, $fault_failed failed"
 [ "$fault_failed" -eq 0 ]
 }
 
-# The GPT example over MPI prints the same losses as the same run in threads.
+# The GPT example over MPI prints the same losses as the same run in threads, both started by
+# the launcher (`burn-deepspeed launch --ranks 2` and `--mpi 2`; the program unchanged).
 mpi_gpt() {
 args=(--steps 4 --seed 7 --json)
-"$gpt" --ranks 2 "${args[@]}" | tail -n 1 > "$out/gpt-threads.json"
-mpirun -n 2 "$gpt" "${args[@]}" | tail -n 1 > "$out/gpt-mpi.json"
+"$cli" launch --ranks 2 -- "$gpt" "${args[@]}" | tail -n 1 > "$out/gpt-threads.json"
+"$cli" launch --mpi 2 -- "$gpt" "${args[@]}" | tail -n 1 > "$out/gpt-mpi.json"
 python3 - "$out/gpt-threads.json" "$out/gpt-mpi.json" <<'PY'
 import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 assert a["backend"] == "threads" and b["backend"] == "mpi", (a["backend"], b["backend"])
 assert a["world"] == b["world"] == 2
 worst = max(abs(x - y) / abs(x) for x, y in zip(a["losses"], b["losses"]))
-print(f"gpt threads vs mpirun -n 2: losses {a['losses']} vs {b['losses']}, max rel diff {worst:.2e}")
+print(f"launch --ranks 2 vs launch --mpi 2: losses {a['losses']} vs {b['losses']}, max rel diff {worst:.2e}")
 # Measured bytes at stage 0 on 2 ranks: both transports move each f32 gradient once per step
 # (the thread world's deposit, MPI's send buffer), which is also the ring model's figure.
 sent = [(r["comm_bytes_per_rank"][0], r["comm_bytes_model_per_rank"][0]) for r in (a, b)]
@@ -531,10 +550,12 @@ PY
 
 # Each block above, one group each.
 group "example own_loop" example_own_loop
+group "README quick starts" bash scripts/readme-quick-starts.sh
+group "gpt log lines" gpt_log_lines
 group "mpi conformance" mpi_conformance
 group "mpi conformance 64-byte messages" mpi_conformance_small
 group "mpi faults" mpi_faults
-group "mpi gpt parity" mpi_gpt
+group "launcher and mpi gpt parity" mpi_gpt
 group "mpi overlap_comm" mpi_overlap2
 group "mpi stage 3 overlap_comm" mpi_overlap3
 group "checkpoint consolidate" mpi_consolidate

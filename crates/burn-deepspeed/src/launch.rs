@@ -16,6 +16,38 @@ pub enum LaunchKind {
     Mpi,
 }
 
+/// The variable `burn-deepspeed launch --ranks N` sets for the program it starts: [`launch`]
+/// then runs N thread ranks, whatever count the program passes it.
+pub const RANKS_ENV: &str = "BURN_DEEPSPEED_RANKS";
+
+/// The number of thread ranks [`launch`] starts for a program that asks for `threads`:
+/// `BURN_DEEPSPEED_RANKS` when the launcher set it, else `threads`. A value that is not a
+/// positive count is an error naming the variable.
+pub fn thread_ranks(threads: usize) -> Result<usize> {
+    let Ok(value) = std::env::var(RANKS_ENV) else {
+        return Ok(threads);
+    };
+    match value.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(DeepSpeedError::Data(format!(
+            "{RANKS_ENV}={value:?} is not a number of ranks; set it to a positive count or \
+             unset it"
+        ))),
+    }
+}
+
+/// The optional features this build of the library has, of `mpi`, `wgpu` and `cuda`.
+pub fn built_features() -> Vec<&'static str> {
+    [
+        ("mpi", cfg!(feature = "mpi")),
+        ("wgpu", cfg!(feature = "wgpu")),
+        ("cuda", cfg!(feature = "cuda")),
+    ]
+    .into_iter()
+    .filter_map(|(name, on)| on.then_some(name))
+    .collect()
+}
+
 /// True when this process was started by `mpirun`/`mpiexec`.
 pub fn launched_by_mpirun() -> bool {
     std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
@@ -38,19 +70,28 @@ pub fn mpirun_world_size() -> Option<usize> {
 /// Runs `f` on every rank of this process and returns their results in rank order.
 ///
 /// Under `mpirun` (and with the `mpi` feature) this process is one rank: `f` runs once with
-/// the MPI communicator and `threads` is ignored. Otherwise `threads` ranks run as threads.
+/// the MPI communicator and `threads` is ignored. Otherwise `threads` ranks run as threads
+/// (or as many as `BURN_DEEPSPEED_RANKS` says, see [`thread_ranks`]).
 /// A rank that panics or fails makes the call return an error naming it. A rank whose `f`
 /// returns an error first [aborts](Communicator::abort) the world with it, so that its peers
 /// fail at once instead of waiting for it in their next collective (under `mpirun` the job
 /// ends with the rank and the reason on stderr).
+///
+/// When the program has installed no global `tracing` subscriber, each rank runs under the
+/// library's default one ([`log::default_dispatch`](crate::log::default_dispatch)): the step
+/// lines and warnings then reach stderr.
 pub fn launch<R, F>(threads: usize, timeout: Duration, f: F) -> Result<(LaunchKind, Vec<R>)>
 where
     R: Send,
     F: Fn(Arc<dyn Communicator>) -> Result<R> + Sync,
 {
     if launched_by_mpirun() {
-        return failing_aborts(mpi_world()?, f).map(|r| (LaunchKind::Mpi, vec![r]));
+        let comm = mpi_world()?;
+        let dispatch = crate::log::default_dispatch();
+        return crate::log::with_dispatch(dispatch.as_ref(), || failing_aborts(comm, f))
+            .map(|r| (LaunchKind::Mpi, vec![r]));
     }
+    let threads = thread_ranks(threads)?;
     let f = &f;
     let ranks = (0..threads).map(|_| move |comm| failing_aborts(comm, f));
     let no_leader: Option<fn(Arc<dyn Communicator>)> = None;
@@ -137,6 +178,9 @@ where
         Some(_) => None,
         None => rank_pool_threads(threads)?,
     };
+    // The library's log subscriber on every thread of a rank, when the program has none.
+    let dispatch = crate::log::default_dispatch();
+    let dispatch = dispatch.as_ref();
     let mut comms = world.communicators().into_iter();
     let leader = leader.map(|l| (l, comms.next().expect("a world has rank 0")));
     let first_follower = usize::from(leader.is_some());
@@ -148,12 +192,16 @@ where
                 std::thread::Builder::new()
                     .name(format!("rank-{}", i + first_follower))
                     .spawn_scoped(scope, move || {
-                        in_rank_pool(pool_threads, i + first_follower, || run(Arc::new(comm)))
+                        crate::log::with_dispatch(dispatch, || {
+                            let rank = i + first_follower;
+                            in_rank_pool(pool_threads, rank, dispatch, || run(Arc::new(comm)))
+                        })
                     })
                     .expect("failed to spawn a rank thread")
             })
             .collect();
-        let first = leader.map(|(run, comm)| run(Arc::new(comm)));
+        let first =
+            leader.map(|(run, comm)| crate::log::with_dispatch(dispatch, || run(Arc::new(comm))));
         (first, handles.into_iter().map(|h| h.join()).collect())
     }))
 }
@@ -191,12 +239,25 @@ fn pool_threads(set: Option<&str>, ranks: usize, cores: usize) -> Result<Option<
 /// Runs rank `rank`'s `f` on a rayon pool of its own of `threads` threads, which Flex's and our
 /// kernels then use (`None`: on the calling thread with the global pool, also when the pool
 /// cannot be built). The pool's threads are named after the rank, as its thread is, so that
-/// traces and debuggers show the rank's work under its name.
-fn in_rank_pool<R: Send>(threads: Option<usize>, rank: usize, f: impl FnOnce() -> R + Send) -> R {
+/// traces and debuggers show the rank's work under its name; they log through `dispatch`
+/// (the rank thread's), whichever of them runs the rank's step.
+fn in_rank_pool<R: Send>(
+    threads: Option<usize>,
+    rank: usize,
+    dispatch: Option<&tracing::Dispatch>,
+    f: impl FnOnce() -> R + Send,
+) -> R {
+    let dispatch = dispatch.cloned();
     let pool = threads.and_then(|n| {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .thread_name(move |_| format!("rank-{rank}"))
+            .start_handler(move |_| {
+                if let Some(d) = &dispatch {
+                    // For the pool thread's whole life: the guard is never dropped.
+                    std::mem::forget(tracing::dispatcher::set_default(d));
+                }
+            })
             .build()
             .ok()
     });

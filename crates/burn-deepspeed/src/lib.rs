@@ -23,6 +23,7 @@ pub mod grid;
 pub mod inference;
 pub mod launch;
 pub mod learner;
+pub mod log;
 pub mod memory;
 pub mod moe;
 pub mod monitor;

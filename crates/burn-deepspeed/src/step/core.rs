@@ -121,10 +121,11 @@ impl StepCore {
         Ok(!overflow)
     }
 
-    /// Ends the step: counts it, adds its phase times to the breakdown (printed as one line
-    /// every `steps_per_print` steps by the rank that passes `print_as`: its rank and a
-    /// suffix), and writes `record` to the monitor (its throughput figures are filled from
-    /// `step_time`). Returns the step's number.
+    /// Ends the step: counts it, adds its phase times to the breakdown, writes `record` to
+    /// the monitor (its throughput figures are filled from `step_time`), and, every
+    /// `steps_per_print` steps on the rank that passes `print_as` (its rank and a suffix),
+    /// logs the step's line (see [`step_line`]) and prints the breakdown's. Returns the step's
+    /// number.
     pub fn finish(
         &mut self,
         phases: &[(&'static str, Duration)],
@@ -134,24 +135,34 @@ impl StepCore {
     ) -> u64 {
         self.global_step += 1;
         let step = self.global_step;
+        let print = print_as.filter(|_| step.is_multiple_of(self.every));
         if let Some(breakdown) = &mut self.breakdown {
             breakdown.add(phases);
-            if let Some((rank, suffix)) = print_as
-                && step.is_multiple_of(self.every)
-            {
+            if let Some((rank, suffix)) = print {
                 eprintln!("{}{suffix}", breakdown.take_line(rank, step));
             }
         }
-        if let Some(monitor) = &mut self.monitor {
-            let timed = MonitorRecord::timed(
-                step,
-                self.train_batch_size,
-                step_time,
-                self.tokens_per_sample,
+        if self.monitor.is_none() && print.is_none() {
+            return step;
+        }
+        let timed = MonitorRecord::timed(
+            step,
+            self.train_batch_size,
+            step_time,
+            self.tokens_per_sample,
+        );
+        let record = record(timed);
+        if let Some((_, suffix)) = print {
+            tracing::info!(
+                target: "burn_deepspeed::step",
+                "{}{suffix}",
+                step_line(&record, self.skipped_steps)
             );
-            if let Err(e) = monitor.write(&record(timed)) {
-                self.monitor_failure = Some(e.to_string());
-            }
+        }
+        if let Some(monitor) = &mut self.monitor
+            && let Err(e) = monitor.write(&record)
+        {
+            self.monitor_failure = Some(e.to_string());
         }
         step
     }
@@ -221,9 +232,54 @@ pub(crate) struct RestoredPosition {
     scaler: Option<DynamicLossScaler>,
 }
 
+/// A step's line, as DeepSpeed logs one every `steps_per_print` steps: the step, its loss and
+/// learning rate, the loss scale (fp16), the steps skipped so far, the throughput, and the
+/// model state and peak resident memory of the rank.
+pub fn step_line(r: &MonitorRecord, skipped_steps: u64) -> String {
+    let mut line = format!(
+        "step {}: loss {:.4}, lr {:.3e}, grad norm {:.3}",
+        r.step, r.train_loss, r.lr, r.grad_norm
+    );
+    if let Some(scale) = r.loss_scale {
+        line += &format!(", loss scale {scale}");
+    }
+    line += &format!(", skipped {skipped_steps}");
+    match (r.tokens_per_s, r.samples_per_s) {
+        (Some(t), _) => line += &format!(", {t:.0} tokens/s"),
+        (None, Some(s)) => line += &format!(", {s:.1} samples/s"),
+        (None, None) => {}
+    }
+    if let Some(b) = r.model_state_bytes {
+        line += &format!(", model state {}", crate::comm::human_bytes(b as u64));
+    }
+    if let Some(b) = r.peak_rss_bytes {
+        line += &format!(", peak RSS {}", crate::comm::human_bytes(b as u64));
+    }
+    line
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_step_line_names_what_the_step_reports() {
+        let record = MonitorRecord {
+            step: 20,
+            train_loss: 2.34567,
+            lr: 1e-3,
+            loss_scale: Some(65536.0),
+            grad_norm: 0.5,
+            tokens_per_s: Some(1234.4),
+            model_state_bytes: Some(3.0 * 1024.0 * 1024.0),
+            ..MonitorRecord::default()
+        };
+        assert_eq!(
+            step_line(&record, 2),
+            "step 20: loss 2.3457, lr 1.000e-3, grad norm 0.500, loss scale 65536, skipped 2, \
+             1234 tokens/s, model state 3.00 MB"
+        );
+    }
 
     fn config(json: &str) -> DeepSpeedConfig {
         let (mut config, _) = DeepSpeedConfig::from_json_str(json).unwrap();

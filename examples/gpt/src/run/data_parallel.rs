@@ -124,10 +124,6 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         let elapsed = start.elapsed().as_secs_f64();
         let tokens = (step + 1 - first_step) * batch.train_batch_size * seq as u64;
         progress.update(step + 1, report.loss, tokens as f64 / elapsed);
-        let every = engine.config().steps_per_print.max(1);
-        if (step + 1) % every == 0 {
-            tracing::info!(step = step + 1, loss = report.loss, lr = report.lr, "step");
-        }
     }
     if let Some(dir) = &spec.save_dir {
         engine.save_checkpoint(dir, None)?;

@@ -9,6 +9,15 @@
 //! `burn-deepspeed checkpoint consolidate DIR --out FILE [--tag TAG]` writes a checkpoint of
 //! any ZeRO stage and world size as one safetensors file of whole fp32 weights that plain
 //! Burn loads, like DeepSpeed's `zero_to_fp32.py`.
+//!
+//! `burn-deepspeed launch --ranks N | --mpi N [--hostfile FILE] | --gpus -- PROGRAM ARGS...`
+//! runs a training program as the ranks of one run (see [`launch`]).
+//!
+//! `burn-deepspeed report` prints what this machine and build offer a run, like DeepSpeed's
+//! `ds_report` (see [`report`]).
+
+mod launch;
+mod report;
 
 use std::process::ExitCode;
 
@@ -56,6 +65,15 @@ enum Command {
     Checkpoint {
         #[command(subcommand)]
         command: CheckpointCommand,
+    },
+    /// Run a training program as the ranks of one run: thread ranks, MPI processes (on this
+    /// machine or a hostfile's hosts), or one process per GPU.
+    Launch(launch::LaunchArgs),
+    /// Print what this machine and this build offer a run (like DeepSpeed's `ds_report`).
+    Report {
+        /// Where swap files would go (`nvme_path`): its free space is reported.
+        #[arg(long)]
+        nvme_path: Option<std::path::PathBuf>,
     },
 }
 
@@ -284,6 +302,11 @@ fn estimate_memory(a: EstimateArgs) -> ExitCode {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Launch(args) => launch::run(args),
+        Command::Report { nvme_path } => {
+            report::print(nvme_path);
+            ExitCode::SUCCESS
+        }
         Command::EstimateMemory(args) => estimate_memory(args),
         Command::Schedule {
             stages,

@@ -1,4 +1,5 @@
-//! The `burn-deepspeed` binary: exit codes and output of `config check` and `schedule`.
+//! The `burn-deepspeed` binary: exit codes and output of `config check`, `schedule`,
+//! `estimate-memory`, `launch` and `report`.
 
 use std::process::Command;
 
@@ -129,4 +130,108 @@ fn estimate_memory_prints_the_zero_formulas() {
     let (code, _, stderr) = cli(&["estimate-memory", "--params", "1e6", "--stage", "5"]);
     assert_eq!(code, 1);
     assert!(stderr.contains("--stage 0-3"), "{stderr}");
+}
+
+#[test]
+fn launch_sets_the_ranks_or_drives_mpirun() {
+    let (code, stdout, stderr) = cli(&[
+        "launch",
+        "--dry-run",
+        "--ranks",
+        "2",
+        "--",
+        "train",
+        "--steps",
+        "4",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout.trim(), "BURN_DEEPSPEED_RANKS=2 train --steps 4");
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let hosts = write(&dir, "hosts", "node-a slots=2\nnode-b slots=2\n");
+    let (code, stdout, stderr) = cli(&[
+        "launch",
+        "--dry-run",
+        "--mpi",
+        "4",
+        "--hostfile",
+        &hosts,
+        "--mpirun-arg=--bind-to",
+        "--mpirun-arg=none",
+        "--",
+        "train",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let line = stdout.trim();
+    assert!(
+        line.starts_with(&format!("mpirun -n 4 --hostfile {hosts} ")),
+        "{line}"
+    );
+    assert!(line.ends_with("--bind-to none train --json"), "{line}");
+
+    for (args, says) in [
+        (
+            vec!["launch", "--", "train"],
+            "--ranks N, --mpi N or --gpus",
+        ),
+        (
+            vec!["launch", "--ranks", "0", "--", "train"],
+            "at least one rank",
+        ),
+        (
+            vec![
+                "launch",
+                "--ranks",
+                "2",
+                "--hostfile",
+                &hosts,
+                "--",
+                "train",
+            ],
+            "give --mpi N",
+        ),
+        (
+            vec![
+                "launch",
+                "--mpi",
+                "2",
+                "--hostfile",
+                "/no/such/hosts",
+                "--",
+                "train",
+            ],
+            "no such file",
+        ),
+    ] {
+        let (code, _, stderr) = cli(&args);
+        assert_eq!(code, 1, "{args:?}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    let (code, _, stderr) = cli(&["launch", "--ranks", "1", "--", "/no/such/program"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("cannot run `/no/such/program`"), "{stderr}");
+}
+
+#[test]
+fn report_lists_the_build_and_the_machine() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().display().to_string();
+    let (code, stdout, stderr) = cli(&["report", "--nvme-path", &path]);
+    assert_eq!(code, 0, "{stderr}");
+    for what in [
+        "features of this build",
+        "MPI (feature mpi)",
+        "NCCL (feature cuda)",
+        "Vulkan (feature wgpu)",
+        "io_uring for swap files",
+        "CPU cores",
+        "memory",
+    ] {
+        assert!(stdout.contains(what), "{what} missing from:\n{stdout}");
+    }
+    assert!(
+        stdout.contains(&format!("{path}: ")) && stdout.contains(" free of "),
+        "{stdout}"
+    );
 }

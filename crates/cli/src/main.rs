@@ -1,7 +1,8 @@
 //! The `burn-deepspeed` command line.
 //!
-//! `burn-deepspeed config check FILE [--world N]` prints the resolved config (every default
-//! filled in) as JSON and exits 0, or prints why it cannot be used and exits 1.
+//! `burn-deepspeed config check FILE [--world N] [--entry engine|pipeline|learner]` prints the
+//! resolved config (every default filled in) as JSON and exits 0, or prints why it cannot be
+//! used (by that entry point: its refusals are the ones it runs) and exits 1.
 //!
 //! `burn-deepspeed estimate-memory --params N --world W --stage S` prints the per-rank model
 //! state ZeRO's formulas predict, like DeepSpeed's `estimate_zero*_model_states_mem_needs`.
@@ -23,6 +24,7 @@ use std::process::ExitCode;
 
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::checkpoint::consolidate;
+use burn_deepspeed::config::{EntryPoint, check_supported};
 use burn_deepspeed::memory::{StatePrecision, estimate_model_states, offload_estimates};
 use burn_deepspeed_strategies::pipe::{PipeInstruction, TrainSchedule};
 use clap::{Parser, Subcommand};
@@ -93,15 +95,33 @@ enum CheckpointCommand {
     },
 }
 
+/// The entry points `config check` can check a config for.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Entry {
+    /// `DeepSpeedEngine`.
+    Engine,
+    /// `PipelineEngine`.
+    Pipeline,
+    /// `DeepSpeedStrategy` in Burn's `SupervisedTraining`.
+    Learner,
+}
+
 #[derive(Subcommand)]
 enum ConfigCommand {
-    /// Load, validate and resolve a config; print it as JSON with every default filled in.
+    /// Load, validate and resolve a config, and run the refusals of the entry point that
+    /// would train with it; print it as JSON with every default filled in.
     Check {
         /// The `ds_config.json` file.
         file: std::path::PathBuf,
         /// Data-parallel world size used to resolve the batch sizes.
         #[arg(long, default_value_t = 1)]
         world: usize,
+        /// The entry point that would train with it: what it refuses is refused here too.
+        #[arg(long, value_enum, default_value_t = Entry::Engine)]
+        entry: Entry,
+        /// With `--entry learner`: the `SupervisedTraining` has a checkpointer.
+        #[arg(long)]
+        checkpointer: bool,
     },
 }
 
@@ -334,10 +354,23 @@ fn main() -> ExitCode {
             }
         },
         Command::Config {
-            command: ConfigCommand::Check { file, world },
+            command:
+                ConfigCommand::Check {
+                    file,
+                    world,
+                    entry,
+                    checkpointer,
+                },
         } => {
+            let entry = match entry {
+                Entry::Engine => EntryPoint::Engine,
+                Entry::Pipeline => EntryPoint::Pipeline,
+                Entry::Learner => EntryPoint::Strategy { checkpointer },
+            };
             let result = DeepSpeedConfig::from_file(&file).and_then(|(mut config, warnings)| {
-                config.resolve(world).map(|_| (config, warnings))
+                config.resolve(world)?;
+                check_supported(&config, entry)?;
+                Ok((config, warnings))
             });
             match result {
                 Ok((config, warnings)) => {

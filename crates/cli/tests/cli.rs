@@ -61,6 +61,50 @@ fn config_check_prints_the_resolved_config_or_the_error() {
 }
 
 #[test]
+fn config_check_runs_the_refusals_of_the_entry_point() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // ZeRO-2 with a pipeline: the pipeline engine refuses it; offload: only the engine runs it.
+    let zero2 = write(
+        &dir,
+        "zero2.json",
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2}}"#,
+    );
+    let offload = write(
+        &dir,
+        "offload.json",
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2,
+            "offload_optimizer": {"device": "cpu"}}}"#,
+    );
+    for (file, entry, refused) in [
+        (&zero2, "engine", None),
+        (&zero2, "pipeline", Some("zero_optimization.stage")),
+        (&zero2, "learner", None),
+        (&offload, "engine", None),
+        (&offload, "learner", Some("offload_optimizer")),
+    ] {
+        let (code, _, stderr) = cli(&["config", "check", file, "--entry", entry]);
+        match refused {
+            None => assert_eq!(code, 0, "{entry}: {stderr}"),
+            Some(key) => {
+                assert_eq!(code, 1, "{entry}");
+                assert!(stderr.contains(key), "{entry}: {stderr}");
+            }
+        }
+    }
+    // The Learner's checkpointer at ZeRO 1-3 is refused by name.
+    let (code, _, stderr) = cli(&[
+        "config",
+        "check",
+        &zero2,
+        "--entry",
+        "learner",
+        "--checkpointer",
+    ]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("zero_optimization.stage"), "{stderr}");
+}
+
+#[test]
 fn schedule_json_has_one_list_per_stage_and_step() {
     let (code, stdout, _) = cli(&[
         "schedule",

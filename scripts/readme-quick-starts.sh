@@ -3,7 +3,8 @@
 # Rust snippets marked `<!-- quick-start: NAME -->` out of the README, verbatim, into a fresh
 # crate outside this repository that depends on burn-deepspeed by path, builds it, runs it, and
 # checks that both trained (the loss fell). The crate shares this workspace's lock file,
-# profiles and features, so its build reuses the test build's artifacts.
+# profiles and features, and builds in the test profile, so that it reuses the test build's
+# artifacts.
 #
 #   bash scripts/readme-quick-starts.sh
 set -euo pipefail
@@ -49,8 +50,8 @@ burn-deepspeed-example-classifier = {{ path = "{repo}/examples/classifier", feat
 PY
 cp Cargo.lock "$crate/"
 cd "$crate"
-CARGO_TARGET_DIR="$target" cargo build --offline --quiet
-out=$(CARGO_TARGET_DIR="$target" cargo run --offline --quiet)
+CARGO_TARGET_DIR="$target" cargo build --offline --quiet --profile test
+out=$(CARGO_TARGET_DIR="$target" cargo run --offline --quiet --profile test)
 echo "$out"
 python3 - "$out" <<'PY'
 import re, sys

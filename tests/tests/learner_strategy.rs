@@ -50,6 +50,18 @@ fn train_with_extra(zero: &str, extra: &str, epochs: usize) -> Gpt {
 
 /// [`train_with_extra`] with the model and the batches on `device`.
 fn train_on(device: Device, zero: &str, extra: &str, epochs: usize) -> Gpt {
+    train_on_devices(device, None, zero, extra, epochs)
+}
+
+/// [`train_on`], with the model and the loaders on `device`, and the strategy's ranks on
+/// `ranks_on` when given (`DeepSpeedStrategy::on_devices`), else 2 ranks on the model's device.
+fn train_on_devices(
+    device: Device,
+    ranks_on: Option<Vec<Device>>,
+    zero: &str,
+    extra: &str,
+    epochs: usize,
+) -> Gpt {
     let data = windows(&EMBEDDED_CORPUS[..33 * 96], SHAPE.seq_len);
     let train = DataLoaderBuilder::new(WindowBatcher)
         .batch_size(4)
@@ -64,7 +76,10 @@ fn train_on(device: Device, zero: &str, extra: &str, epochs: usize) -> Gpt {
         r#"{{"gradient_clipping": 1.0, "train_batch_size": 8, "zero_optimization": {zero}{extra}}}"#
     ))
     .expect("valid config");
-    let strategy = DeepSpeedStrategy::new(config, 2);
+    let strategy = match ranks_on {
+        Some(devices) => DeepSpeedStrategy::on_devices(config, devices),
+        None => DeepSpeedStrategy::new(config, 2),
+    };
     // Stage 3 shards the model before the Learner holds it (a no-op at stages 0-2).
     let model = strategy.prepare_model(model);
     let dir = tempfile::tempdir().expect("temp dir");
@@ -109,6 +124,50 @@ fn zero_stages_in_the_strategy_match_stage_0() {
     }
 }
 
+/// Stages 0, 2 and 3 as the device tests run them.
+const STAGES_0_2_3: [&str; 3] = [
+    r#"{"stage": 0}"#,
+    r#"{"stage": 2, "reduce_bucket_size": 2000}"#,
+    r#"{"stage": 3, "stage3_param_persistence_threshold": 100}"#,
+];
+
+/// The largest element-wise difference of two parameter vectors.
+fn max_difference(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+}
+
+/// Ranks given as devices, as Burn's strategies take them: two ranks listed on the one Flex
+/// device train exactly as `DeepSpeedStrategy::new(config, 2)` does; with wgpu, a model and
+/// loaders built on Flex train on two wgpu ranks (each forks its Learner there and loads its
+/// part of the data there) and end within wgpu's rounding of the Flex run.
+#[test]
+fn ranks_given_as_devices_train_there() {
+    let flat = |m: &Gpt| params_to_flat(m, &ParamLayout::of(m));
+    for zero in STAGES_0_2_3 {
+        let base = flat(&train_with(zero, 1));
+        let two = vec![Device::flex(), Device::flex()];
+        let listed = flat(&train_on_devices(Device::flex(), Some(two), zero, "", 1));
+        assert_eq!(base, listed, "{zero}: [flex, flex] vs 2 ranks");
+        #[cfg(feature = "wgpu")]
+        {
+            let wgpu = Device::from(burn::backend::wgpu::WgpuDevice::default());
+            let moved = flat(&train_on_devices(
+                Device::flex(),
+                Some(vec![wgpu.clone(), wgpu]),
+                zero,
+                "",
+                1,
+            ));
+            let diff = max_difference(&base, &moved);
+            println!("{zero}: Flex model on [wgpu, wgpu] ranks: max difference to Flex {diff:e}");
+            assert!(diff <= 1e-4, "{zero}: {diff:e}");
+        }
+    }
+}
+
 /// The strategy with the model on a wgpu device (lavapipe in CI): every rank forks the
 /// Learner onto that device, and at stages 0, 2 and 3 the trained model follows the same run
 /// on Flex within 1e-4 (the devices sum in other orders).
@@ -116,17 +175,11 @@ fn zero_stages_in_the_strategy_match_stage_0() {
 #[test]
 fn the_strategy_trains_on_wgpu() {
     let flat = |m: &Gpt| params_to_flat(m, &ParamLayout::of(m));
-    for zero in [
-        r#"{"stage": 0}"#,
-        r#"{"stage": 2, "reduce_bucket_size": 2000}"#,
-        r#"{"stage": 3, "stage3_param_persistence_threshold": 100}"#,
-    ] {
+    for zero in STAGES_0_2_3 {
         let flex = flat(&train_with(zero, 1));
         let device = Device::from(burn::backend::wgpu::WgpuDevice::default());
         let wgpu = flat(&train_on(device, zero, "", 1));
-        let diff = (flex.iter().zip(&wgpu))
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let diff = max_difference(&flex, &wgpu);
         println!("{zero} on wgpu: max parameter difference to Flex {diff:e}");
         assert_eq!(flex.len(), wgpu.len(), "{zero}: the model comes back whole");
         assert!(diff <= 1e-4, "{zero}: wgpu vs Flex {diff:e}");

@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use burn::data::dataset::DatasetError;
-use burn::tensor::FloatDType;
+use burn::tensor::{Device, FloatDType};
 use burn::train::InferenceStep;
 use burn::train::train::WorkerFailure;
 use burn::train::{
@@ -64,6 +64,8 @@ use crate::zero3::GatherGroup;
 pub struct DeepSpeedStrategy {
     pub(super) config: DeepSpeedConfig,
     pub(super) ranks: usize,
+    /// Rank `r`'s device is `devices[r % len]`; empty: the `Learner`'s model's device.
+    devices: Vec<Device>,
     timeout: Duration,
 }
 
@@ -78,7 +80,22 @@ impl DeepSpeedStrategy {
         Self {
             config,
             ranks,
+            devices: Vec::new(),
             timeout: Duration::from_secs(1800),
+        }
+    }
+
+    /// One rank per device, as Burn's own multi-device strategies take them: rank `r`'s
+    /// `Learner` is forked onto `devices[r]`, and its part of the training set is loaded onto
+    /// it. A device may be listed more than once: those ranks share it (on a GPU their
+    /// collectives then stage through host memory). Under `mpirun` each process is one rank
+    /// and takes `devices[rank % devices.len()]`. An empty list is refused when training
+    /// starts, as 0 ranks are.
+    pub fn on_devices(config: DeepSpeedConfig, devices: Vec<Device>) -> Self {
+        Self {
+            ranks: devices.len(),
+            devices,
+            ..Self::new(config, 0)
         }
     }
 
@@ -114,15 +131,21 @@ struct RankRun<'a, M: LearnerModel> {
     prepared: Option<Arc<Prepared>>,
     /// Where a rank leaves its loader's error, for `fit` to report as Burn's dataset error.
     loader_error: &'a Mutex<Option<DatasetError>>,
+    /// The device the strategy gave this rank (its batches are loaded there).
+    device: Option<Device>,
 }
 
 impl<M: LearnerModel> RankRun<'_, M> {
-    /// This rank's contiguous slice of the training set.
+    /// This rank's contiguous slice of the training set, loaded onto its device.
     fn shard(&self) -> TrainLoader<M> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let n = self.train.num_items();
         let per = n / world;
-        self.train.slice(rank * per, (rank + 1) * per)
+        let slice = self.train.slice(rank * per, (rank + 1) * per);
+        match &self.device {
+            Some(device) => slice.to_device(device),
+            None => slice,
+        }
     }
 
     /// The gradient regime around the Learner's optimizer, with every rank's model starting
@@ -521,8 +544,12 @@ impl DeepSpeedStrategy {
             {
                 return Err(prepared_world_mismatch(p.world, comm.world_size()));
             }
-            if !mpi {
-                learner.fork(&device);
+            let given = (!self.devices.is_empty())
+                .then(|| self.devices[comm.rank() % self.devices.len()].clone());
+            match (&given, mpi) {
+                (Some(d), _) => learner.fork(d),
+                (None, false) => learner.fork(&device),
+                (None, true) => {}
             }
             Ok(RankRun {
                 comm,
@@ -531,6 +558,7 @@ impl DeepSpeedStrategy {
                 settings,
                 prepared: prepared.clone(),
                 loader_error,
+                device: given,
             })
         };
         let follower = || {

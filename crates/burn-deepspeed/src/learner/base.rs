@@ -490,6 +490,11 @@ impl DeepSpeedStrategy {
         starting_epoch: usize,
         loader_error: &Mutex<Option<DatasetError>>,
     ) -> (crate::Result<M>, SupervisedTrainingEventProcessor<M>) {
+        // Rank 0 validates on its own device: the first one the strategy was given, if any.
+        let valid = match self.devices.first() {
+            Some(device) => valid.to_device(device),
+            None => valid,
+        };
         let mut leader_events = LeaderEvents {
             processor: components.event_processor,
             interrupter: components.interrupter.clone(),

@@ -6,6 +6,11 @@ from pathlib import Path
 from .common import paired_rounds, render
 
 
+def per_round(t, row):
+    """The thread run's tokens/s round by round for `row` (0: off, 1: on)."""
+    return ", ".join(f"{x:.0f}" for x in t["rows"][row]["tokens_per_s_rounds"])
+
+
 def overlap(directory, cores):
     d = Path(directory)
     t = json.load(open(d / "threads.json"))
@@ -57,8 +62,8 @@ def overlap(directory, cores):
         mpi_ratios="; ".join(
             f"{k}: " + ", ".join(f"{x:.3f}" for x in v) for k, v in ratios.items()
         ),
-        off_rounds=", ".join(f"{x:.0f}" for x in t["rows"][0]["tokens_per_s_rounds"]),
-        on_rounds=", ".join(f"{x:.0f}" for x in t["rows"][1]["tokens_per_s_rounds"]),
+        off_rounds=per_round(t, 0),
+        on_rounds=per_round(t, 1),
         off_tps=off_tps,
     )
 
@@ -108,8 +113,8 @@ def overlap3(directory, cores):
             )
     return render(
         "overlap3", t=t, cores=cores, timed_steps=t["steps"] - 1, rows="\n".join(rows),
-        off_rounds=", ".join(f"{x:.0f}" for x in t["rows"][0]["tokens_per_s_rounds"]),
-        on_rounds=", ".join(f"{x:.0f}" for x in t["rows"][1]["tokens_per_s_rounds"]),
+        off_rounds=per_round(t, 0),
+        on_rounds=per_round(t, 1),
         mpi_ratios="".join(
             f"; `mpirun` ({k}), on/off within each round: " + ", ".join(f"{x:.3f}" for x in v)
             for k, v in ratios.items()

@@ -305,12 +305,82 @@ fn supervised_training_with_two_ranks_learns() {
     assert!(after < before - 0.3, "loss {before} -> {after}");
 }
 
-/// At stages 1-3 the Learner's checkpointer would save rank 0's optimizer partition as if it
-/// were the whole state: refused, with the engine's checkpoints named instead.
+/// At stage 3 the Learner's model holds chunks, into which Burn's resume cannot load a whole
+/// model: refused, with the engine's checkpoints named instead.
 #[test]
-fn learner_checkpoints_at_stage_2_are_refused() {
-    let e = launch_unprepared(r#"{"zero_optimization": {"stage": 2}}"#, true);
+fn learner_checkpoints_at_stage_3_are_refused() {
+    let config = r#"{"zero_optimization": {"stage": 3}}"#;
+    let e = launch_with(config, true, 4, 16, None, |strategy, model| {
+        Ok(Learner::new(
+            strategy.prepare_model(model),
+            AdamWConfig::new().init(),
+            3e-3,
+        ))
+    });
     assert_refused(e, "DeepSpeedEngine::save_checkpoint");
+}
+
+/// Trains the GPT on 2 ranks with Burn's default checkpointers in `dir` until epoch
+/// `epochs`, resuming from the checkpoint of epoch `resume` when given.
+fn train_checkpointed(
+    dir: &std::path::Path,
+    config: &str,
+    epochs: usize,
+    resume: Option<usize>,
+) -> Gpt {
+    let data = windows(&EMBEDDED_CORPUS[..33 * 40], SHAPE.seq_len);
+    let loader = |items: &[_]| {
+        DataLoaderBuilder::new(WindowBatcher)
+            .batch_size(4)
+            .set_device(Device::flex())
+            .build(InMemDataset::new(items.to_vec()))
+    };
+    let (config, _) = DeepSpeedConfig::from_json_str(config).expect("valid config");
+    let strategy = DeepSpeedStrategy::new(config, 2);
+    let model = Gpt::new(SHAPE, 5, &Device::flex().autodiff());
+    let mut training = SupervisedTraining::new(dir, loader(&data[..24]), loader(&data[24..]))
+        .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
+        .with_default_checkpointers()
+        .num_epochs(epochs);
+    if let Some(epoch) = resume {
+        training = training.checkpoint(epoch);
+    }
+    let result = training.launch(Learner::new(model, AdamWConfig::new().init(), 3e-3));
+    assert!(result.error.is_none(), "{:?}", result.error);
+    result.model
+}
+
+/// Burn's checkpointer at ZeRO stages 1 and 2, in fp32 and bf16: a run checkpointed after
+/// its first epoch, stopped and resumed for the second ends with the parameters of the run
+/// that was not stopped (the checkpoint holds every rank's optimizer state and the fp32
+/// masters).
+#[test]
+fn learner_checkpoints_resume_at_stages_1_and_2() {
+    let flat = |m: &Gpt| params_to_flat(m, &ParamLayout::of(m));
+    let bf16 = r#", "bf16": {"enabled": true}"#;
+    for (stage, precision) in [(1, ""), (2, ""), (1, bf16), (2, bf16)] {
+        let config = format!(
+            r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": {stage}}}{precision}}}"#
+        );
+        let (straight, stopped) = (
+            tempfile::tempdir().expect("dir"),
+            tempfile::tempdir().expect("dir"),
+        );
+        let whole = flat(&train_checkpointed(straight.path(), &config, 2, None));
+        let first = flat(&train_checkpointed(stopped.path(), &config, 1, None));
+        let resumed = flat(&train_checkpointed(stopped.path(), &config, 2, Some(1)));
+        let name = format!("stage {stage}{precision}");
+        assert!(
+            max_difference(&first, &whole) > 1e-4,
+            "{name}: the second epoch trained"
+        );
+        let diff = max_difference(&resumed, &whole);
+        println!("{name}: resumed against not stopped: max difference {diff:e}");
+        assert_eq!(
+            diff, 0.0,
+            "{name}: the resumed run must end where the other does"
+        );
+    }
 }
 
 /// Every key is honoured or refused: the config's batch numbers must match the loader and
@@ -353,9 +423,9 @@ fn config_keys_the_strategy_cannot_honour_are_refused() {
         let e = launch_with(config, false, *batch, 16, *accumulation, own);
         assert_refused(e, needle);
     }
-    // 16-bit with Burn's checkpointer: it would save the working copy, not the masters.
-    let e = launch_with(r#"{"bf16": {"enabled": true}}"#, true, 4, 16, None, own);
-    assert_refused(e, "bf16.enabled");
+    // fp16 with Burn's checkpointer: the checkpoint has no place for the loss scale.
+    let e = launch_with(r#"{"fp16": {"enabled": true}}"#, true, 4, 16, None, own);
+    assert_refused(e, "fp16.enabled");
     // A batch size that agrees trains.
     let e = launch_with(r#"{"train_batch_size": 8}"#, false, 4, 16, None, own);
     assert!(e.is_none(), "{e:?}");

@@ -315,6 +315,27 @@ pub fn all_gather_bytes(comm: &dyn Communicator, mine: &[u8]) -> Result<Vec<Vec<
         .collect())
 }
 
+/// Every rank's `mine` at rank 0, in rank order (`None` on the other ranks): a collective of
+/// point-to-point messages (each rank's length as u64 little-endian bytes, then its bytes),
+/// so that only rank 0 holds them all.
+pub fn gather_bytes(comm: &dyn Communicator, mine: &[u8]) -> Result<Option<Vec<Vec<u8>>>> {
+    const TAG: u16 = 0x6761;
+    if comm.rank() != 0 {
+        comm.send(&(mine.len() as u64).to_le_bytes(), 0, TAG)?;
+        comm.send(mine, 0, TAG)?;
+        return Ok(None);
+    }
+    let mut parts = vec![mine.to_vec()];
+    for rank in 1..comm.world_size() {
+        let mut len = [0u8; 8];
+        comm.recv(&mut len, rank, TAG)?;
+        let mut bytes = vec![0u8; u64::from_le_bytes(len) as usize];
+        comm.recv(&mut bytes, rank, TAG)?;
+        parts.push(bytes);
+    }
+    Ok(Some(parts))
+}
+
 /// The whole optimizer state (steps, and m and v in layout order) from the slices that
 /// `world` ranks saved at ZeRO stage `stage`: contiguous slices at stages 1 and 2, each
 /// rank's pieces of every tensor at stage 3.
@@ -408,6 +429,19 @@ mod tests {
             m,
             v,
         }
+    }
+
+    /// Rank 0 receives every rank's bytes (of any length) in rank order; the others none.
+    #[test]
+    fn bytes_gather_at_rank_0() {
+        use burn_deepspeed_strategies::comm::{ThreadWorld, ThreadWorldOptions};
+        let out = ThreadWorld::run(3, ThreadWorldOptions::default(), |c| {
+            let mine = vec![c.rank() as u8; 2 * c.rank()];
+            gather_bytes(&c, &mine).expect("gathered")
+        });
+        let out: Vec<_> = out.into_iter().map(|r| r.expect("no panic")).collect();
+        assert_eq!(out[0], Some(vec![vec![], vec![1, 1], vec![2, 2, 2, 2]]));
+        assert_eq!(out[1..], [None, None]);
     }
 
     /// Contiguous slices of two ranks join into the whole state and cut again for three.

@@ -117,14 +117,14 @@ pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()
                      model; train a sliced model with `DeepSpeedEngine::with_grid`",
                 );
             }
-            if checkpointer && stage != ZeroStage::Disabled {
+            if checkpointer && stage == ZeroStage::Parameters {
                 return refuse(
                     "zero_optimization.stage",
-                    "the Learner's checkpointer saves rank 0's Learner, whose optimizer holds \
-                     only rank 0's partition at ZeRO stages 1-3 (and at stage 3 its model \
-                     holds only rank 0's chunks), so a resumed run would lose the rest; leave \
-                     the checkpointer off, or checkpoint with \
-                     `DeepSpeedEngine::save_checkpoint`, which saves every rank's part",
+                    "at stage 3 the Learner's model holds chunk-shaped parameters, and Burn's \
+                     SupervisedTraining loads a checkpoint's whole model into it before the \
+                     strategy starts, which cannot work; checkpoint stage 3 with \
+                     `DeepSpeedEngine::save_checkpoint`, or train at stage 1 or 2 with the \
+                     checkpointer",
                 );
             }
             if config.progressive_layer_drop.enabled {
@@ -215,8 +215,8 @@ fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
 }
 
 /// Mixed precision: fp16 and bf16 with fp32 masters run in the engine (stages 0-3, the 1-bit
-/// optimizers), the pipeline engine, and the Learner strategy (stages 0-3) without Burn's
-/// checkpointer.
+/// optimizers), the pipeline engine, and the Learner strategy (stages 0-3; with Burn's
+/// checkpointer in bf16 only).
 fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     if config.fp16.enabled && config.fp16.auto_cast {
         return refuse(
@@ -231,11 +231,11 @@ fn check_precision(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
     let key = format!("{}.enabled", config.precision_name());
     match entry {
         EntryPoint::Engine | EntryPoint::Pipeline => Ok(()),
-        EntryPoint::Strategy { checkpointer: true } => refuse(
+        EntryPoint::Strategy { checkpointer: true } if config.fp16.enabled => refuse(
             &key,
-            "Burn's checkpointer would save the Learner's 16-bit working copy, not the fp32 \
-             masters its optimizer steps: train without the checkpointer, or with \
-             DeepSpeedEngine's checkpoints",
+            "Burn's checkpointer has no place for fp16's dynamic loss scale, so a resumed run \
+             would start again from the initial scale: train with bf16, without the \
+             checkpointer, or with DeepSpeedEngine's checkpoints",
         ),
         EntryPoint::Strategy { .. } => Ok(()),
     }
@@ -373,25 +373,30 @@ mod tests {
             refused_key(&onebit, strategy).as_deref(),
             Some("optimizer.type")
         );
-        let staged = config(&format!(
-            r#"{{{base}, "zero_optimization": {{"stage": 2}}}}"#
-        ));
-        assert_eq!(
-            refused_key(&staged, EntryPoint::Strategy { checkpointer: true }).as_deref(),
-            Some("zero_optimization.stage")
-        );
-        // 16-bit in the Learner strategy: stages 0-3 without Burn's checkpointer.
-        for (zero, checkpointer, refused) in [(2, false, false), (3, false, false), (0, true, true)]
-        {
+        // Burn's checkpointer: stages 0-2, not 3.
+        for (zero, refused) in [(1, None), (2, None), (3, Some("zero_optimization.stage"))] {
+            let staged = config(&format!(
+                r#"{{{base}, "zero_optimization": {{"stage": {zero}}}}}"#
+            ));
+            let got = refused_key(&staged, EntryPoint::Strategy { checkpointer: true });
+            assert_eq!(got.as_deref(), refused, "stage {zero}");
+        }
+        // 16-bit in the Learner strategy: stages 0-3; with Burn's checkpointer bf16 only.
+        for (precision, zero, checkpointer, refused) in [
+            ("bf16", 2, false, false),
+            ("bf16", 3, false, false),
+            ("bf16", 2, true, false),
+            ("fp16", 0, true, true),
+            ("fp16", 1, false, false),
+        ] {
             let c = config(&format!(
-                r#"{{{base}, "bf16": {{"enabled": true}}, "zero_optimization": {{"stage": {zero}}}}}"#
+                r#"{{{base}, "{precision}": {{"enabled": true}}, "zero_optimization": {{"stage": {zero}}}}}"#
             ));
             let got = refused_key(&c, EntryPoint::Strategy { checkpointer });
-            let want = refused.then_some("bf16.enabled");
+            let want = refused.then(|| format!("{precision}.enabled"));
             assert_eq!(
-                got.as_deref(),
-                want,
-                "stage {zero}, checkpointer {checkpointer}"
+                got, want,
+                "{precision} stage {zero}, checkpointer {checkpointer}"
             );
             assert_eq!(refused_key(&c, EntryPoint::Engine), None);
         }

@@ -29,16 +29,22 @@
 //! end of every epoch the ranks gather the whole model together for rank 0's validation, and
 //! `fit` returns it whole.
 //!
-//! The `Learner`'s checkpointer is refused at stages 1-3: it would save rank 0's optimizer
-//! state (its partition) as if it were all of it. Checkpoint those stages with
-//! [`DeepSpeedEngine`](crate::DeepSpeedEngine), whose checkpoints hold every rank's part.
+//! Burn's checkpointer works at stages 0-2 and in bf16 (see [`checkpoint`](super::checkpoint)):
+//! the ranks join their optimizer partitions into one record, and rank 0 saves it with the
+//! fp32 masters, so the files are those of an unpartitioned fp32 run; on resume each rank
+//! keeps its own partition of the record Burn loaded. It is refused at stage 3, whose model
+//! holds chunk-shaped parameters that Burn's resume cannot load a whole record into, and in
+//! fp16, whose loss scale Burn's checkpoint has no place for; checkpoint those with
+//! [`DeepSpeedEngine`](crate::DeepSpeedEngine).
 
 use super::reader::{Read, StepReader};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use burn::data::dataset::DatasetError;
 use burn::tensor::{Device, FloatDType};
+use burn::train::metric::store::EventStoreClient;
 use burn::train::train::WorkerFailure;
 use burn::train::{
     Learner, LearnerModel, SupervisedLearningStrategy, SupervisedTrainingEventProcessor,
@@ -46,11 +52,13 @@ use burn::train::{
 };
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp, agree};
 
+use super::checkpoint::{join_records, optimizer_record, owned_ids, record_bytes};
 use super::leader::{EpochEvent, LeaderEvents};
 use super::prepare::{Prepared, take_built, take_prepared};
 use super::settings::{Settings, Surroundings, resolve_settings};
 use crate::DeepSpeedConfig;
 use crate::activation::{take_stats, with_config_options};
+use crate::checkpoint::gather_bytes;
 use crate::flat::ParamLayout;
 use crate::launch::{launch_with_leader, launched_by_mpirun, mpirun_world_size};
 use crate::precision::{cast_module, unscaled_backward_message, with_loss_scale};
@@ -132,6 +140,10 @@ struct RankRun<'a, M: LearnerModel> {
     loader_error: &'a Mutex<Option<DatasetError>>,
     /// The device the strategy gave this rank (its batches are loaded there).
     device: Option<Device>,
+    /// At stages 1-2, the parameters whose optimizer state this rank holds.
+    owned: Option<HashSet<u64>>,
+    /// Burn's event store (the checkpointer's strategy reads it).
+    store: Arc<EventStoreClient>,
 }
 
 impl<M: LearnerModel> RankRun<'_, M> {
@@ -162,7 +174,56 @@ impl<M: LearnerModel> RankRun<'_, M> {
         // Every replica starts from rank 0's parameters; the optimizer and schedule are kept.
         let model = broadcast_params(self.comm.as_ref(), &layout, start)?;
         self.learner.load_model(model.into_record());
+        let (world, rank) = (self.comm.world_size(), self.comm.rank());
+        self.owned = options
+            .plan
+            .cut()
+            .and_then(|cut| owned_ids(&layout, cut, world, rank));
+        self.keep_own_optimizer_state()?;
         Ok((sync, None))
+    }
+
+    /// At stages 1-2, the optimizer state of this rank's tensors only: a `Learner` resumed
+    /// by Burn's checkpointer holds every tensor's.
+    fn keep_own_optimizer_state(&mut self) -> crate::Result<()> {
+        let Some(owned) = &self.owned else {
+            return Ok(());
+        };
+        let record = optimizer_record(&self.learner, &self.store)?;
+        if !record.is_empty() {
+            let own = join_records(&[record_bytes(record)?], |id| owned.contains(&id))?;
+            self.learner.load_optim(own);
+        }
+        Ok(())
+    }
+
+    /// What Burn's checkpointer saves at the end of an epoch, on rank 0 (`None` elsewhere, or
+    /// where the `Learner` itself is it): the `Learner` with the fp32 masters in 16-bit, and
+    /// at stages 1-2 with every rank's optimizer state. A collective at stages 1-2 when
+    /// checkpointing.
+    fn learner_to_save(&self, mixed: Option<&Mixed<M>>) -> crate::Result<Option<Learner<M>>> {
+        if !self.settings.checkpointer {
+            return Ok(None);
+        }
+        let record = match &self.owned {
+            None => None,
+            Some(_) => {
+                let mine = record_bytes(optimizer_record(&self.learner, &self.store)?)?;
+                let parts = gather_bytes(self.comm.as_ref(), &mine)?;
+                parts.map(|p| join_records(&p, |_| true)).transpose()?
+            }
+        };
+        if self.comm.rank() != 0 || (record.is_none() && mixed.is_none()) {
+            return Ok(None);
+        }
+        let mut saved = self.learner.clone();
+        if let Some(mixed) = mixed {
+            saved.load_model(mixed.masters.clone().into_record());
+        }
+        if let Some(record) = record {
+            saved.load_optim(record);
+        }
+        Ok(Some(saved))
     }
 
     /// Stage 3: registers this rank's gather group for the prepared model's keys and loads
@@ -257,7 +318,9 @@ impl<M: LearnerModel> RankRun<'_, M> {
             }
             // Validation runs the working copy, as training does.
             let whole = sync.whole_model(&self.learner.model())?;
-            if !on_epoch(EpochEvent::End(epoch, &self.learner, whole)) {
+            let saved = self.learner_to_save(mixed.as_ref())?;
+            let learner = saved.as_ref().unwrap_or(&self.learner);
+            if !on_epoch(EpochEvent::End(epoch, learner, whole)) {
                 break;
             }
         }
@@ -419,6 +482,7 @@ impl DeepSpeedStrategy {
             Some(device) => valid.to_device(device),
             None => valid,
         };
+        let store = components.event_store.clone();
         let mut leader_events = LeaderEvents {
             processor: components.event_processor,
             interrupter: components.interrupter.clone(),
@@ -488,6 +552,8 @@ impl DeepSpeedStrategy {
                 prepared: prepared.clone(),
                 loader_error,
                 device: given,
+                owned: None,
+                store: store.clone(),
             })
         };
         let follower = || {

@@ -1,6 +1,7 @@
 //! [`DeepSpeedStrategy`]: data-parallel training inside Burn's `SupervisedTraining`.
 
 mod base;
+mod checkpoint;
 mod leader;
 mod prepare;
 mod reader;

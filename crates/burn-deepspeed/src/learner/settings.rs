@@ -41,6 +41,8 @@ pub(crate) struct Settings {
     pub grad_accumulation: usize,
     /// Items in each micro-batch, when the config says.
     pub micro_batch: Option<usize>,
+    /// `SupervisedTraining` has a checkpointer (rank 0 saves at the end of every epoch).
+    pub checkpointer: bool,
 }
 
 fn batch_error(message: String) -> DeepSpeedError {
@@ -129,6 +131,7 @@ pub(crate) fn resolve_settings(config: &DeepSpeedConfig, around: Surroundings) -
         config: resolved,
         grad_accumulation,
         micro_batch,
+        checkpointer: around.checkpointer,
     })
 }
 

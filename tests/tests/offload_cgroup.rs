@@ -13,7 +13,7 @@ use std::process::Command;
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed_tests::offload::{offload_config, with_params_offloaded};
 
-const STEPS: &str = "4";
+const STEPS: &str = "2";
 
 /// GPT `small` at stage 3 on one rank: 4 sequences per step, one per micro-batch, blocks
 /// checkpointed (so that activations stay small beside the model state), optimizer and

@@ -80,6 +80,20 @@ pub fn mpirun_world_size() -> Option<usize> {
 /// When the program has installed no global `tracing` subscriber, each rank runs under the
 /// library's default one ([`log::default_dispatch`](crate::log::default_dispatch)): the step
 /// lines and warnings then reach stderr.
+///
+/// ```
+/// use std::time::Duration;
+/// use burn_deepspeed::comm::{CommunicatorExt, ReduceOp};
+/// use burn_deepspeed::launch::launch;
+///
+/// let (_, sums) = launch(3, Duration::from_secs(10), |comm| {
+///     let mut x = [comm.rank() as f32];
+///     comm.all_reduce(&mut x, ReduceOp::Sum)?; // 0 + 1 + 2 on every rank
+///     Ok(x[0])
+/// })?;
+/// assert_eq!(sums, [3.0; 3]);
+/// # Ok::<(), burn_deepspeed::DeepSpeedError>(())
+/// ```
 pub fn launch<R, F>(threads: usize, timeout: Duration, f: F) -> Result<(LaunchKind, Vec<R>)>
 where
     R: Send,

@@ -91,17 +91,27 @@ fn config_check_runs_the_refusals_of_the_entry_point() {
             }
         }
     }
-    // The Learner's checkpointer at ZeRO 1-3 is refused by name.
-    let (code, _, stderr) = cli(&[
-        "config",
-        "check",
-        &zero2,
-        "--entry",
-        "learner",
-        "--checkpointer",
-    ]);
-    assert_eq!(code, 1);
-    assert!(stderr.contains("zero_optimization.stage"), "{stderr}");
+    // Burn's checkpointer in the Learner strategy: stages 0-2 pass, stage 3 is refused by name.
+    let zero3 = write(
+        &dir,
+        "zero3.json",
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3}}"#,
+    );
+    for (file, refused) in [(&zero2, false), (&zero3, true)] {
+        let args = [
+            "config",
+            "check",
+            file,
+            "--entry",
+            "learner",
+            "--checkpointer",
+        ];
+        let (code, _, stderr) = cli(&args);
+        assert_eq!(code, i32::from(refused), "{file}: {stderr}");
+        if refused {
+            assert!(stderr.contains("zero_optimization.stage"), "{stderr}");
+        }
+    }
 }
 
 #[test]

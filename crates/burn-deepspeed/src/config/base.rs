@@ -25,6 +25,24 @@ use crate::{DeepSpeedError, Result};
 /// Build one in Rust (`DeepSpeedConfig { zero_optimization: ..., ..Default::default() }`) or
 /// load one with [`DeepSpeedConfig::from_json_str`] / [`DeepSpeedConfig::from_file`]; then
 /// [`DeepSpeedConfig::resolve`] fills every default for a world size.
+///
+/// ```
+/// use burn_deepspeed::config::{DeepSpeedConfig, ZeroConfig, ZeroStage};
+///
+/// let (mut loaded, warnings) = DeepSpeedConfig::from_json_str(
+///     r#"{"train_batch_size": 16, "zero_optimization": {"stage": 2}, "wandb": {}}"#,
+/// )?;
+/// assert_eq!(warnings[0].key, "wandb"); // a DeepSpeed key not implemented here
+/// let built = DeepSpeedConfig {
+///     train_batch_size: Some(16),
+///     zero_optimization: ZeroConfig { stage: ZeroStage::Gradients, ..Default::default() },
+///     ..Default::default()
+/// };
+/// assert_eq!(loaded, built);
+/// let batch = loaded.resolve(4)?; // over 4 data-parallel ranks
+/// assert_eq!(batch.train_micro_batch_size_per_gpu * batch.gradient_accumulation_steps, 4);
+/// # Ok::<(), burn_deepspeed::DeepSpeedError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DeepSpeedConfig {
@@ -147,7 +165,7 @@ impl fmt::Display for ConfigWarning {
 
 /// Top-level DeepSpeed keys that this version does not implement: they load, are ignored, and
 /// produce a [`ConfigWarning`].
-const UNIMPLEMENTED_KEYS: &[&str] = &[
+pub(super) const UNIMPLEMENTED_KEYS: &[&str] = &[
     "amp",
     "autotuning",
     "checkpoint",

@@ -2,6 +2,8 @@
 
 mod base;
 mod batch;
+#[cfg(test)]
+mod keys;
 mod monitor;
 mod offload_support;
 mod optimizer;

@@ -41,6 +41,54 @@ pub(super) type ProfileForward<M> = Box<dyn Fn(&M, &Device) + Send>;
 ///
 /// SPMD: create one engine per rank, each with that rank's [`Communicator`]. Rank 0's
 /// parameters are broadcast at creation, so every replica starts identical.
+///
+/// Any Burn module that implements `TrainStep` trains as it is:
+///
+/// ```
+/// use std::time::Duration;
+/// use burn::module::Module;
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn::tensor::{Device, Tensor};
+/// use burn::train::{RegressionOutput, TrainOutput, TrainStep};
+/// use burn_deepspeed::prelude::*;
+///
+/// #[derive(Module, Debug)]
+/// struct Model {
+///     linear: Linear,
+/// }
+///
+/// impl TrainStep for Model {
+///     type Input = (Tensor<2>, Tensor<2>);
+///     type Output = RegressionOutput;
+///
+///     fn step(&self, (x, y): Self::Input) -> TrainOutput<RegressionOutput> {
+///         let output = self.linear.forward(x);
+///         let loss = (output.clone() - y.clone()).powi_scalar(2).mean();
+///         let grads = loss.backward();
+///         TrainOutput::new(self, grads, RegressionOutput { loss, output, targets: y })
+///     }
+/// }
+///
+/// let (config, _warnings) = DeepSpeedConfig::from_json_str(
+///     r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2}}"#,
+/// )?;
+/// // Two ranks as threads (one per process under `mpirun`), each with its communicator.
+/// let (_, losses) = launch(2, Duration::from_secs(60), |comm| {
+///     let device = Device::flex().autodiff();
+///     let model = Model { linear: LinearConfig::new(4, 1).init(&device) };
+///     let mut engine = DeepSpeedEngine::new(model, config.clone(), comm)?;
+///     let mut loss = f64::NAN;
+///     for _ in 0..3 {
+///         // 8 samples per step over 2 ranks: one micro-batch of 4 on each.
+///         let x = Tensor::<2>::ones([4, 4], &device);
+///         let y = Tensor::<2>::zeros([4, 1], &device);
+///         loss = engine.train_batch([(x, y)])?.loss;
+///     }
+///     Ok(loss)
+/// })?;
+/// assert_eq!(losses[0], losses[1]); // the step's loss is averaged over the ranks
+/// # Ok::<(), burn_deepspeed::DeepSpeedError>(())
+/// ```
 pub struct DeepSpeedEngine<M: Module> {
     pub(super) model: M,
     pub(super) sync: Box<dyn GradSync<M>>,

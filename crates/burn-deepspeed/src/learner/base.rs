@@ -67,6 +67,27 @@ use crate::sync::{self, GradSync, ShardedSync, SyncOptions, broadcast_params};
 use crate::zero3::GatherGroup;
 
 /// A `SupervisedLearningStrategy` that trains with DeepSpeed-style data parallelism.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use burn::train::{LearnerModel, SupervisedTraining, TrainLoader, TrainingStrategy, ValidLoader};
+/// use burn_deepspeed::prelude::*;
+///
+/// fn train<M: LearnerModel>(model: M, train: TrainLoader<M>, valid: ValidLoader<M>) -> Result<M> {
+///     let (config, _warnings) = DeepSpeedConfig::from_file("ds_config.json")?;
+///     let strategy = DeepSpeedStrategy::new(config, 2); // 2 ranks as threads
+///     let model = strategy.prepare_model(model); // shards it at ZeRO stage 3, else a no-op
+///     let learner = strategy.learner(model)?; // the config's optimizer and scheduler
+///     let result = SupervisedTraining::new("runs/ds", train, valid)
+///         .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
+///         .num_epochs(2)
+///         .launch(learner);
+///     match result.error {
+///         None => Ok(result.model),
+///         Some(e) => Err(DeepSpeedError::LearnerStrategy(e.to_string())),
+///     }
+/// }
+/// ```
 #[derive(Debug, Clone)]
 pub struct DeepSpeedStrategy {
     pub(super) config: DeepSpeedConfig,

@@ -25,7 +25,7 @@ import sys
 from bench_md.common import write_section
 from bench_md.pipeline import pipeline
 from bench_md.onebit import onebit
-from bench_md.zero import zero
+from bench_md.zero import zero, zero_plot
 from bench_md.learner import learner
 from bench_md.kernels import kernels
 from bench_md.precision import precision
@@ -49,6 +49,7 @@ if __name__ == "__main__":
         write_section("onebit", onebit(*sys.argv[2:5]))
     elif kind == "zero":
         write_section("zero", zero(*sys.argv[2:4]))
+        zero_plot(sys.argv[2])
     elif kind == "kernels":
         write_section("kernels", kernels(*sys.argv[2:4]))
     elif kind == "learner":

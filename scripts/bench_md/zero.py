@@ -2,7 +2,10 @@
 import json
 from pathlib import Path
 
-from .common import render
+from .common import PATH, render
+from .svg import grouped_bars
+
+PLOT = PATH.parent / "docs" / "plots" / "zero-model-state.svg"
 
 
 def zero(directory, cores):
@@ -44,4 +47,24 @@ def zero(directory, cores):
         "zero", steps=b["steps"], rounds=b["rounds"], cores=cores, model=b["model"],
         params=b["rows"][0]["params"], batch=b["batch"], rows="\n".join(rows),
         mpi_rows="\n".join(mpi_rows), medium=medium,
+    )
+
+
+def zero_plot(directory):
+    """The model state per rank at each world size and stage, measured against ZeRO's formula,
+    as `docs/plots/zero-model-state.svg` (BENCHMARKS.md and the README show it)."""
+    rows = json.load(open(Path(directory) / "bench.json"))["rows"]
+    plot_rows(rows)
+
+
+def plot_rows(rows):
+    """[`zero_plot`] from the bench's rows (each with `world`, `stage` and the two byte counts)."""
+    grouped_bars(
+        PLOT,
+        "Model state per rank, GPT small, fp32 (measured against ZeRO's formula)",
+        [f"N={r['world']}\nstage {r['stage']}" for r in rows],
+        [("measured", [r["model_state_bytes_per_rank"] for r in rows]),
+         ("ZeRO formula", [r["model_state_bytes_formula"] for r in rows])],
+        "MB per rank",
+        scale=1e6,
     )

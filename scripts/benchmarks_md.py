@@ -38,7 +38,7 @@ from bench_md.quantization import quantization
 from bench_md.moe import moe
 from bench_md.overhead import overhead
 from bench_md.overlap import overlap, overlap3
-from bench_md.vs_pytorch import vs_pytorch
+from bench_md.vs_pytorch import vs_pytorch, vs_pytorch_plot
 from bench_md.gpu import gpu
 
 if __name__ == "__main__":
@@ -74,6 +74,7 @@ if __name__ == "__main__":
         write_section("overhead", overhead(*sys.argv[2:4]))
     elif kind == "vs-pytorch":
         write_section("vs-pytorch", vs_pytorch(*sys.argv[2:4]))
+        vs_pytorch_plot(sys.argv[2])
     elif kind == "overlap":
         write_section("overlap", overlap(*sys.argv[2:4]))
     elif kind == "overlap3":

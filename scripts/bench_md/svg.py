@@ -1,5 +1,6 @@
 """Plain SVG charts for BENCHMARKS.md and the README, written without a plotting library (none
 is installed offline): grouped bars with a labelled axis, deterministic text for review."""
+import math
 from pathlib import Path
 
 WIDTH, HEIGHT = 720, 360
@@ -8,14 +9,12 @@ COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759"]
 
 
 def _ticks(top):
-    """About five round tick values from 0 to at least `top`."""
-    step = 10 ** (len(str(int(top / 5))) - 1) if top >= 5 else 1
-    for factor in (1, 2, 5, 10):
-        if top / (step * factor) <= 6:
-            step *= factor
-            break
-    n = int(top // step) + 1
-    return [i * step for i in range(n + 1)]
+    """Round tick values from 0 to at least `top`, about five of them (steps of 1, 2 or 5 times
+    a power of ten)."""
+    raw = top / 5
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(f * magnitude for f in (1, 2, 5, 10) if raw <= f * magnitude)
+    return [round(i * step, 10) for i in range(math.ceil(top / step - 1e-9) + 1)]
 
 
 def grouped_bars(path, title, groups, series, unit, scale=1.0):

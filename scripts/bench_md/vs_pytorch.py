@@ -2,7 +2,10 @@
 import json
 from pathlib import Path
 
-from .common import render, steady_tokens
+from .common import PATH, render, steady_tokens
+from .svg import grouped_bars
+
+PLOT = PATH.parent / "docs" / "plots" / "vs-deepspeed.svg"
 
 
 def vs_pytorch(directory, cores):
@@ -52,3 +55,30 @@ def vs_pytorch(directory, cores):
     return render("vs-pytorch", cores=cores, torch=torch, rows="\n".join(rows),
                   phase_rows="\n".join(phase_rows))
 
+
+
+def vs_pytorch_plot(directory):
+    """Our tokens/s over DeepSpeed's at each stage, per model, as `docs/plots/vs-deepspeed.svg`."""
+    d = Path(directory)
+    seq = {"tiny": 128, "small": 256}
+    ratios = {}
+    for model in ["tiny", "small"]:
+        if not (d / f"{model}-ddp.json").exists():
+            continue
+        for stage in range(4):
+            ours = max(steady_tokens(json.load(open(d / f"{model}-{run}{stage}.json")), seq[model])
+                       for run in ("ours", "mpi"))
+            peer = json.load(open(d / f"{model}-ds{stage}.json"))["tokens_per_s"]
+            ratios.setdefault(model, []).append(ours / peer)
+    plot_ratios(ratios)
+
+
+def plot_ratios(ratios):
+    """[`vs_pytorch_plot`] from `{model: [ours / DeepSpeed at stages 0-3]}`."""
+    grouped_bars(
+        PLOT,
+        "GPT on 2 CPU ranks: our tokens/s over DeepSpeed's (1.0: the same)",
+        [f"ZeRO {s}" for s in range(4)],
+        [(f"GPT {model}", values) for model, values in ratios.items()],
+        "ours / DeepSpeed",
+    )

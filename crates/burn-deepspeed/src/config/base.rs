@@ -4,7 +4,6 @@
 //! format is DeepSpeed's: `{"type", "params"}` objects, keys with aliases, counts written as
 //! floats (`5e8`), and errors that must name the offending key.
 
-use std::fmt;
 use std::path::Path;
 
 use burn::tensor::FloatDType;
@@ -12,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::serde_util::{count, opt_count};
+use super::warnings::{ConfigWarning, remove_unimplemented};
 use super::{
     ActivationCheckpointingConfig, AioConfig, BatchSizes, Bf16Config, CommsLoggerConfig,
     CompressionTrainingConfig, FlopsProfilerConfig, Fp16Config, MonitorConfig, OptimizerConfig,
@@ -147,54 +147,6 @@ impl Default for DeepSpeedConfig {
     }
 }
 
-/// A note about a config that loaded: a DeepSpeed key that is ignored, or a setting that has
-/// no effect (yet).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigWarning {
-    /// Dotted path of the key.
-    pub key: String,
-    /// What happens to it.
-    pub message: String,
-}
-
-impl fmt::Display for ConfigWarning {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "`{}`: {}", self.key, self.message)
-    }
-}
-
-/// Top-level DeepSpeed keys that this version does not implement: they load, are ignored, and
-/// produce a [`ConfigWarning`].
-pub(super) const UNIMPLEMENTED_KEYS: &[&str] = &[
-    "amp",
-    "autotuning",
-    "checkpoint",
-    "communication_data_type",
-    "compile",
-    "curriculum_learning",
-    "data_efficiency",
-    "data_types",
-    "disable_allgather",
-    "dump_state",
-    "eigenvalue",
-    "elasticity",
-    "gradient_accumulation_dtype",
-    "graph_harvesting",
-    "hybrid_engine",
-    "memory_breakdown",
-    "nebula",
-    "seq_parallel_communication_data_type",
-    "sparse_attention",
-    "sparse_gradients",
-    "timers",
-    "torch_autocast",
-    "use_data_before_expert_parallel_",
-    "wandb",
-    "weight_quantization",
-    "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer",
-];
-
 impl DeepSpeedConfig {
     /// Learning rate of optimizer step `step` (0-based): the scheduler's, from the optimizer's
     /// `lr` (1e-3 when unset).
@@ -260,27 +212,15 @@ impl DeepSpeedConfig {
                 column: e.column(),
                 message: e.to_string(),
             })?;
-        let mut warnings = Vec::new();
-        match value.as_object_mut() {
-            Some(obj) => {
-                for key in UNIMPLEMENTED_KEYS {
-                    if obj.remove(*key).is_some() {
-                        warnings.push(ConfigWarning {
-                            key: (*key).into(),
-                            message: "DeepSpeed key not implemented by burn-deepspeed yet; \
-                                      ignored"
-                                .into(),
-                        });
-                    }
-                }
-            }
+        let mut warnings = match value.as_object_mut() {
+            Some(obj) => remove_unimplemented(obj),
             None => {
                 return Err(DeepSpeedError::InvalidValue {
                     path: "(root)".into(),
                     message: "a DeepSpeed config is a JSON object".into(),
                 });
             }
-        }
+        };
         let config: DeepSpeedConfig =
             serde_path_to_error::deserialize(value).map_err(map_serde_error)?;
         warnings.extend(config.feature_warnings());
@@ -384,51 +324,6 @@ impl DeepSpeedConfig {
     /// The config as pretty JSON, in DeepSpeed's key names.
     pub fn to_json_pretty(&self) -> String {
         serde_json::to_string_pretty(self).expect("a config always serializes")
-    }
-
-    /// Warnings for settings that load but that this version does not act on (yet).
-    fn feature_warnings(&self) -> Vec<ConfigWarning> {
-        let mut w = Vec::new();
-        let mut add = |key: &str, message: &str| {
-            w.push(ConfigWarning {
-                key: key.into(),
-                message: message.into(),
-            })
-        };
-        let refused = "parsed, but the engine does not implement it yet and refuses to train";
-        if let Some(o) = &self.optimizer {
-            if o.kind == OptimizerKind::ZeroOneAdam {
-                add("optimizer.type", refused);
-            }
-            if o.kind.is_one_bit() && o.params.bias_correction == Some(true) {
-                add(
-                    "optimizer.params.bias_correction",
-                    "the 1-bit optimizers apply no bias correction (as in DeepSpeed, which \
-                     accepts the flag and ignores it); ignored",
-                );
-            }
-            for (k, v) in [
-                ("torch_adam", o.params.torch_adam.is_some()),
-                ("cuda_aware", o.params.cuda_aware.is_some()),
-                ("comm_backend_name", o.params.comm_backend_name.is_some()),
-            ] {
-                if v {
-                    add(
-                        &format!("optimizer.params.{k}"),
-                        "accepted for compatibility; has no effect here",
-                    );
-                }
-            }
-        }
-        if let Some(c) = &self.compression_training {
-            for key in c.other.keys() {
-                add(
-                    &format!("compression_training.{key}"),
-                    "not implemented (only weight_quantization is); ignored",
-                );
-            }
-        }
-        w
     }
 }
 

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use serde_json::json;
 
 use super::DeepSpeedConfig;
-use super::base::UNIMPLEMENTED_KEYS;
+use super::warnings::UNIMPLEMENTED_KEYS;
 
 const PROBE: &str = "__no_such_key__";
 

@@ -12,6 +12,7 @@ mod scheduler;
 mod sections;
 mod serde_util;
 mod support;
+mod warnings;
 mod zero;
 
 pub use base::*;
@@ -22,4 +23,5 @@ pub use quantize::*;
 pub use scheduler::*;
 pub use sections::*;
 pub use support::*;
+pub use warnings::ConfigWarning;
 pub use zero::*;

@@ -52,13 +52,12 @@ use burn::train::{
 };
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp, agree};
 
-use super::checkpoint::{join_records, optimizer_record, owned_ids, record_bytes};
+use super::checkpoint::owned_ids;
 use super::leader::{EpochEvent, LeaderEvents};
 use super::prepare::{Prepared, take_built, take_prepared};
 use super::settings::{Settings, Surroundings, resolve_settings};
 use crate::DeepSpeedConfig;
 use crate::activation::{take_stats, with_config_options};
-use crate::checkpoint::gather_bytes;
 use crate::flat::ParamLayout;
 use crate::launch::{launch_with_leader, launched_by_mpirun, mpirun_world_size};
 use crate::precision::{cast_module, unscaled_backward_message, with_loss_scale};
@@ -136,9 +135,9 @@ impl DeepSpeedStrategy {
 
 /// Mixed precision in the strategy: the fp32 masters the Learner's optimizer steps (whole on
 /// every rank: Burn's optimizer steps a whole module) and their 16-bit dtype.
-struct Mixed<M> {
+pub(super) struct Mixed<M> {
     dtype: FloatDType,
-    masters: M,
+    pub(super) masters: M,
 }
 
 /// This thread answers a prepared model's keys with its rank's gather group until dropped.
@@ -150,11 +149,11 @@ impl Drop for Answering {
     }
 }
 
-struct RankRun<'a, M: LearnerModel> {
-    comm: Arc<dyn Communicator>,
-    learner: Learner<M>,
+pub(super) struct RankRun<'a, M: LearnerModel> {
+    pub(super) comm: Arc<dyn Communicator>,
+    pub(super) learner: Learner<M>,
     train: TrainLoader<M>,
-    settings: &'a Settings,
+    pub(super) settings: &'a Settings,
     /// Stage 3: the whole parameters the model was prepared from, dropped once loaded.
     prepared: Option<Arc<Prepared>>,
     /// Where a rank leaves its loader's error, for `fit` to report as Burn's dataset error.
@@ -162,9 +161,9 @@ struct RankRun<'a, M: LearnerModel> {
     /// The device the strategy gave this rank (its batches are loaded there).
     device: Option<Device>,
     /// At stages 1-2, the parameters whose optimizer state this rank holds.
-    owned: Option<HashSet<u64>>,
+    pub(super) owned: Option<HashSet<u64>>,
     /// Burn's event store (the checkpointer's strategy reads it).
-    store: Arc<EventStoreClient>,
+    pub(super) store: Arc<EventStoreClient>,
 }
 
 impl<M: LearnerModel> RankRun<'_, M> {
@@ -202,49 +201,6 @@ impl<M: LearnerModel> RankRun<'_, M> {
             .and_then(|cut| owned_ids(&layout, cut, world, rank));
         self.keep_own_optimizer_state()?;
         Ok((sync, None))
-    }
-
-    /// At stages 1-2, the optimizer state of this rank's tensors only: a `Learner` resumed
-    /// by Burn's checkpointer holds every tensor's.
-    fn keep_own_optimizer_state(&mut self) -> crate::Result<()> {
-        let Some(owned) = &self.owned else {
-            return Ok(());
-        };
-        let record = optimizer_record(&self.learner, &self.store)?;
-        if !record.is_empty() {
-            let own = join_records(&[record_bytes(record)?], |id| owned.contains(&id))?;
-            self.learner.load_optim(own);
-        }
-        Ok(())
-    }
-
-    /// What Burn's checkpointer saves at the end of an epoch, on rank 0 (`None` elsewhere, or
-    /// where the `Learner` itself is it): the `Learner` with the fp32 masters in 16-bit, and
-    /// at stages 1-2 with every rank's optimizer state. A collective at stages 1-2 when
-    /// checkpointing.
-    fn learner_to_save(&self, mixed: Option<&Mixed<M>>) -> crate::Result<Option<Learner<M>>> {
-        if !self.settings.checkpointer {
-            return Ok(None);
-        }
-        let record = match &self.owned {
-            None => None,
-            Some(_) => {
-                let mine = record_bytes(optimizer_record(&self.learner, &self.store)?)?;
-                let parts = gather_bytes(self.comm.as_ref(), &mine)?;
-                parts.map(|p| join_records(&p, |_| true)).transpose()?
-            }
-        };
-        if self.comm.rank() != 0 || (record.is_none() && mixed.is_none()) {
-            return Ok(None);
-        }
-        let mut saved = self.learner.clone();
-        if let Some(mixed) = mixed {
-            saved.load_model(mixed.masters.clone().into_record());
-        }
-        if let Some(record) = record {
-            saved.load_optim(record);
-        }
-        Ok(Some(saved))
     }
 
     /// Stage 3: registers this rank's gather group for the prepared model's keys and loads

@@ -30,6 +30,8 @@ use burn::train::checkpoint::{
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel, LearningCheckpointer};
 
+use super::base::{Mixed, RankRun};
+use crate::checkpoint::gather_bytes;
 use crate::flat::ParamLayout;
 use crate::sync::{Cut, Part};
 use crate::{DeepSpeedError, Result};
@@ -89,6 +91,51 @@ struct Always;
 impl CheckpointingStrategy for Always {
     fn checkpointing(&mut self, _epoch: usize, _: &EventStoreClient) -> Vec<CheckpointingAction> {
         vec![CheckpointingAction::Save]
+    }
+}
+
+impl<M: LearnerModel> RankRun<'_, M> {
+    /// At stages 1-2, the optimizer state of this rank's tensors only: a `Learner` resumed
+    /// by Burn's checkpointer holds every tensor's.
+    pub(super) fn keep_own_optimizer_state(&mut self) -> Result<()> {
+        let Some(owned) = &self.owned else {
+            return Ok(());
+        };
+        let record = optimizer_record(&self.learner, &self.store)?;
+        if !record.is_empty() {
+            let own = join_records(&[record_bytes(record)?], |id| owned.contains(&id))?;
+            self.learner.load_optim(own);
+        }
+        Ok(())
+    }
+
+    /// What Burn's checkpointer saves at the end of an epoch, on rank 0 (`None` elsewhere, or
+    /// where the `Learner` itself is it): the `Learner` with the fp32 masters in 16-bit, and
+    /// at stages 1-2 with every rank's optimizer state. A collective at stages 1-2 when
+    /// checkpointing.
+    pub(super) fn learner_to_save(&self, mixed: Option<&Mixed<M>>) -> Result<Option<Learner<M>>> {
+        if !self.settings.checkpointer {
+            return Ok(None);
+        }
+        let record = match &self.owned {
+            None => None,
+            Some(_) => {
+                let mine = record_bytes(optimizer_record(&self.learner, &self.store)?)?;
+                let parts = gather_bytes(self.comm.as_ref(), &mine)?;
+                parts.map(|p| join_records(&p, |_| true)).transpose()?
+            }
+        };
+        if self.comm.rank() != 0 || (record.is_none() && mixed.is_none()) {
+            return Ok(None);
+        }
+        let mut saved = self.learner.clone();
+        if let Some(mixed) = mixed {
+            saved.load_model(mixed.masters.clone().into_record());
+        }
+        if let Some(record) = record {
+            saved.load_optim(record);
+        }
+        Ok(Some(saved))
     }
 }
 

@@ -186,6 +186,39 @@ fn the_strategy_trains_on_wgpu() {
     }
 }
 
+/// `offload_optimizer: cpu` in the strategy: the fp32 masters and the Learner's optimizer
+/// state live in host memory and the optimizer steps there, at stages 2 and 3 (stage 1 is
+/// stage 2's step), in fp32 and bf16. On Flex the model is in host memory already and the run is the one without
+/// offload, bit for bit; with wgpu the model computes on the device, the optimizer on the
+/// host, and the trained model follows the Flex run within the devices' rounding.
+#[test]
+fn the_optimizer_offloads_to_host_memory() {
+    let flat = |m: &Gpt| params_to_flat(m, &ParamLayout::of(m));
+    let offload = r#", "offload_optimizer": {"device": "cpu"}}"#;
+    let runs = [
+        (r#"{"stage": 2, "reduce_bucket_size": 2000"#, ""),
+        (r#"{"stage": 2"#, r#", "bf16": {"enabled": true}"#),
+        (
+            r#"{"stage": 3, "stage3_param_persistence_threshold": 100"#,
+            "",
+        ),
+    ];
+    for (zero, extra) in runs {
+        let plain = flat(&train_with_extra(&format!("{zero}}}"), extra, 1));
+        let offloaded = flat(&train_with_extra(&format!("{zero}{offload}"), extra, 1));
+        assert_eq!(plain, offloaded, "{zero}{extra}: on Flex nothing moves");
+        // wgpu has no bf16.
+        #[cfg(feature = "wgpu")]
+        if extra.is_empty() {
+            let device = Device::from(burn::backend::wgpu::WgpuDevice::default());
+            let wgpu = flat(&train_on(device, &format!("{zero}{offload}"), extra, 1));
+            let diff = max_difference(&plain, &wgpu);
+            println!("{zero}{extra}, offloaded from wgpu: max difference to Flex {diff:e}");
+            assert!(diff <= 1e-4, "{zero}{extra}: {diff:e}");
+        }
+    }
+}
+
 /// bf16, and fp16 with dynamic loss scaling, in the strategy at stages 0, 2 and 3: the
 /// Learner's AdamW steps fp32 masters (at stage 3 this rank's chunks), the model that comes
 /// back is the masters (in f32), its held-out loss follows fp32's, and the stages agree.
@@ -320,9 +353,10 @@ fn learner_checkpoints_at_stage_3_are_refused() {
     assert_refused(e, "DeepSpeedEngine::save_checkpoint");
 }
 
-/// Trains the GPT on 2 ranks with Burn's default checkpointers in `dir` until epoch
-/// `epochs`, resuming from the checkpoint of epoch `resume` when given.
-fn train_checkpointed(
+/// Trains the GPT on 2 ranks on `device` with Burn's default checkpointers in `dir` until
+/// epoch `epochs`, resuming from the checkpoint of epoch `resume` when given.
+fn train_checkpointed_on(
+    device: Device,
     dir: &std::path::Path,
     config: &str,
     epochs: usize,
@@ -332,12 +366,12 @@ fn train_checkpointed(
     let loader = |items: &[_]| {
         DataLoaderBuilder::new(WindowBatcher)
             .batch_size(4)
-            .set_device(Device::flex())
+            .set_device(device.clone())
             .build(InMemDataset::new(items.to_vec()))
     };
     let (config, _) = DeepSpeedConfig::from_json_str(config).expect("valid config");
     let strategy = DeepSpeedStrategy::new(config, 2);
-    let model = Gpt::new(SHAPE, 5, &Device::flex().autodiff());
+    let model = Gpt::new(SHAPE, 5, &device.clone().autodiff());
     let mut training = SupervisedTraining::new(dir, loader(&data[..24]), loader(&data[24..]))
         .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
         .with_default_checkpointers()
@@ -350,26 +384,50 @@ fn train_checkpointed(
     result.model
 }
 
-/// Burn's checkpointer at ZeRO stages 1 and 2, in fp32 and bf16: a run checkpointed after
-/// its first epoch, stopped and resumed for the second ends with the parameters of the run
-/// that was not stopped (the checkpoint holds every rank's optimizer state and the fp32
-/// masters).
+/// Burn's checkpointer at ZeRO stages 1 and 2, in fp32 and bf16, and with the optimizer
+/// offloaded to host memory: a run checkpointed after its first epoch, stopped and resumed
+/// for the second ends with the parameters of the run that was not stopped (the checkpoint
+/// holds every rank's optimizer state and the fp32 masters).
 #[test]
 fn learner_checkpoints_resume_at_stages_1_and_2() {
     let flat = |m: &Gpt| params_to_flat(m, &ParamLayout::of(m));
     let bf16 = r#", "bf16": {"enabled": true}"#;
-    for (stage, precision) in [(1, ""), (2, ""), (1, bf16), (2, bf16)] {
+    let offload = r#", "offload_optimizer": {"device": "cpu"}"#;
+    let mut runs = vec![
+        (Device::flex(), 1, "", ""),
+        (Device::flex(), 2, "", ""),
+        (Device::flex(), 1, bf16, ""),
+        (Device::flex(), 2, bf16, ""),
+    ];
+    // The optimizer offloaded from a device to host memory (wgpu has no bf16): its state is
+    // saved and resumed from there.
+    #[cfg(feature = "wgpu")]
+    {
+        let wgpu = Device::from(burn::backend::wgpu::WgpuDevice::default());
+        runs.push((wgpu, 2, "", offload));
+    }
+    runs.push((Device::flex(), 2, bf16, offload));
+    for (device, stage, precision, offload) in runs {
         let config = format!(
-            r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": {stage}}}{precision}}}"#
+            r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": {stage}{offload}}}{precision}}}"#
         );
         let (straight, stopped) = (
             tempfile::tempdir().expect("dir"),
             tempfile::tempdir().expect("dir"),
         );
-        let whole = flat(&train_checkpointed(straight.path(), &config, 2, None));
-        let first = flat(&train_checkpointed(stopped.path(), &config, 1, None));
-        let resumed = flat(&train_checkpointed(stopped.path(), &config, 2, Some(1)));
-        let name = format!("stage {stage}{precision}");
+        let run = |dir: &tempfile::TempDir, epochs, resume| {
+            flat(&train_checkpointed_on(
+                device.clone(),
+                dir.path(),
+                &config,
+                epochs,
+                resume,
+            ))
+        };
+        let whole = run(&straight, 2, None);
+        let first = run(&stopped, 1, None);
+        let resumed = run(&stopped, 2, Some(1));
+        let name = format!("stage {stage}{precision}{offload} on {device:?}");
         assert!(
             max_difference(&first, &whole) > 1e-4,
             "{name}: the second epoch trained"

@@ -63,7 +63,8 @@ fn config_check_prints_the_resolved_config_or_the_error() {
 #[test]
 fn config_check_runs_the_refusals_of_the_entry_point() {
     let dir = tempfile::tempdir().expect("temp dir");
-    // ZeRO-2 with a pipeline: the pipeline engine refuses it; offload: only the engine runs it.
+    // ZeRO-2 with a pipeline: the pipeline engine refuses it; offload to host memory runs in
+    // the engine and the Learner strategy, not in the pipeline engine.
     let zero2 = write(
         &dir,
         "zero2.json",
@@ -80,7 +81,8 @@ fn config_check_runs_the_refusals_of_the_entry_point() {
         (&zero2, "pipeline", Some("zero_optimization.stage")),
         (&zero2, "learner", None),
         (&offload, "engine", None),
-        (&offload, "learner", Some("offload_optimizer")),
+        (&offload, "learner", None),
+        (&offload, "pipeline", Some("offload_optimizer")),
     ] {
         let (code, _, stderr) = cli(&["config", "check", file, "--entry", entry]);
         match refused {

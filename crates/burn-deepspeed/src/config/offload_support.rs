@@ -30,14 +30,27 @@ pub(super) fn check_offload(config: &DeepSpeedConfig, entry: EntryPoint) -> Resu
              zero_optimization.stage",
         );
     }
-    if !matches!(entry, EntryPoint::Engine) {
-        return refuse(
-            key,
-            "optimizer offload runs in DeepSpeedEngine, which steps its own Adam on the \
-             offloaded state; this entry point steps another optimizer",
-        );
+    match (entry, device) {
+        (EntryPoint::Engine, _) => {}
+        // The Learner's own optimizer steps fp32 masters in host memory: any Burn optimizer.
+        (EntryPoint::Strategy { .. }, OffloadDevice::Cpu) => {}
+        (EntryPoint::Strategy { .. }, _) => {
+            return refuse(
+                key,
+                "the Learner strategy offloads the optimizer to host memory (\"cpu\"); swap \
+                 files (\"nvme\") run in DeepSpeedEngine, which steps its own Adam on them",
+            );
+        }
+        (EntryPoint::Pipeline, _) => {
+            return refuse(
+                key,
+                "optimizer offload runs in DeepSpeedEngine (and with \"cpu\" in the Learner \
+                 strategy); the pipeline engine steps its stages' optimizers in place",
+            );
+        }
     }
     if let Some(o) = &config.optimizer
+        && entry == EntryPoint::Engine
         && !matches!(o.kind, OptimizerKind::Adam | OptimizerKind::AdamW)
     {
         return refuse(

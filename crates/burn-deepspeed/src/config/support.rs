@@ -403,7 +403,8 @@ mod tests {
     }
 
     /// Optimizer offload runs in the engine at stages 1-3 with Adam or AdamW, with a
-    /// writable NVMe folder; everything else is refused naming the key.
+    /// writable NVMe folder, and in the Learner strategy to host memory with any optimizer;
+    /// everything else is refused naming the key.
     #[test]
     fn offload_is_checked_where_it_runs() {
         let dir = std::env::temp_dir();
@@ -430,13 +431,24 @@ mod tests {
             r#"{{"train_batch_size": 4, {}}}"#,
             zero(2, r#"{"device": "cpu"}"#)
         ));
-        for entry in [
-            EntryPoint::Pipeline,
-            EntryPoint::Strategy {
-                checkpointer: false,
-            },
-        ] {
-            assert_eq!(refused_key(&c, entry), device, "{entry:?}");
+        assert_eq!(refused_key(&c, EntryPoint::Pipeline), device);
+        // The Learner strategy offloads to host memory with any optimizer, not to swap files.
+        for checkpointer in [false, true] {
+            let strategy = EntryPoint::Strategy { checkpointer };
+            assert_eq!(refused_key(&c, strategy), None);
+            let lamb = config(&format!(
+                r#"{{"train_batch_size": 4, "optimizer": {{"type": "Lamb"}}, {}}}"#,
+                zero(1, r#"{"device": "cpu"}"#)
+            ));
+            assert_eq!(refused_key(&lamb, strategy), None);
+            let swap = config(&format!(r#"{{"train_batch_size": 4, {}}}"#, zero(2, &nvme)));
+            assert_eq!(refused_key(&swap, strategy), device);
+            let partial = zero(3, r#"{"device": "cpu", "ratio": 0.5}"#);
+            let partial = config(&format!(r#"{{"train_batch_size": 4, {partial}}}"#));
+            assert_eq!(
+                refused_key(&partial, strategy).as_deref(),
+                Some("zero_optimization.offload_optimizer.ratio")
+            );
         }
         assert_eq!(
             engine(&zero(2, &nvme), "Lamb").as_deref(),

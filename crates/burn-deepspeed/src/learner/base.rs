@@ -29,6 +29,10 @@
 //! end of every epoch the ranks gather the whole model together for rank 0's validation, and
 //! `fit` returns it whole.
 //!
+//! With `offload_optimizer.device: "cpu"` (stages 1-3) the fp32 masters and the `Learner`'s
+//! optimizer state live in host memory and the optimizer steps there (ZeRO-Offload, arXiv
+//! 2101.06840); the device keeps the working copy and the gradients.
+//!
 //! Burn's checkpointer works at stages 0-2 and in bf16 (see [`checkpoint`](super::checkpoint)):
 //! the ranks join their optimizer partitions into one record, and rank 0 saves it with the
 //! fp32 masters, so the files are those of an unpartitioned fp32 run; on resume each rank
@@ -58,6 +62,7 @@ use super::prepare::{Prepared, take_built, take_prepared};
 use super::settings::{Settings, Surroundings, resolve_settings};
 use crate::DeepSpeedConfig;
 use crate::activation::{take_stats, with_config_options};
+use crate::config::OffloadDevice;
 use crate::flat::ParamLayout;
 use crate::launch::{launch_with_leader, launched_by_mpirun, mpirun_world_size};
 use crate::precision::{cast_module, unscaled_backward_message, with_loss_scale};
@@ -133,11 +138,29 @@ impl DeepSpeedStrategy {
     }
 }
 
-/// Mixed precision in the strategy: the fp32 masters the Learner's optimizer steps (whole on
-/// every rank: Burn's optimizer steps a whole module) and their 16-bit dtype.
-pub(super) struct Mixed<M> {
+/// The fp32 masters the Learner's optimizer steps when they are not the Learner's model
+/// itself (a whole module on every rank: Burn's optimizer steps a whole module). Two reasons
+/// keep them apart, alone or together:
+/// - 16-bit: the Learner computes with their working copy in `dtype`;
+/// - optimizer offload to host memory (ZeRO-Offload, arXiv 2101.06840): the masters and the
+///   optimizer's state live on `home`, the host, where the optimizer steps them; the device
+///   keeps the working copy and the gradients. Burn's optimizers step on the device of the
+///   gradients they are given, and keep each parameter's state there.
+pub(super) struct Masters<M> {
+    /// The working copy's dtype (f32 when the masters are apart only for offload).
     dtype: FloatDType,
+    /// Host memory, when the optimizer is offloaded from another device.
+    home: Option<Device>,
+    /// The device the Learner's model computes on.
+    working: Device,
     pub(super) masters: M,
+}
+
+/// Where an offloaded optimizer steps when the model computes on `device`: the host (Flex),
+/// or `None` when `device` keeps its tensors in host memory already.
+pub(super) fn offload_home(device: &Device) -> Option<Device> {
+    let host = Device::flex();
+    (device.clone().inner() != host).then_some(host)
 }
 
 /// This thread answers a prepared model's keys with its rank's gather group until dropped.
@@ -232,7 +255,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
     ) -> crate::Result<M> {
         let shard = self.shard();
         let (mut sync, _answering) = self.build_sync()?;
-        let mut mixed = self.mixed_precision(sync.as_mut())?;
+        let mut mixed = self.separate_masters(sync.as_mut())?;
         // The loss scale and the skipped steps; the Learner keeps its own schedule, which
         // a skipped step does not advance either.
         let mut core = StepCore::new(&self.settings.config)?;
@@ -304,26 +327,48 @@ impl<M: LearnerModel> RankRun<'_, M> {
         match mixed {
             // The trained model is the fp32 masters, not their 16-bit copy (at stage 3
             // their chunks are gathered in f32).
+            // Offloaded, it comes back on the device the Learner trained on.
             Some(mixed) => {
                 sync.track_working_copy(&mixed.masters, FloatDType::F32);
-                sync.whole_model(&mixed.masters)
+                let whole = sync.whole_model(&mixed.masters)?;
+                Ok(match mixed.home {
+                    Some(_) => whole.fork(&mixed.working),
+                    None => whole,
+                })
             }
             None => sync.whole_model(&self.learner.model()),
         }
     }
 
-    /// Mixed precision: keeps the (broadcast) f32 model as fp32 masters (at stage 3 this
-    /// rank's chunks) and hands the Learner their 16-bit working copy; `None` in fp32.
-    fn mixed_precision(&mut self, sync: &mut dyn GradSync<M>) -> crate::Result<Option<Mixed<M>>> {
+    /// In 16-bit or with the optimizer offloaded: keeps the (broadcast) f32 model as fp32
+    /// masters (at stage 3 this rank's chunks), in host memory when offloaded, and hands the
+    /// Learner their working copy; `None` otherwise.
+    fn separate_masters(
+        &mut self,
+        sync: &mut dyn GradSync<M>,
+    ) -> crate::Result<Option<Masters<M>>> {
         let config = &self.settings.config;
-        let Some(dtype) = config.working_dtype() else {
-            return Ok(None);
-        };
         let masters = self.learner.model();
-        let working = cast_module(masters.clone(), dtype);
-        sync.track_working_copy(&working, dtype);
-        self.learner.load_model(working.into_record());
-        Ok(Some(Mixed { dtype, masters }))
+        let working = masters.devices().into_iter().next().unwrap_or_default();
+        let offload = config.zero_optimization.optimizer_offload() == OffloadDevice::Cpu;
+        let home = offload.then(|| offload_home(&working)).flatten();
+        let dtype = match (config.working_dtype(), &home) {
+            (None, None) => return Ok(None),
+            (dtype, _) => dtype.unwrap_or(FloatDType::F32),
+        };
+        let copy = cast_module(masters.clone(), dtype);
+        sync.track_working_copy(&copy, dtype);
+        self.learner.load_model(copy.into_record());
+        let masters = match &home {
+            Some(host) => masters.fork(host),
+            None => masters,
+        };
+        Ok(Some(Masters {
+            dtype,
+            home,
+            working,
+            masters,
+        }))
     }
 
     /// One optimizer step over `micro`: the Learner computes each micro-batch's gradients,
@@ -335,7 +380,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
         sync: &mut dyn GradSync<M>,
         core: &mut StepCore,
         micro: Vec<<M as burn::train::TrainStep>::Input>,
-        mixed: Option<&mut Mixed<M>>,
+        mixed: Option<&mut Masters<M>>,
     ) -> crate::Result<Vec<<M as burn::train::TrainStep>::Output>> {
         let model = self.learner.model();
         let mut outputs = Vec::with_capacity(micro.len());
@@ -382,9 +427,16 @@ impl<M: LearnerModel> RankRun<'_, M> {
             }
             return Ok(outputs);
         };
-        // Mixed precision: the Learner's optimizer steps the fp32 masters (its state is
-        // created for them, in f32), then holds their 16-bit working copy again.
-        let grads = sync.reduced_gradients(&mixed.masters)?;
+        // Separate masters: the Learner's optimizer steps the fp32 masters (its state is
+        // created for them, in f32), then holds their working copy again. Offloaded, the
+        // Learner's model moves to host memory for the step (a `Learner` takes a new model
+        // only as a record loaded where its model is) and the gradients with it, and the
+        // working copy goes back to the device after.
+        let mut grads = sync.reduced_gradients(&mixed.masters)?;
+        if let Some(host) = &mixed.home {
+            self.learner.fork(host);
+            grads = grads.to_device(host, &mixed.masters);
+        }
         self.learner.load_model(mixed.masters.clone().into_record());
         self.learner.lr_step();
         self.learner.optimizer_step(grads);
@@ -392,9 +444,12 @@ impl<M: LearnerModel> RankRun<'_, M> {
         if let Some(updated) = sync.finish_external_step(&masters)? {
             masters = updated;
         }
-        let working = cast_module(masters.clone(), mixed.dtype);
-        sync.track_working_copy(&working, mixed.dtype);
-        self.learner.load_model(working.into_record());
+        self.learner
+            .load_model(cast_module(masters.clone(), mixed.dtype).into_record());
+        if mixed.home.is_some() {
+            self.learner.fork(&mixed.working);
+        }
+        sync.track_working_copy(&self.learner.model(), mixed.dtype);
         mixed.masters = masters;
         Ok(outputs)
     }
@@ -576,4 +631,23 @@ fn prepared_world_mismatch(prepared: usize, world: usize) -> crate::DeepSpeedErr
         "the model was prepared for ZeRO stage 3 on {prepared} ranks but the training runs on \
          {world}; prepare it with the strategy that trains it"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An offloaded optimizer moves to the host from a device, and stays where it is on one
+    /// that keeps its tensors in host memory.
+    #[test]
+    fn an_offloaded_optimizer_steps_in_host_memory() {
+        assert_eq!(offload_home(&Device::flex()), None);
+        assert_eq!(offload_home(&Device::flex().autodiff()), None);
+        #[cfg(feature = "wgpu")]
+        {
+            let wgpu = Device::from(burn::backend::wgpu::WgpuDevice::default());
+            assert_eq!(offload_home(&wgpu.clone().autodiff()), Some(Device::flex()));
+            assert_eq!(offload_home(&wgpu), Some(Device::flex()));
+        }
+    }
 }

@@ -30,7 +30,7 @@ use burn::train::checkpoint::{
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel, LearningCheckpointer};
 
-use super::base::{Mixed, RankRun};
+use super::base::{Masters, RankRun};
 use crate::checkpoint::gather_bytes;
 use crate::flat::ParamLayout;
 use crate::sync::{Cut, Part};
@@ -113,7 +113,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
     /// where the `Learner` itself is it): the `Learner` with the fp32 masters in 16-bit, and
     /// at stages 1-2 with every rank's optimizer state. A collective at stages 1-2 when
     /// checkpointing.
-    pub(super) fn learner_to_save(&self, mixed: Option<&Mixed<M>>) -> Result<Option<Learner<M>>> {
+    pub(super) fn learner_to_save(&self, mixed: Option<&Masters<M>>) -> Result<Option<Learner<M>>> {
         if !self.settings.checkpointer {
             return Ok(None);
         }

@@ -109,7 +109,7 @@ impl Grid {
 
     /// The grid a config names: `tensor_parallel.tp_size` slices and `pipeline.stages`
     /// stages. With `comms_logger` enabled, `world` is wrapped in a
-    /// [`CommsLogger`](burn_deepspeed_strategies::comm::CommsLogger) first, so that every
+    /// [`burn_deepspeed_strategies::comm::CommsLogger`] first, so that every
     /// group's traffic is logged ([`Communicator::comms_log`] on any of them). A collective.
     pub fn from_config(
         config: &DeepSpeedConfig,

@@ -8,6 +8,21 @@
 //! Ranks are SPMD, as in DeepSpeed: every rank runs the same loop and talks through one
 //! [`Communicator`](comm::Communicator). See ZeRO (arXiv 1910.02054) for the memory model
 //! the later stages build on.
+//!
+//! ## Features
+//!
+//! | feature | what it adds | what the machine needs |
+//! |---|---|---|
+//! | `mpi` | ranks as processes under `mpirun`, on one or many nodes | OpenMPI and libclang |
+//! | `wgpu` | models on a wgpu device, with our ops' CubeCL kernels | a Vulkan, Metal or DX12 driver |
+//! | `cuda` | models on CUDA GPUs, with NCCL collectives | CUDA and NCCL at run time, LLVM to build |
+//!
+//! None is on by default. Burn itself comes with the features this crate is built on:
+//! `train` (the engine steps Burn's `TrainStep`, and the strategy is a
+//! `SupervisedLearningStrategy`; Burn's training crate also brings its Flex CPU backend),
+//! `extension` (our ops are `#[backend_extension]` ops) and `capture` (the flops profiler
+//! records a forward on Burn's capture device). The backend a model trains on is chosen by
+//! the device it is built on: Flex always, wgpu or CUDA with the feature.
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

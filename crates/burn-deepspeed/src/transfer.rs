@@ -3,14 +3,14 @@
 //! Every copy the engine makes between a tensor on the model's device and host memory (a
 //! gradient read into a flat host buffer, a parameter rebuilt from host values, a stage-3
 //! shard gathered through the host communicator, an activation checkpoint kept on the
-//! host) goes through [`read`], [`read_f32`] or [`write`] here, which add the bytes moved to
+//! host) goes through `read`, `read_f32` or [`write`] here, which add the bytes moved to
 //! this thread's counter unless the device keeps its tensors in host memory (Flex), where no
 //! host/device boundary exists. A rank runs its engine on one thread (a thread of the thread
 //! world, or an MPI process's main thread), so [`host_device_bytes`] read on the rank's
 //! thread is that rank's total.
 //!
 //! Copies made to stage a collective (the host communicator moving device buffers, as it must
-//! between wgpu ranks) run inside [`staging`] and are also added to
+//! between wgpu ranks) run inside `staging` and are also added to
 //! [`staged_collective_bytes`]: where training is device-resident, every host/device byte of
 //! a step is a staged collective byte, and the two counters agree.
 
@@ -31,7 +31,7 @@ pub fn host_device_bytes() -> u64 {
     COPIED.with(Cell::get)
 }
 
-/// The part of [`host_device_bytes`] copied to stage a collective (see [`staging`]).
+/// The part of [`host_device_bytes`] copied to stage a collective (see `staging`).
 pub fn staged_collective_bytes() -> u64 {
     STAGED.with(Cell::get)
 }

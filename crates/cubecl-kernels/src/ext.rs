@@ -1,6 +1,6 @@
 //! The fused ops on Burn tensors: a `#[backend_extension]` whose `Flex` arm runs the CPU
 //! path and whose `Cube` arm (features `wgpu` / `cuda`) launches the CubeCL kernels of
-//! [`crate::cube`] on the tensors' own device buffers. Autodiff tensors are stepped through
+//! `crate::cube` on the tensors' own device buffers. Autodiff tensors are stepped through
 //! their inner values: an optimizer step is not part of the graph.
 //!
 //! The functions at the bottom are the API: they take and return [`Tensor`]s and check
@@ -797,7 +797,7 @@ impl QuantizedTensor {
 impl QuantizedTensor {
     /// `x · W` (`[m, n]`) for an f32 `x` `[m, k]` and this tensor as the row-major `[k, n]`
     /// weight, dequantized as it is loaded: the CPU's blocked kernel on Flex, the CubeCL
-    /// kernel on wgpu and CUDA ([`crate::cube::qmatmul`]); the weight is never whole in f32.
+    /// kernel on wgpu and CUDA (`cube::qmatmul`); the weight is never whole in f32.
     /// For inference: under autodiff no gradient flows.
     ///
     /// # Errors

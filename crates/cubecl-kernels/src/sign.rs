@@ -1,7 +1,7 @@
 //! 1-bit sign packing: eight signs per byte, least significant bit first; sign(0) = +1
 //! (as in DeepSpeed's compressed all-reduce, 1-bit Adam arXiv 2102.02888), and the fused
 //! error-feedback compression built on it ([`onebit_compress`]). Parallel chunks (rayon) of
-//! [`CHUNK`](crate::adam::CHUNK) values, a multiple of 8, so that every byte has one owner.
+//! [`crate::adam::CHUNK`] values, a multiple of 8, so that every byte has one owner.
 
 use rayon::prelude::*;
 

@@ -107,7 +107,7 @@ pub(crate) fn name_problem(what: &str, name: &str) -> Option<String> {
     })
 }
 
-/// Refuses a name that is not a plain, visible directory entry (see [`name_problem`]).
+/// Refuses a name that is not a plain, visible directory entry (see `name_problem`).
 pub fn check_name(what: &str, name: &str) -> Result<()> {
     name_problem(what, name).map_or(Ok(()), |why| Err(DeepSpeedError::Checkpoint(why)))
 }

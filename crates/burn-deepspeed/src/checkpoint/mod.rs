@@ -1,6 +1,6 @@
 //! Engine checkpoints: the files on disk ([`files`]: atomic writes, checked reads), what
 //! `meta.json` holds ([`meta`]), how state is serialized in the files ([`state`]), and the
-//! collective protocol that writes and reads them ([`protocol`]): which rank writes what, how
+//! collective protocol that writes and reads them (`protocol`): which rank writes what, how
 //! ranks agree, and how a checkpoint of one world size is cut again for another.
 //! [`consolidate`] turns one into a single safetensors file that plain Burn loads.
 

@@ -6,7 +6,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor};
 
-/// An expert of an [`MoE`] layer: any module from tokens `[n, d]` to `[n, d]` (DeepSpeed
+/// An expert of an [`MoE`](super::MoE) layer: any module from tokens `[n, d]` to `[n, d]` (DeepSpeed
 /// takes any `nn.Module`; the usual one is the transformer's MLP, [`ExpertMlp`]).
 pub trait Expert: Module {
     /// The expert applied to `x` `[n, d]`.

@@ -41,7 +41,7 @@ impl AdamFamily {
 ///   the partitioned LAMB of stages 1-3 leaves it unclipped too so that every stage follows
 ///   the same trajectory (the fused LAMB of `burn-deepspeed-cubecl-kernels` can clip).
 /// * The 1-bit optimizers are not Burn optimizers: `DeepSpeedEngine` runs them on its flat
-///   buffers ([`OneBitOptimizer`](super::OneBitOptimizer)); elsewhere they are refused.
+///   buffers ([`OneBitOptimizer`](burn_deepspeed_strategies::onebit::OneBitOptimizer)); elsewhere they are refused.
 pub fn build_optimizer(cfg: &OptimizerConfig) -> Result<ModuleOptimizer> {
     let AdamFamily { b1, b2, eps, wd } = AdamFamily::of(cfg);
     Ok(match cfg.kind {

@@ -185,7 +185,7 @@ impl FlatOptimizer<HostPlace> for HostFlatOptimizer {
 }
 
 /// The device's flat optimizer: m and v of the slice as device tensors, each tensor's step
-/// count, and the fused step of [`device_step`].
+/// count, and the fused step of `device_step`.
 #[derive(Debug)]
 pub struct DeviceFlatOptimizer {
     kind: DeviceOptimizer,

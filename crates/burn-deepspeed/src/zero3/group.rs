@@ -63,7 +63,7 @@ pub struct GatherStats {
     /// (`overlap_comm`).
     pub gathered_ahead: u64,
     /// Of the all-gathers and reduce-scatters, those that moved the device's buffers through
-    /// its device collectives ([`Chunks`] of the device) rather than host copies.
+    /// its device collectives (`Chunks` of the device) rather than host copies.
     pub on_device: u64,
     /// Bytes this rank's transport sent for the parameter fetches (measured around each
     /// collective; half as many for a 16-bit model as for an f32 one).
@@ -316,7 +316,7 @@ impl GatherGroup {
         registry().insert(self.id, Entry::Whole);
     }
 
-    /// Makes the keys of the prepared id `prepared` (see [`prepared_id`]) resolve to this
+    /// Makes the keys of the prepared id `prepared` (see `prepared_id`) resolve to this
     /// group on the calling thread, until [`forget_on_this_thread`](Self::forget_on_this_thread).
     /// The gather and its backward run on the thread that calls the model (Burn's autodiff runs
     /// a backward on the caller's thread), so ranks that are threads of one process each answer

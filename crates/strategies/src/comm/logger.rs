@@ -138,7 +138,7 @@ impl std::ops::AddAssign<&CommsEntry> for CommsEntry {
 pub struct CommsKey {
     /// The kind of operation.
     pub op: OpKind,
-    /// Bytes of the buffer the operation is about (see the [module docs](self)).
+    /// Bytes of the buffer the operation is about (see the module docs).
     pub msg_bytes: u64,
     /// Under `debug`, the function that made the call.
     pub caller: Option<String>,

@@ -36,8 +36,8 @@ impl DeviceTraffic {
 /// device and dtype, so that an implementation may reuse the input's memory (Flex's host
 /// buffers are reduced in place when the tensor owns them alone). Three implementations
 /// exist: [`HostCollectives`](super::HostCollectives) (Flex in place; any other device staged
-/// through host memory and counted as such) and, with feature `cuda`,
-/// [`NcclCollectives`](super::NcclCollectives) (NCCL on the CUDA buffers themselves).
+/// through host memory and counted as such) and, with feature `cuda`, `NcclCollectives`
+/// (NCCL on the CUDA buffers themselves).
 pub trait DeviceCollectives: Send + Sync + Debug {
     /// This rank.
     fn rank(&self) -> usize;

@@ -12,8 +12,8 @@ use crate::comm::Communicator;
 /// [`HostCollectives`] instead of NCCL (every rank then uses them).
 pub const NCCL_ENV: &str = "BURN_DEEPSPEED_NCCL";
 
-/// The device collectives for a model on `device`: NCCL ([`NcclCollectives`](super::NcclCollectives),
-/// feature `cuda`) when `device` is a CUDA device of a known ordinal, every rank can load
+/// The device collectives for a model on `device`: NCCL (`NcclCollectives`, feature `cuda`)
+/// when `device` is a CUDA device of a known ordinal, every rank can load
 /// NCCL and has not turned it off with [`NCCL_ENV`], and no two ranks share a GPU (NCCL
 /// refuses a communicator with two ranks on one device); [`HostCollectives`] otherwise (Flex
 /// in place, wgpu and shared GPUs staged through host memory, counted). A collective: every

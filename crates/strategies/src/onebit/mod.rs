@@ -1,7 +1,7 @@
 //! DeepSpeed's communication-compressed optimizers on flat fp32 buffers: 1-bit Adam
 //! (arXiv 2102.02888) and 1-bit LAMB (arXiv 2104.06069), both over the error-compensated
 //! 1-bit all-reduce of [`crate::compressed`], each written once over a
-//! [`Place`](crate::place::Place): host buffers or the model's device.
+//! [`crate::place::Place`]: host buffers or the model's device.
 
 /// Implements [`OneBitPhase`] for a 1-bit optimizer generic over its place, with fields `step`
 /// and `config.freeze_step`.

@@ -22,7 +22,7 @@ use crate::comm::{Communicator, ReduceOp};
 /// host as `Vec<f32>`; a device place counts the bytes it reads for them
 /// ([`host_reads`](Self::host_reads)).
 ///
-/// The conformance suite ([`super::conformance`]) runs every operation on every place built.
+/// The conformance suite (`conformance`, in the tests) runs every operation on every place built.
 pub trait Place: Send + Sync + Debug {
     /// A flat f32 buffer in this place.
     type Buf: Clone + Send + Debug;

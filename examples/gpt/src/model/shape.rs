@@ -84,7 +84,7 @@ impl GptShape {
     };
 
     /// d 2048, 40 layers, 16 heads, context 128 (about 2.01B parameters: its fp32 Adam
-    /// state alone, 16 bytes per parameter, is 32 GB). Built lazily: [`Gpt::new`] makes no
+    /// state alone, 16 bytes per parameter, is 32 GB). Built lazily: [`Gpt::new`](super::Gpt::new) makes no
     /// values until a parameter is read, so that ZeRO-3 with `offload_param` cuts it into
     /// its store one tensor at a time.
     pub const XL: GptShape = GptShape {

@@ -30,7 +30,7 @@ from bench_md.learner import learner
 from bench_md.kernels import kernels
 from bench_md.precision import precision
 from bench_md.offload import offload
-from bench_md.moonshot import moonshot
+from bench_md.moonshot import moonshot, moonshot_plot
 from bench_md.device_flex import device_flex
 from bench_md.grid3d import grid3d
 from bench_md.inference import inference
@@ -60,6 +60,7 @@ if __name__ == "__main__":
         write_section("offload", offload(*sys.argv[2:4]))
     elif kind == "moonshot":
         write_section("moonshot", moonshot(*sys.argv[2:5]))
+        moonshot_plot(sys.argv[2])
     elif kind in ("device-flex", "redesign-flex"):
         write_section(kind, device_flex(*sys.argv[2:6], section=kind))
     elif kind == "3d":

@@ -4,6 +4,9 @@ import re
 from pathlib import Path
 
 from .common import render
+from .svg import grouped_bars
+
+PLOT = Path(__file__).resolve().parents[2] / "docs" / "plots" / "moonshot-swap.svg"
 
 
 def moonshot(directory, cores, mem_bytes):
@@ -45,4 +48,26 @@ def moonshot(directory, cores, mem_bytes):
         write_gbps=base["write_gb_per_s"], read_gbps=base["read_gb_per_s"], rows="\n".join(rows),
         moved=moved, disk_time=disk_time, fastest=min(steady), slowest=max(steady),
         share=disk_time / (sum(steady) / len(steady)),
+    )
+
+
+def moonshot_plot(directory):
+    """The swap files' transfer rates against the disk's own, as `docs/plots/moonshot-swap.svg`."""
+    r = json.load(open(Path(directory) / "xl.last.json"))
+    base = r["disk_baseline"]
+    rates = {"the disk alone": (base["read_gb_per_s"], base["write_gb_per_s"])}
+    for name, sw in (("parameter swap file", r["param_store"]["swap"]),
+                     ("optimizer swap file", r["swap"])):
+        rates[name] = (sw["read_gb_per_s"], sw["write_gb_per_s"])
+    plot_rates(rates)
+
+
+def plot_rates(rates):
+    """[`moonshot_plot`] from `{what: (read GB/s, write GB/s)}`."""
+    grouped_bars(
+        PLOT,
+        "ZeRO-Infinity, 2B-parameter GPT: swap-file transfer rates against the disk",
+        ["read", "write"],
+        [(name, list(pair)) for name, pair in rates.items()],
+        "GB/s",
     )

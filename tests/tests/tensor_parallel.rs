@@ -134,6 +134,27 @@ fn slices_and_replicas_at_zero_stages_0_to_3_follow_one_rank() {
     assert_follows(&base, &accumulated, "tp 2 x dp 2, stage 2, accumulation 2");
 }
 
+/// Swap files under tensor slicing: the tensor ranks of a grid have the same data-parallel
+/// ranks, and each keeps its own optimizer swap file (in a folder of its own) under the one
+/// `nvme_path`, so the sliced run with its optimizer on disk follows the one in memory.
+#[test]
+fn slices_with_the_optimizer_on_disk_follow_the_run_in_memory() {
+    const STEPS: u64 = 6;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let memory = train(2, config(2, 1, ""), SMALL, STEPS);
+    let nvme = format!(
+        r#", "offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}}"#,
+        dir.path().display()
+    );
+    let mut disk = config(2, 1, "");
+    let zero = format!(r#"{{"stage": 1, "sub_group_size": 50000 {nvme}}}"#);
+    disk.zero_optimization = serde_json::from_str(&zero).expect("zero section");
+    let disk = train(2, disk, SMALL, STEPS);
+    assert_eq!((disk.tensor_parallel, disk.data_parallel), (2, 1));
+    assert!(disk.swap.is_some(), "the optimizer state was on disk");
+    assert_follows(&memory, &disk, "tp 2, stage 1, optimizer on disk");
+}
+
 /// The 3D grid: tp 2 x pp 2 x dp 2 on 8 thread ranks (the pipeline engine on the grid's
 /// groups, the GPT's layers sliced) follows one data-parallel rank with the same global
 /// batch: losses and gradient norms within 1e-4 relative.

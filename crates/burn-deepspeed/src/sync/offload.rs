@@ -4,7 +4,9 @@
 
 use std::path::PathBuf;
 
-use burn_deepspeed_strategies::swap::{AioOptions, IoEngine, SwapOptions, SwapStore, TilePlan};
+use burn_deepspeed_strategies::swap::{
+    AioOptions, IoEngine, SwapOptions, SwapStore, TilePlan, fresh_dir,
+};
 
 use crate::Result;
 use crate::config::{AioConfig, DeepSpeedConfig, OffloadDevice};
@@ -49,14 +51,15 @@ impl NvmeOffload {
     }
 
     /// The swap file of `rank`'s optimizer state: `len` elements of fp32 masters, m and v,
-    /// in `nvme_path/zero_stage_N/optimizer/rankR.swp`.
+    /// in `nvme_path/zero_stage_N/optimizer/rankR-P-K/rankR.swp`, a folder made for this
+    /// store alone (`P` the process, `K` a number: see [`fresh_dir`]), removed with it.
     pub fn store(&self, rank: usize, len: usize) -> Result<SwapStore> {
         let stage = self.stage;
-        let dir = self
+        let parent = self
             .dir
             .join(format!("zero_stage_{stage}"))
             .join("optimizer");
-        create_dir(&dir)?;
+        let dir = fresh_dir(&parent, &format!("rank{rank}"))?;
         let plan = TilePlan::new(len, self.tile, 3);
         Ok(SwapStore::create(
             &dir.join(format!("rank{rank}.swp")),
@@ -74,17 +77,6 @@ fn aio_options(a: &AioConfig) -> AioOptions {
         single_submit: a.single_submit,
         overlap_events: a.overlap_events,
     }
-}
-
-fn create_dir(dir: &std::path::Path) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|source| {
-        burn_deepspeed_strategies::CommError::Swap {
-            path: dir.to_path_buf(),
-            op: "create",
-            source,
-        }
-        .into()
-    })
 }
 
 /// Where a stage-3 rank's parameter pieces live under `offload_param` (ZeRO-Infinity,
@@ -129,16 +121,62 @@ impl ParamOffload {
     }
 
     /// The store of `rank`'s pieces of `lens[t]` elements (see [`ParamStore`]); the swap
-    /// file is `nvme_path/zero_stage_3/params/rankR.swp`.
+    /// file is `nvme_path/zero_stage_3/params/rankR-P-K/rankR.swp`, in a folder made for this
+    /// store alone as [`NvmeOffload::store`]'s.
     pub fn store(&self, rank: usize, lens: &[Option<usize>]) -> Result<ParamStore> {
         match (&self.dir, self.options) {
             (Some(dir), Some(options)) => {
-                let dir = dir.join("zero_stage_3").join("params");
-                create_dir(&dir)?;
+                let parent = dir.join("zero_stage_3").join("params");
+                let dir = fresh_dir(&parent, &format!("rank{rank}"))?;
                 let path = dir.join(format!("rank{rank}.swp"));
                 Ok(ParamStore::nvme(&path, lens, options)?)
             }
             _ => Ok(ParamStore::host(lens)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two stores of the same rank under one `nvme_path` (the tensor-parallel ranks of one
+    /// job, whose data-parallel ranks have the same numbers, or two jobs launched with one
+    /// config) keep their own state, one's end leaves the other's file, and nothing stays
+    /// behind once both are gone.
+    #[test]
+    fn stores_sharing_a_folder_keep_their_own_state() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = format!(
+            r#"{{"zero_optimization": {{"stage": 2, "sub_group_size": 256,
+                "offload_optimizer": {{"device": "nvme", "nvme_path": "{}"}}}}}}"#,
+            dir.path().display()
+        );
+        let (config, _) = DeepSpeedConfig::from_json_str(&config).expect("config");
+        let nvme = NvmeOffload::of(&config).expect("offload").expect("nvme");
+        let len = 1000;
+        let fields = |v: f32| vec![v; len];
+        let (ones, twos, nines) = (fields(1.0), fields(2.0), fields(9.0));
+        let mut a = nvme.store(0, len).expect("store a");
+        a.write_all(&[Some(&ones), Some(&twos), None])
+            .expect("write a");
+        let mut b = nvme.store(0, len).expect("store b");
+        b.write_all(&[Some(&nines), Some(&nines), Some(&nines)])
+            .expect("write b");
+        assert_ne!(a.file().path(), b.file().path());
+        let read = |s: &SwapStore| s.read_fields(&[0, 1]).expect("read");
+        assert_eq!(
+            read(&a),
+            [ones.clone(), twos.clone()],
+            "b wrote over a's state"
+        );
+        drop(b);
+        assert!(a.file().path().exists(), "b's end removed a's file");
+        assert_eq!(read(&a), [ones, twos]);
+        drop(a);
+        let left: Vec<_> = std::fs::read_dir(dir.path().join("zero_stage_2/optimizer"))
+            .expect("the optimizer folder")
+            .collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
     }
 }

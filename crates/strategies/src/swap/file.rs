@@ -11,7 +11,8 @@ use crate::{CommError, Result};
 
 /// A file of swapped state. Offsets, lengths and buffers are [`ALIGN`]ed; a transfer is cut
 /// into [`AioOptions::block_size`] requests, spread over `intra_op_parallelism` threads.
-/// The file is removed when this is dropped.
+/// The file is removed when this is dropped (with its folder, when [`fresh_dir`](super::fresh_dir)
+/// made it and it is empty then).
 #[derive(Debug)]
 pub struct SwapFile {
     file: File,
@@ -49,9 +50,10 @@ struct Span {
 unsafe impl Send for Span {}
 
 impl SwapFile {
-    /// Creates (or truncates) `path` with `bytes` bytes reserved on the disk, opened with
-    /// `O_DIRECT` where the filesystem accepts it (tmpfs does not: there it is opened
-    /// buffered, and [`is_direct`](Self::is_direct) says so).
+    /// Creates `path` with `bytes` bytes reserved on the disk, opened with `O_DIRECT` where
+    /// the filesystem accepts it (tmpfs does not: there it is opened buffered, and
+    /// [`is_direct`](Self::is_direct) says so). The file must not exist: an existing file
+    /// (another store's) or a link is an error, never truncated or followed.
     pub fn create(path: &Path, bytes: u64, engine: IoEngine, aio: AioOptions) -> Result<Self> {
         let err = |op: &'static str| {
             move |source: io::Error| CommError::Swap {
@@ -274,24 +276,32 @@ impl SwapFile {
 impl Drop for SwapFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+        if let Some(dir) = self.path.parent() {
+            super::run_dir::release_dir(dir);
+        }
     }
 }
 
-/// Opens `path` for swapping: `O_DIRECT` where accepted, else buffered.
+/// Creates `path` for swapping, where nothing was (`O_EXCL`, and `O_NOFOLLOW`: a link in its
+/// place is not followed), then turns `O_DIRECT` on where the filesystem accepts it.
 fn open(path: &Path) -> io::Result<(File, bool)> {
     let mut options = OpenOptions::new();
-    options.read(true).write(true).create(true).truncate(true);
+    options.read(true).write(true).create_new(true);
     #[cfg(target_os = "linux")]
     {
+        use std::os::fd::AsRawFd;
         use std::os::unix::fs::OpenOptionsExt;
-        let mut direct = options.clone();
-        direct.custom_flags(libc::O_DIRECT);
-        match direct.open(path) {
-            Ok(f) => return Ok((f, true)),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
-            Err(e) => return Err(e),
-        }
+        options.custom_flags(libc::O_NOFOLLOW);
+        let file = options.open(path)?;
+        let fd = file.as_raw_fd();
+        // SAFETY: plain system calls on a descriptor this function owns.
+        let direct = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_DIRECT) == 0
+        };
+        Ok((file, direct))
     }
+    #[cfg(not(target_os = "linux"))]
     options.open(path).map(|f| (f, false))
 }
 
@@ -424,6 +434,23 @@ mod tests {
             let e = file.read(0, buf.bytes_mut()).unwrap_err().to_string();
             assert!(e.contains("read failed"), "{engine:?}: {e}");
         }
+    }
+
+    /// A swap file is made where nothing was: an existing file (another store's) or a link
+    /// in its place is an error, and the other file keeps its bytes.
+    #[test]
+    fn an_existing_file_or_link_is_never_truncated_or_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let theirs = dir.path().join("rank0.swp");
+        std::fs::write(&theirs, b"another job's state").unwrap();
+        let e = SwapFile::create(&theirs, 4096, IoEngine::Pread, AioOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank0.swp") && e.contains("create"), "{e}");
+        let link = dir.path().join("link.swp");
+        std::os::unix::fs::symlink(&theirs, &link).unwrap();
+        assert!(SwapFile::create(&link, 4096, IoEngine::Pread, AioOptions::default()).is_err());
+        assert_eq!(std::fs::read(&theirs).unwrap(), b"another job's state");
     }
 
     #[test]

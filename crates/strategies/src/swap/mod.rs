@@ -6,7 +6,9 @@
 //! - [`AioOptions`]: DeepSpeed's `aio` section (block size, queue depth, threads).
 //! - [`IoEngine`]: which system calls move the bytes, chosen once per process.
 //! - [`AlignedBuf`]: the page-aligned host buffers `O_DIRECT` needs.
-//! - [`SwapFile`]: one file read and written in blocks, many in flight.
+//! - [`fresh_dir`]: a new folder for one store's swap files, never shared with another.
+//! - [`SwapFile`]: one file read and written in blocks, many in flight, created where no file
+//!   was (never truncating or following a link to another's).
 //! - [`TilePlan`]: how a flat state of several fields is cut into tiles (plain data).
 //! - [`SwapStore`]: a swapped state, visited tile by tile with the next read and the previous
 //!   write overlapping the work on the current tile.
@@ -15,6 +17,7 @@ mod aio;
 mod baseline;
 mod buffer;
 mod file;
+mod run_dir;
 mod store;
 mod tiles;
 
@@ -22,6 +25,7 @@ pub use aio::*;
 pub use baseline::*;
 pub use buffer::*;
 pub use file::*;
+pub use run_dir::fresh_dir;
 pub use store::*;
 pub use tiles::*;
 

@@ -11,8 +11,11 @@
 //!   error (DeepSpeed's `raise_error_at_min_scale`); otherwise one unit of hysteresis is spent.
 //!   The iteration is remembered as the last overflow;
 //! - on an overflow-free step, with `consecutive_hysteresis` the hysteresis is refilled; and
-//!   every `loss_scale_window` steps counted from the last overflow (from iteration -1 at the
-//!   start) the scale doubles, refilling the hysteresis when not consecutive.
+//!   when the clean steps since the last overflow, not counting this one
+//!   (`cur_iter - last_overflow_iter - 1`, the last overflow at iteration -1 at the start),
+//!   are a positive multiple of `loss_scale_window`, the scale doubles, refilling the
+//!   hysteresis when not consecutive. With no overflow and a window of 1000, the first
+//!   doubling comes on the 1001st update, as in DeepSpeed 0.19.
 //!
 //! A config with `loss_scale` > 0 gets a static scale that never changes (DeepSpeed's
 //! `LossScaler`); its overflows still skip the step.
@@ -216,8 +219,8 @@ impl DynamicLossScaler {
             if s.consecutive_hysteresis {
                 st.cur_hysteresis = s.hysteresis;
             }
-            let stable = st.cur_iter as i64 - st.last_overflow_iter;
-            if stable % s.scale_window as i64 == 0 {
+            let stable = st.cur_iter as i64 - st.last_overflow_iter - 1;
+            if stable > 0 && stable % s.scale_window as i64 == 0 {
                 if !s.consecutive_hysteresis {
                     st.cur_hysteresis = s.hysteresis;
                 }
@@ -296,38 +299,51 @@ mod tests {
             .collect()
     }
 
-    /// The reference's hand-worked vectors: `O O . . . O . . O O O`, start 16, window 2.
+    /// The reference's hand-worked vectors (`deepspeed-algorithms.md` section 4, checked there
+    /// against DeepSpeed 0.19.8's own scaler): `O O . . . O . . O O O`, start 16, window 2,
+    /// floored at 1 without an error.
     #[test]
     fn the_worked_sequences() {
         let pattern = "OO...O..OOO";
+        let floored = |hysteresis| LossScaleSettings {
+            raise_error_at_min_scale: false,
+            ..settings(16.0, 2, hysteresis, false)
+        };
         assert_eq!(
-            scales(settings(16.0, 2, 2, false), pattern),
-            [16., 8., 8., 16., 16., 16., 16., 32., 32., 16., 8.]
+            scales(floored(2), pattern),
+            [16., 8., 8., 8., 16., 16., 16., 16., 8., 4., 2.]
         );
         assert_eq!(
-            scales(settings(16.0, 2, 1, false), pattern),
-            [8., 4., 4., 8., 8., 4., 4., 8., 4., 2., 1.]
+            scales(floored(1), pattern),
+            [8., 4., 4., 4., 8., 4., 4., 4., 2., 1., 1.]
         );
     }
 
     /// Tables worked by hand from DeepSpeed's rule, one per behaviour the issue names.
     #[test]
     fn tables_of_overflow_patterns() {
-        // No overflow, window 3: doubles on updates 3, 6 and 9 (counted from iteration -1).
+        // No overflow, window 3: doubles on updates 4 and 7 (3 clean steps before each).
         assert_eq!(
             scales(settings(4.0, 3, 2, false), "........."),
-            [4., 4., 8., 8., 8., 16., 16., 16., 32.]
+            [4., 4., 4., 8., 8., 8., 16., 16., 16.]
         );
-        // Every third step, window 2, hysteresis 2: one unit of hysteresis absorbs each
+        // Every fourth step, window 2, hysteresis 2: one unit of hysteresis absorbs each
         // overflow and the growth between them refills it.
         assert_eq!(
-            scales(settings(8.0, 2, 2, false), "..O..O..O"),
-            [8., 16., 16., 16., 32., 32., 32., 64., 64.]
+            scales(settings(8.0, 2, 2, false), "...O...O...O"),
+            [8., 8., 16., 16., 16., 16., 32., 32., 32., 32., 64., 64.]
         );
-        // A burst of four, hysteresis 3: two absorbed, then halving each time.
+        // Every third step: two clean steps never reach a window of 2 (the first clean step
+        // after an overflow does not count), so the hysteresis is never refilled.
         assert_eq!(
-            scales(settings(64.0, 4, 3, false), "OOOO...."),
-            [64., 64., 32., 16., 16., 16., 16., 32.]
+            scales(settings(8.0, 2, 2, false), "..O..O..O"),
+            [8., 8., 8., 8., 8., 4., 4., 4., 2.]
+        );
+        // A burst of four, hysteresis 3: two absorbed, then halving each time; four clean
+        // steps are not yet a window of 4.
+        assert_eq!(
+            scales(settings(64.0, 4, 3, false), "OOOO....."),
+            [64., 64., 32., 16., 16., 16., 16., 16., 32.]
         );
         // Alternating, hysteresis 2, not consecutive: the hysteresis is spent once and only a
         // growth refills it, which a window of 3 never reaches.
@@ -357,13 +373,13 @@ mod tests {
         assert_eq!(scales(s, "OO"), [6., 5.]);
     }
 
-    /// With no overflow and window 1000, the first doubling comes on the 1000th update.
+    /// With no overflow and window 1000, the first doubling comes on the 1001st update.
     #[test]
     fn the_first_growth_comes_after_a_full_window() {
         let mut scaler = DynamicLossScaler::with_settings(settings(65536.0, 1000, 2, false));
-        for i in 1..=1000 {
+        for i in 1..=1001 {
             scaler.update(false).expect("no overflow");
-            let want = if i < 1000 { 65536.0 } else { 131072.0 };
+            let want = if i < 1001 { 65536.0 } else { 131072.0 };
             assert_eq!(scaler.scale(), want, "after update {i}");
         }
     }
@@ -403,7 +419,8 @@ mod tests {
                             if consecutive {
                                 hyst = hysteresis;
                             }
-                            if (it - last) % window as i64 == 0 {
+                            let stable = it - last - 1;
+                            if stable > 0 && stable % window as i64 == 0 {
                                 if !consecutive {
                                     hyst = hysteresis;
                                 }

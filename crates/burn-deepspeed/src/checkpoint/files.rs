@@ -112,9 +112,36 @@ pub fn check_name(what: &str, name: &str) -> Result<()> {
     name_problem(what, name).map_or(Ok(()), |why| Err(DeepSpeedError::Checkpoint(why)))
 }
 
-/// Refuses a tag that is not a plain directory name (see [`check_name`]).
+/// Refuses a tag that is not a plain directory name (see [`check_name`]), and `latest`, the
+/// name of the file that names the newest checkpoint.
 pub fn check_tag(tag: &str) -> Result<()> {
-    check_name("tag", tag)
+    check_name("tag", tag)?;
+    match tag == "latest" {
+        true => Err(DeepSpeedError::Checkpoint(
+            "tag `latest` is reserved: DIR/latest is the file naming the newest checkpoint; \
+             choose another tag"
+                .into(),
+        )),
+        false => Ok(()),
+    }
+}
+
+/// Refuses to save as `dir/tag` where something other than a complete checkpoint stands (a
+/// file, a link, or a folder without `meta.json`, such as a log folder): saving replaces what
+/// is there.
+pub fn check_target(dir: &Path, tag: &str) -> Result<()> {
+    let target = dir.join(tag);
+    let Ok(m) = fs::symlink_metadata(&target) else {
+        return Ok(());
+    };
+    match m.is_dir() && target.join("meta.json").is_file() {
+        true => Ok(()),
+        false => Err(refuse(
+            &target,
+            "exists and is not a checkpoint (no meta.json), so it is not replaced; choose \
+             another tag or move it away",
+        )),
+    }
 }
 
 /// A name for a staging directory that no other writer uses: this process's id, the time and
@@ -195,6 +222,7 @@ pub fn commit_checkpoint(
         None,
     )?;
     sync_dir(staging)?;
+    check_target(dir, tag)?;
     let target = dir.join(tag);
     if fs::symlink_metadata(&target).is_ok() {
         replace_dir(staging, &target)?;
@@ -212,18 +240,33 @@ pub fn commit_checkpoint(
 
 /// Puts the complete directory `new` at `target`, which holds an older one, so that `target`
 /// is at every instant one of the two: an atomic exchange, then the old one (now at `new`'s
-/// path) is removed. Where the file system cannot exchange, the old one is first moved aside
-/// (a crash between the two renames leaves `target` missing and the old checkpoint under a
-/// hidden name).
+/// path) is removed. Where the file system cannot exchange (shared file systems), the old one
+/// is first moved aside under a hidden name of its own, synced, then replaced (a crash
+/// between the two renames leaves `target` missing and the old checkpoint under that name).
 fn replace_dir(new: &Path, target: &Path) -> Result<()> {
+    let parent = target.parent().unwrap_or(Path::new("."));
     if exchange(new, target).is_ok() {
-        sync_dir(target.parent().unwrap_or(Path::new(".")))?;
+        sync_dir(parent)?;
         return fs::remove_dir_all(new).map_err(|e| io_err(new, e));
     }
-    let old = new.with_extension("old");
+    let name = target
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into());
+    let old = parent.join(format!(".{name}.old-{:016x}", unique_suffix()));
     fs::rename(target, &old).map_err(|e| io_err(target, e))?;
+    sync_dir(parent)?;
     fs::rename(new, target).map_err(|e| io_err(new, e))?;
+    sync_dir(parent)?;
     fs::remove_dir_all(&old).map_err(|e| io_err(&old, e))
+}
+
+/// Removes the staging directory of a save that failed (its files are of no use).
+pub(crate) fn discard_staging(staging: &Path) {
+    if let Err(e) = fs::remove_dir_all(staging)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(path = %staging.display(), error = %e, "could not remove a failed save's staging folder");
+    }
 }
 
 /// Atomically exchanges two directory entries (Linux `renameat2` with `RENAME_EXCHANGE`).
@@ -269,17 +312,24 @@ pub fn write_checkpoint(
     files: &[(&str, Vec<u8>)],
 ) -> Result<PathBuf> {
     check_tag(tag)?;
+    check_target(dir, tag)?;
     let staging = staging_dir(dir, tag, unique_suffix());
     create_staging(&staging)?;
-    meta.files.clear();
-    let total = files.iter().map(|(_, b)| b.len() as u64).sum();
-    let bar = io_bar("checkpoint save", total, true);
-    for (name, bytes) in files {
-        meta.files
-            .push(write_state_file_counted(&staging, name, bytes, &bar)?);
+    let written = (|| {
+        meta.files.clear();
+        let total = files.iter().map(|(_, b)| b.len() as u64).sum();
+        let bar = io_bar("checkpoint save", total, true);
+        for (name, bytes) in files {
+            meta.files
+                .push(write_state_file_counted(&staging, name, bytes, &bar)?);
+        }
+        bar.finish();
+        commit_checkpoint(dir, tag, &staging, &meta)
+    })();
+    if written.is_err() {
+        discard_staging(&staging);
     }
-    bar.finish();
-    commit_checkpoint(dir, tag, &staging, &meta)
+    written
 }
 
 /// The tag `dir/latest` names, checked to be a plain name.
@@ -510,5 +560,52 @@ mod tests {
             .to_string();
         assert!(err.contains("missing"), "{err}");
         assert!(write_checkpoint(dir.path(), "../x", meta(), &files).is_err());
+    }
+
+    /// The tag `latest` and a folder that is not a checkpoint are refused, and what stands
+    /// there keeps its contents; a checkpoint of the same tag is still replaced.
+    #[test]
+    fn saving_never_destroys_what_is_not_a_checkpoint() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let files = [("model.bin", f32_bytes(&[1.0, 2.0]))];
+        write_checkpoint(dir.path(), "step_1", meta(), &files).expect("write");
+        let e = write_checkpoint(dir.path(), "latest", meta(), &files).unwrap_err();
+        assert!(e.to_string().contains("reserved"), "{e}");
+        assert_eq!(read_latest(dir.path()).expect("latest"), "step_1");
+        let logs = dir.path().join("tensorboard");
+        fs::create_dir(&logs).expect("mkdir");
+        fs::write(logs.join("events.out"), b"a job's log").expect("write");
+        let e = write_checkpoint(dir.path(), "tensorboard", meta(), &files).unwrap_err();
+        assert!(e.to_string().contains("is not a checkpoint"), "{e}");
+        assert_eq!(
+            fs::read(logs.join("events.out")).expect("kept"),
+            b"a job's log"
+        );
+        fs::write(dir.path().join("notes"), b"x").expect("write");
+        assert!(write_checkpoint(dir.path(), "notes", meta(), &files).is_err());
+        write_checkpoint(dir.path(), "step_1", meta(), &files).expect("replace a checkpoint");
+    }
+
+    /// A save that fails after staging leaves no staging folder behind, and the fallback
+    /// replace (no atomic exchange) leaves only the new checkpoint.
+    #[test]
+    fn failed_saves_leave_nothing_behind() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let files = [("no/such/folder.bin", f32_bytes(&[1.0]))];
+        assert!(write_checkpoint(dir.path(), "t", meta(), &files).is_err());
+        let left: Vec<_> = fs::read_dir(dir.path()).expect("list").collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+        let files = [("model.bin", f32_bytes(&[1.0, 2.0]))];
+        let old = write_checkpoint(dir.path(), "t", meta(), &files).expect("write");
+        let new = dir.path().join(".t.partial-new");
+        fs::create_dir(&new).expect("mkdir");
+        fs::write(new.join("meta.json"), b"{}").expect("write");
+        replace_dir(&new, &old).expect("replace");
+        let names: Vec<String> = fs::read_dir(dir.path())
+            .expect("list")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert_eq!(fs::read(old.join("meta.json")).expect("new one"), b"{}");
     }
 }

@@ -25,9 +25,10 @@ use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt};
 use burn_deepspeed_strategies::zero::{PartitionState, ShardPlan};
 
 use super::{
-    CheckpointFile, CheckpointMeta, check_tag, commit_checkpoint, create_staging, f32_bytes,
-    f32_values, numel_of, partition_state_bytes, partition_state_from_bytes, read_checkpoint,
-    read_latest, staging_dir, unique_suffix, write_checkpoint, write_state_file,
+    CheckpointFile, CheckpointMeta, check_tag, check_target, commit_checkpoint, create_staging,
+    discard_staging, f32_bytes, f32_values, numel_of, partition_state_bytes,
+    partition_state_from_bytes, read_checkpoint, read_latest, staging_dir, unique_suffix,
+    write_checkpoint, write_state_file,
 };
 use crate::sync::{GradSync, SavedState};
 use crate::{DeepSpeedError, Result, agreed};
@@ -81,8 +82,13 @@ pub fn save<M: Module>(
     model: &M,
     meta: CheckpointMeta,
 ) -> Result<PathBuf> {
-    agreed(comm, "checkpoint tag", check_tag(tag))?;
     let root = comm.rank() == 0;
+    // Rank 0 writes `dir/tag`: it checks what stands there now, before any work.
+    let checked = check_tag(tag).and_then(|()| match root {
+        true => check_target(dir, tag),
+        false => Ok(()),
+    });
+    agreed(comm, "checkpoint tag", checked)?;
     // At stage 3 every rank takes part in gathering the whole parameters; rank 0 writes them.
     let params = sync.whole_params(model, root)?;
     let state = agreed(comm, "checkpoint state", sync.save(root))?;
@@ -114,7 +120,7 @@ fn write_slices(
     comm: &dyn Communicator,
     state: &[u8],
     params: Option<Vec<f32>>,
-    mut meta: CheckpointMeta,
+    meta: CheckpointMeta,
 ) -> Result<PathBuf> {
     // Rank 0's name for the staging directory, unique to this save.
     let mut suffix = unique_suffix().to_le_bytes();
@@ -126,11 +132,29 @@ fn write_slices(
         Ok(())
     };
     agreed(comm, "checkpoint staging", created)?;
+    let written = write_staged(dir, tag, comm, &staging, state, params, meta);
+    // A failed save's files are of no use: rank 0 removes them once every rank is past them.
+    if written.is_err() && comm.rank() == 0 {
+        discard_staging(&staging);
+    }
+    written
+}
+
+/// [`write_slices`] once the staging directory is made.
+fn write_staged(
+    dir: &Path,
+    tag: &str,
+    comm: &dyn Communicator,
+    staging: &Path,
+    state: &[u8],
+    params: Option<Vec<f32>>,
+    mut meta: CheckpointMeta,
+) -> Result<PathBuf> {
     let mine = agreed(
         comm,
         "checkpoint slice",
         write_state_file(
-            &staging,
+            staging,
             &partition_file(comm.rank()),
             state,
             comm.rank() == 0,
@@ -147,7 +171,7 @@ fn write_slices(
         return Ok(dir.join(tag));
     }
     let params = f32_bytes(&params.unwrap_or_default());
-    meta.files = vec![write_state_file(&staging, "model.bin", &params, true)?];
+    meta.files = vec![write_state_file(staging, "model.bin", &params, true)?];
     for (r, c) in all.chunks(RECORD).enumerate() {
         meta.files.push(CheckpointFile {
             name: partition_file(r),
@@ -155,7 +179,7 @@ fn write_slices(
             sha256: String::from_utf8_lossy(&c[8..]).into_owned(),
         });
     }
-    commit_checkpoint(dir, tag, &staging, &meta)
+    commit_checkpoint(dir, tag, staging, &meta)
 }
 
 /// Reads checkpoint `tag` (default: the one `dir/latest` names, read by rank 0 and broadcast)

@@ -77,6 +77,10 @@ pub struct DeepSpeedConfig {
     pub prescale_gradients: bool,
     /// Pre-division factor of `prescale_gradients`.
     pub gradient_predivide_factor: f64,
+    /// Stop with an error after this many optimizer steps in a row are skipped for a
+    /// non-finite gradient (0: never). Not a DeepSpeed key: DeepSpeed stops only at the fp16
+    /// minimum scale, and otherwise skips for ever.
+    pub max_consecutive_skipped_steps: u64,
     /// fp16 mixed precision.
     pub fp16: Fp16Config,
     /// bf16 mixed precision.
@@ -127,6 +131,7 @@ impl Default for DeepSpeedConfig {
             gradient_clipping: 0.0,
             prescale_gradients: false,
             gradient_predivide_factor: 1.0,
+            max_consecutive_skipped_steps: 100,
             fp16: Fp16Config::default(),
             bf16: Bf16Config::default(),
             zero_optimization: ZeroConfig::default(),
@@ -272,11 +277,16 @@ impl DeepSpeedConfig {
                 message: format!("must be ≥ 0, found {}", self.gradient_clipping),
             });
         }
+        // The factor divides f32 gradients: it and its inverse must be finite in f32.
         let f = self.gradient_predivide_factor;
-        if !(f.is_finite() && f > 0.0) {
+        let f32_factor = f as f32;
+        if !(f32_factor.is_finite() && f32_factor > 0.0 && (1.0 / f32_factor).is_finite()) {
             return Err(DeepSpeedError::InvalidValue {
                 path: "gradient_predivide_factor".into(),
-                message: format!("must be a finite number > 0, found {f}"),
+                message: format!(
+                    "must be a number > 0 that it and its inverse fit an f32 (from about \
+                     3e-38 to 3e38), found {f}"
+                ),
             });
         }
         if self.tensor_parallel.tp_size == 0 {

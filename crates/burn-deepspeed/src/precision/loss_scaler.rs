@@ -79,11 +79,14 @@ pub fn validate(c: &Fp16Config) -> Result<()> {
             message,
         })
     };
-    if !(c.loss_scale.is_finite() && c.loss_scale >= 0.0) {
+    // The scale multiplies an f32 loss: it must be a finite f32 (3.4e38 at most).
+    let fits_f32 = |v: f64| (v as f32).is_finite() && (v == 0.0 || v as f32 > 0.0);
+    if !(c.loss_scale >= 0.0 && fits_f32(c.loss_scale)) {
         return bad(
             "loss_scale",
             format!(
-                "must be 0 (dynamic) or a finite static scale > 0, found {}",
+                "must be 0 (dynamic) or a static scale > 0 that fits an f32 (at most 3.4e38), \
+                 found {}",
                 c.loss_scale
             ),
         );
@@ -103,10 +106,13 @@ pub fn validate(c: &Fp16Config) -> Result<()> {
     if c.hysteresis == 0 {
         return bad("hysteresis", "must be at least 1, found 0".into());
     }
-    if !(c.min_loss_scale.is_finite() && c.min_loss_scale > 0.0) {
+    if !(c.min_loss_scale > 0.0 && fits_f32(c.min_loss_scale)) {
         return bad(
             "min_loss_scale",
-            format!("must be a finite number > 0, found {}", c.min_loss_scale),
+            format!(
+                "must be a number > 0 that fits an f32 (at most 3.4e38), found {}",
+                c.min_loss_scale
+            ),
         );
     }
     Ok(())
@@ -474,6 +480,10 @@ mod tests {
             (r#""loss_scale_window": 0"#, "fp16.loss_scale_window"),
             (r#""hysteresis": 0"#, "fp16.hysteresis"),
             (r#""min_loss_scale": 0"#, "fp16.min_loss_scale"),
+            // Finite in f64, infinite (or 0) in the f32 the scale multiplies.
+            (r#""loss_scale": 1e39"#, "fp16.loss_scale"),
+            (r#""loss_scale": 1e-50"#, "fp16.loss_scale"),
+            (r#""min_loss_scale": 1e39"#, "fp16.min_loss_scale"),
         ] {
             let (c, _) = crate::DeepSpeedConfig::from_json_str(&format!(
                 r#"{{"fp16": {{"enabled": true, {extra}}}}}"#

@@ -33,6 +33,10 @@ pub(crate) struct StepCore {
     scaler: Option<DynamicLossScaler>,
     global_step: u64,
     skipped_steps: u64,
+    /// Steps skipped in a row, up to the last decision.
+    skipped_in_a_row: u64,
+    /// `max_consecutive_skipped_steps` (0: never stop).
+    max_skipped_in_a_row: u64,
     /// `wall_clock_breakdown`: the phases' sums since the last print (`None` when off).
     breakdown: Option<BreakdownWindow>,
     /// `steps_per_print` (at least 1).
@@ -58,6 +62,8 @@ impl StepCore {
             scaler,
             global_step: 0,
             skipped_steps: 0,
+            skipped_in_a_row: 0,
+            max_skipped_in_a_row: config.max_consecutive_skipped_steps,
             breakdown: config.wall_clock_breakdown.then(BreakdownWindow::default),
             every: config.steps_per_print.max(1),
             monitor: None,
@@ -109,16 +115,30 @@ impl StepCore {
         if let Some(scaler) = &mut self.scaler {
             scaler.update(overflow)?;
         }
-        if overflow {
-            self.skipped_steps += 1;
-            tracing::warn!(
-                step = self.global_step + 1,
-                grad_norm,
-                skipped_steps = self.skipped_steps,
-                "the gradient norm is not finite: step skipped on every rank"
-            );
+        if !overflow {
+            self.skipped_in_a_row = 0;
+            return Ok(true);
         }
-        Ok(!overflow)
+        self.skipped_steps += 1;
+        self.skipped_in_a_row += 1;
+        tracing::warn!(
+            step = self.global_step + 1,
+            grad_norm,
+            skipped_steps = self.skipped_steps,
+            "the gradient norm is not finite: step skipped on every rank"
+        );
+        let limit = self.max_skipped_in_a_row;
+        if limit > 0 && self.skipped_in_a_row >= limit {
+            return Err(crate::DeepSpeedError::LossScale(format!(
+                "{limit} optimizer steps in a row were skipped for a non-finite gradient \
+                 (the last at step {}): the run is not training. Check the loss and the \
+                 learning rate, lower fp16.initial_scale_power or train in bf16, and resume \
+                 from the last checkpoint (max_consecutive_skipped_steps sets this limit; 0 \
+                 never stops)",
+                self.global_step + 1
+            )));
+        }
+        Ok(false)
     }
 
     /// Ends the step: counts it, adds its phase times to the breakdown, writes `record` to
@@ -311,6 +331,70 @@ mod tests {
         assert!(core.decide(false, 1.0).unwrap());
         core.finish(&[], None, Duration::ZERO, |r| r);
         assert!(core.lr(&c) > lr0);
+    }
+
+    /// A run whose gradient stays non-finite stops with an error after
+    /// `max_consecutive_skipped_steps` skips in a row (100 by default); a clean step starts
+    /// the count again, and 0 never stops.
+    #[test]
+    fn a_run_that_only_skips_stops() {
+        let c = config(r#"{"train_batch_size": 2, "max_consecutive_skipped_steps": 3}"#);
+        let mut core = StepCore::new(&c).unwrap();
+        for _ in 0..2 {
+            assert!(!core.decide(true, f64::NAN).unwrap());
+        }
+        assert!(core.decide(false, 1.0).unwrap());
+        for _ in 0..2 {
+            assert!(!core.decide(true, f64::NAN).unwrap());
+        }
+        let e = core.decide(true, f64::NAN).unwrap_err().to_string();
+        assert!(
+            e.contains("3 optimizer steps in a row") && e.contains("max_consecutive_skipped_steps"),
+            "{e}"
+        );
+        let c = config(r#"{"train_batch_size": 2, "max_consecutive_skipped_steps": 0}"#);
+        let mut core = StepCore::new(&c).unwrap();
+        for _ in 0..1000 {
+            assert!(!core.decide(true, f64::INFINITY).unwrap());
+        }
+        assert_eq!(
+            config(r#"{"train_batch_size": 2}"#).max_consecutive_skipped_steps,
+            100
+        );
+    }
+
+    /// A factor or a scale that is finite in f64 but not in the f32 it scales is refused by
+    /// name when the config is resolved (it used to skip every step).
+    #[test]
+    fn values_that_do_not_fit_f32_are_refused() {
+        for (json, key) in [
+            (
+                r#""gradient_predivide_factor": 1e39"#,
+                "gradient_predivide_factor",
+            ),
+            (
+                r#""gradient_predivide_factor": 1e-50"#,
+                "gradient_predivide_factor",
+            ),
+            (
+                r#""gradient_predivide_factor": 1e-39"#,
+                "gradient_predivide_factor",
+            ),
+            (
+                r#""fp16": {"enabled": true, "loss_scale": 1e39}"#,
+                "fp16.loss_scale",
+            ),
+        ] {
+            let (mut c, _) =
+                DeepSpeedConfig::from_json_str(&format!(r#"{{"train_batch_size": 2, {json}}}"#))
+                    .unwrap();
+            let e = c
+                .resolve(1)
+                .and_then(|_| StepCore::new(&c).map(|_| ()))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{json}: {e}");
+        }
     }
 
     #[test]

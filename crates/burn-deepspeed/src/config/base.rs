@@ -271,6 +271,7 @@ impl DeepSpeedConfig {
         if let Some(s) = &self.scheduler {
             s.validate()?;
         }
+        self.aio.validate()?;
         if !(self.gradient_clipping >= 0.0 && self.gradient_clipping.is_finite()) {
             return Err(DeepSpeedError::InvalidValue {
                 path: "gradient_clipping".into(),

@@ -160,6 +160,26 @@ pub struct AioConfig {
     pub use_gds: bool,
 }
 
+impl AioConfig {
+    /// Refuses sizes the swapper cannot run with, naming the key: a block from 1 byte to 1 GiB
+    /// (rounded up to 4 KiB), 1 to 4096 requests in flight, 1 to 256 threads.
+    pub fn validate(&self) -> crate::Result<()> {
+        for (key, value, most) in [
+            ("block_size", self.block_size, 1 << 30),
+            ("queue_depth", self.queue_depth, 4096),
+            ("intra_op_parallelism", self.intra_op_parallelism, 256),
+        ] {
+            if !(1..=most).contains(&value) {
+                return Err(crate::DeepSpeedError::InvalidValue {
+                    path: format!("aio.{key}"),
+                    message: format!("must be from 1 to {most}, found {value}"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for AioConfig {
     fn default() -> Self {
         let o = burn_deepspeed_strategies::swap::AioOptions::default();
@@ -339,5 +359,39 @@ impl ZeroConfig {
     pub fn overlap_comm(&self) -> bool {
         self.overlap_comm
             .unwrap_or(self.stage == ZeroStage::Parameters)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::DeepSpeedConfig;
+
+    /// `aio` sizes that would wrap the swapper's block arithmetic to 0 or spawn a thread per
+    /// block are refused by key when the config is resolved; DeepSpeed's values pass.
+    #[test]
+    fn aio_sizes_are_bounded() {
+        let resolve = |aio: &str| {
+            let (mut c, _) = DeepSpeedConfig::from_json_str(&format!(
+                r#"{{"train_batch_size": 2, "aio": {{{aio}}}}}"#
+            ))
+            .expect("parses");
+            c.resolve(1).err().map(|e| e.to_string())
+        };
+        for (aio, key) in [
+            (r#""block_size": 18446744073709551615"#, "aio.block_size"),
+            (r#""block_size": 0"#, "aio.block_size"),
+            (r#""queue_depth": 0"#, "aio.queue_depth"),
+            (
+                r#""intra_op_parallelism": 1000000000"#,
+                "aio.intra_op_parallelism",
+            ),
+            (r#""thread_count": 0"#, "aio.intra_op_parallelism"),
+        ] {
+            let e = resolve(aio).unwrap_or_else(|| panic!("{aio} was accepted"));
+            assert!(e.contains(key), "{aio}: {e}");
+        }
+        let deepspeed = r#""block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+            "single_submit": false, "overlap_events": true"#;
+        assert_eq!(resolve(deepspeed), None);
     }
 }

@@ -21,8 +21,8 @@
 //! directory are synced, and it is moved into place in one step: a rename, or, when the tag
 //! exists already, an atomic exchange of the two directories (Linux `renameat2`
 //! `RENAME_EXCHANGE`), so `DIR/TAG` is always either the old or the new complete checkpoint.
-//! `latest` is replaced by a rename afterwards. A crash leaves at most a hidden staging
-//! directory behind, which no load reads.
+//! `latest` is replaced by a rename afterwards (`commit.rs` beside this file). A crash leaves
+//! at most a hidden staging directory behind, which no load reads.
 //!
 //! Reading trusts nothing on disk: `latest`, the tag and every file name must be plain names
 //! inside `DIR`; the tag directory and the files must be a real directory and regular files
@@ -39,6 +39,7 @@ use sha2::{Digest, Sha256};
 use crate::progress::TaskProgress;
 use crate::{DeepSpeedError, Result};
 
+use super::commit::{check_target, commit_checkpoint, discard_staging};
 use super::meta::*;
 
 /// SHA-256 of `bytes`, as lowercase hex.
@@ -70,7 +71,7 @@ pub(crate) fn io_bar(label: &str, total: u64, show: bool) -> TaskProgress {
     TaskProgress::bytes(label, total, show && total >= PROGRESS_MIN_BYTES)
 }
 
-fn write_synced(path: &Path, bytes: &[u8], bar: Option<&TaskProgress>) -> Result<()> {
+pub(crate) fn write_synced(path: &Path, bytes: &[u8], bar: Option<&TaskProgress>) -> Result<()> {
     let mut f = File::create(path).map_err(|e| io_err(path, e))?;
     for piece in bytes.chunks(PIECE) {
         f.write_all(piece).map_err(|e| io_err(path, e))?;
@@ -123,24 +124,6 @@ pub fn check_tag(tag: &str) -> Result<()> {
                 .into(),
         )),
         false => Ok(()),
-    }
-}
-
-/// Refuses to save as `dir/tag` where something other than a complete checkpoint stands (a
-/// file, a link, or a folder without `meta.json`, such as a log folder): saving replaces what
-/// is there.
-pub fn check_target(dir: &Path, tag: &str) -> Result<()> {
-    let target = dir.join(tag);
-    let Ok(m) = fs::symlink_metadata(&target) else {
-        return Ok(());
-    };
-    match m.is_dir() && target.join("meta.json").is_file() {
-        true => Ok(()),
-        false => Err(refuse(
-            &target,
-            "exists and is not a checkpoint (no meta.json), so it is not replaced; choose \
-             another tag or move it away",
-        )),
     }
 }
 
@@ -201,106 +184,6 @@ fn write_state_file_counted(
         bytes: bytes.len() as u64,
         sha256: sha256_hex(bytes),
     })
-}
-
-/// Writes `meta.json` and `meta.sha256` into the staging directory, syncs it, moves it to
-/// `dir/tag` in one atomic step (replacing an older checkpoint of that tag), and points
-/// `latest` at it.
-pub fn commit_checkpoint(
-    dir: &Path,
-    tag: &str,
-    staging: &Path,
-    meta: &CheckpointMeta,
-) -> Result<PathBuf> {
-    check_tag(tag)?;
-    let json = serde_json::to_vec_pretty(meta)
-        .map_err(|e| DeepSpeedError::Checkpoint(format!("metadata: {e}")))?;
-    write_synced(&staging.join("meta.json"), &json, None)?;
-    write_synced(
-        &staging.join("meta.sha256"),
-        sha256_hex(&json).as_bytes(),
-        None,
-    )?;
-    sync_dir(staging)?;
-    check_target(dir, tag)?;
-    let target = dir.join(tag);
-    if fs::symlink_metadata(&target).is_ok() {
-        replace_dir(staging, &target)?;
-    } else {
-        fs::rename(staging, &target).map_err(|e| io_err(staging, e))?;
-    }
-    sync_dir(dir)?;
-    let latest_tmp = dir.join(format!(".latest.partial-{:016x}", unique_suffix()));
-    write_synced(&latest_tmp, tag.as_bytes(), None)?;
-    let latest = dir.join("latest");
-    fs::rename(&latest_tmp, &latest).map_err(|e| io_err(&latest, e))?;
-    sync_dir(dir)?;
-    Ok(target)
-}
-
-/// Puts the complete directory `new` at `target`, which holds an older one, so that `target`
-/// is at every instant one of the two: an atomic exchange, then the old one (now at `new`'s
-/// path) is removed. Where the file system cannot exchange (shared file systems), the old one
-/// is first moved aside under a hidden name of its own, synced, then replaced (a crash
-/// between the two renames leaves `target` missing and the old checkpoint under that name).
-fn replace_dir(new: &Path, target: &Path) -> Result<()> {
-    let parent = target.parent().unwrap_or(Path::new("."));
-    if exchange(new, target).is_ok() {
-        sync_dir(parent)?;
-        return fs::remove_dir_all(new).map_err(|e| io_err(new, e));
-    }
-    let name = target
-        .file_name()
-        .map_or_else(String::new, |n| n.to_string_lossy().into());
-    let old = parent.join(format!(".{name}.old-{:016x}", unique_suffix()));
-    fs::rename(target, &old).map_err(|e| io_err(target, e))?;
-    sync_dir(parent)?;
-    fs::rename(new, target).map_err(|e| io_err(new, e))?;
-    sync_dir(parent)?;
-    fs::remove_dir_all(&old).map_err(|e| io_err(&old, e))
-}
-
-/// Removes the staging directory of a save that failed (its files are of no use).
-pub(crate) fn discard_staging(staging: &Path) {
-    if let Err(e) = fs::remove_dir_all(staging)
-        && e.kind() != std::io::ErrorKind::NotFound
-    {
-        tracing::warn!(path = %staging.display(), error = %e, "could not remove a failed save's staging folder");
-    }
-}
-
-/// Atomically exchanges two directory entries (Linux `renameat2` with `RENAME_EXCHANGE`).
-#[cfg(target_os = "linux")]
-fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
-    use std::ffi::CString;
-    use std::os::unix::ffi::OsStrExt;
-    let c = |p: &Path| {
-        CString::new(p.as_os_str().as_bytes())
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
-    };
-    let (a, b) = (c(a)?, c(b)?);
-    // SAFETY: both paths are valid NUL-terminated strings that outlive the call; the call
-    // only reads them.
-    let rc = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            a.as_ptr(),
-            libc::AT_FDCWD,
-            b.as_ptr(),
-            libc::RENAME_EXCHANGE,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
-/// Elsewhere there is no atomic exchange: [`replace_dir`] falls back to two renames.
-#[cfg(not(target_os = "linux"))]
-fn exchange(_a: &Path, _b: &Path) -> std::io::Result<()> {
-    Err(std::io::ErrorKind::Unsupported.into())
 }
 
 /// Writes `files` and `meta` as checkpoint `tag` under `dir` and points `latest` at it (one
@@ -469,6 +352,7 @@ pub fn read_checkpoint(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::commit::replace_dir;
     use crate::checkpoint::state::{f32_bytes, f32_values};
 
     #[test]

@@ -1,15 +1,18 @@
-//! Engine checkpoints: the files on disk ([`files`]: atomic writes, checked reads), what
+//! Engine checkpoints: the files on disk ([`files`]: atomic writes, checked reads; moving a
+//! staged checkpoint into place, `commit`), what
 //! `meta.json` holds ([`meta`]), how state is serialized in the files ([`state`]), and the
 //! collective protocol that writes and reads them (`protocol`): which rank writes what, how
 //! ranks agree, and how a checkpoint of one world size is cut again for another.
 //! [`consolidate`] turns one into a single safetensors file that plain Burn loads.
 
+mod commit;
 mod consolidate;
 pub mod files;
 pub mod meta;
 mod protocol;
 pub mod state;
 
+pub use commit::*;
 pub use consolidate::*;
 pub use files::*;
 pub use meta::*;

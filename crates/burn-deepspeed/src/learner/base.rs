@@ -58,14 +58,14 @@ use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp, a
 
 use super::checkpoint::owned_ids;
 use super::leader::{EpochEvent, LeaderEvents};
+use super::masters::Masters;
 use super::prepare::{Prepared, take_built, take_prepared};
 use super::settings::{Settings, Surroundings, resolve_settings};
 use crate::DeepSpeedConfig;
 use crate::activation::{take_stats, with_config_options};
-use crate::config::OffloadDevice;
 use crate::flat::ParamLayout;
 use crate::launch::{launch_with_leader, launched_by_mpirun, mpirun_world_size};
-use crate::precision::{cast_module, unscaled_backward_message, with_loss_scale};
+use crate::precision::{unscaled_backward_message, with_loss_scale};
 use crate::step::core::StepCore;
 use crate::sync::{self, GradSync, ShardedSync, SyncOptions, broadcast_params};
 use crate::zero3::GatherGroup;
@@ -136,31 +136,6 @@ impl DeepSpeedStrategy {
         self.timeout = timeout;
         self
     }
-}
-
-/// The fp32 masters the Learner's optimizer steps when they are not the Learner's model
-/// itself (a whole module on every rank: Burn's optimizer steps a whole module). Two reasons
-/// keep them apart, alone or together:
-/// - 16-bit: the Learner computes with their working copy in `dtype`;
-/// - optimizer offload to host memory (ZeRO-Offload, arXiv 2101.06840): the masters and the
-///   optimizer's state live on `home`, the host, where the optimizer steps them; the device
-///   keeps the working copy and the gradients. Burn's optimizers step on the device of the
-///   gradients they are given, and keep each parameter's state there.
-pub(super) struct Masters<M> {
-    /// The working copy's dtype (f32 when the masters are apart only for offload).
-    dtype: FloatDType,
-    /// Host memory, when the optimizer is offloaded from another device.
-    home: Option<Device>,
-    /// The device the Learner's model computes on.
-    working: Device,
-    pub(super) masters: M,
-}
-
-/// Where an offloaded optimizer steps when the model computes on `device`: the host (Flex),
-/// or `None` when `device` keeps its tensors in host memory already.
-pub(super) fn offload_home(device: &Device) -> Option<Device> {
-    let host = Device::flex();
-    (device.clone().inner() != host).then_some(host)
 }
 
 /// This thread answers a prepared model's keys with its rank's gather group until dropped.
@@ -340,37 +315,6 @@ impl<M: LearnerModel> RankRun<'_, M> {
         }
     }
 
-    /// In 16-bit or with the optimizer offloaded: keeps the (broadcast) f32 model as fp32
-    /// masters (at stage 3 this rank's chunks), in host memory when offloaded, and hands the
-    /// Learner their working copy; `None` otherwise.
-    fn separate_masters(
-        &mut self,
-        sync: &mut dyn GradSync<M>,
-    ) -> crate::Result<Option<Masters<M>>> {
-        let config = &self.settings.config;
-        let masters = self.learner.model();
-        let working = masters.devices().into_iter().next().unwrap_or_default();
-        let offload = config.zero_optimization.optimizer_offload() == OffloadDevice::Cpu;
-        let home = offload.then(|| offload_home(&working)).flatten();
-        let dtype = match (config.working_dtype(), &home) {
-            (None, None) => return Ok(None),
-            (dtype, _) => dtype.unwrap_or(FloatDType::F32),
-        };
-        let copy = cast_module(masters.clone(), dtype);
-        sync.track_working_copy(&copy, dtype);
-        self.learner.load_model(copy.into_record());
-        let masters = match &home {
-            Some(host) => masters.fork(host),
-            None => masters,
-        };
-        Ok(Some(Masters {
-            dtype,
-            home,
-            working,
-            masters,
-        }))
-    }
-
     /// One optimizer step over `micro`: the Learner computes each micro-batch's gradients,
     /// the regime reduces them, the Learner's optimizer steps what this rank owns (whole
     /// tensors at stage 0, its tensors at stages 1-2, its chunks at stage 3), and the regime
@@ -427,30 +371,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
             }
             return Ok(outputs);
         };
-        // Separate masters: the Learner's optimizer steps the fp32 masters (its state is
-        // created for them, in f32), then holds their working copy again. Offloaded, the
-        // Learner's model moves to host memory for the step (a `Learner` takes a new model
-        // only as a record loaded where its model is) and the gradients with it, and the
-        // working copy goes back to the device after.
-        let mut grads = sync.reduced_gradients(&mixed.masters)?;
-        if let Some(host) = &mixed.home {
-            self.learner.fork(host);
-            grads = grads.to_device(host, &mixed.masters);
-        }
-        self.learner.load_model(mixed.masters.clone().into_record());
-        self.learner.lr_step();
-        self.learner.optimizer_step(grads);
-        let mut masters = self.learner.model();
-        if let Some(updated) = sync.finish_external_step(&masters)? {
-            masters = updated;
-        }
-        self.learner
-            .load_model(cast_module(masters.clone(), mixed.dtype).into_record());
-        if mixed.home.is_some() {
-            self.learner.fork(&mixed.working);
-        }
-        sync.track_working_copy(&self.learner.model(), mixed.dtype);
-        mixed.masters = masters;
+        self.step_masters(sync, mixed)?;
         Ok(outputs)
     }
 }
@@ -631,23 +552,4 @@ fn prepared_world_mismatch(prepared: usize, world: usize) -> crate::DeepSpeedErr
         "the model was prepared for ZeRO stage 3 on {prepared} ranks but the training runs on \
          {world}; prepare it with the strategy that trains it"
     ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// An offloaded optimizer moves to the host from a device, and stays where it is on one
-    /// that keeps its tensors in host memory.
-    #[test]
-    fn an_offloaded_optimizer_steps_in_host_memory() {
-        assert_eq!(offload_home(&Device::flex()), None);
-        assert_eq!(offload_home(&Device::flex().autodiff()), None);
-        #[cfg(feature = "wgpu")]
-        {
-            let wgpu = Device::from(burn::backend::wgpu::WgpuDevice::default());
-            assert_eq!(offload_home(&wgpu.clone().autodiff()), Some(Device::flex()));
-            assert_eq!(offload_home(&wgpu), Some(Device::flex()));
-        }
-    }
 }

@@ -30,7 +30,8 @@ use burn::train::checkpoint::{
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel, LearningCheckpointer};
 
-use super::base::{Masters, RankRun};
+use super::base::RankRun;
+use super::masters::Masters;
 use crate::checkpoint::gather_bytes;
 use crate::flat::ParamLayout;
 use crate::sync::{Cut, Part};

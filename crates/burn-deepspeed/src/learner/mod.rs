@@ -3,6 +3,7 @@
 mod base;
 mod checkpoint;
 mod leader;
+mod masters;
 mod prepare;
 mod reader;
 mod schedule;

@@ -93,6 +93,19 @@ impl MoeConfig {
         if !(1..=2).contains(&self.k) {
             return Err(invalid("k", format!("k is {}: only 1 and 2", self.k)));
         }
+        // The capacity is the factor times an even share of the tokens, rounded up: a factor
+        // that is not a finite number > 0 gives no slot or an endless count.
+        for (key, factor) in [
+            ("capacity_factor", self.capacity_factor),
+            ("eval_capacity_factor", self.eval_capacity_factor),
+        ] {
+            if !(factor.is_finite() && factor > 0.0 && factor <= 1e6) {
+                return Err(invalid(
+                    key,
+                    format!("{key} is {factor}: it must be a number > 0 and at most 1e6"),
+                ));
+            }
+        }
         let residual = match (self.use_residual, residual) {
             (true, Some(mlp)) => Some(Residual {
                 mlp,
@@ -117,5 +130,34 @@ impl MoeConfig {
             slices: TensorParallel::none(),
             rng: Arc::new(Mutex::new(self.seed)),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::moe::ExpertMlp;
+
+    /// A capacity factor that is not a number > 0 (or is absurdly large) is refused by key
+    /// when the layer is built.
+    #[test]
+    fn capacity_factors_are_checked() {
+        let device = Device::flex();
+        let build = |config: MoeConfig| {
+            let experts = (0..2).map(|_| ExpertMlp::new(4, 8, &device)).collect();
+            config
+                .init(experts, None, &device)
+                .err()
+                .map(|e| e.to_string())
+        };
+        for (factor, key) in [(f64::INFINITY, "capacity_factor"), (0.0, "capacity_factor")] {
+            let e = build(MoeConfig::new(4, 2).with_capacity_factor(factor)).expect("refused");
+            assert!(e.contains(&format!("moe.{key}")), "{e}");
+        }
+        for factor in [f64::NAN, -1.0, 1e300] {
+            let e = build(MoeConfig::new(4, 2).with_eval_capacity_factor(factor)).expect("refused");
+            assert!(e.contains("moe.eval_capacity_factor"), "{e}");
+        }
+        assert_eq!(build(MoeConfig::new(4, 2).with_capacity_factor(1.25)), None);
     }
 }

@@ -42,23 +42,32 @@ pub struct EventWriter {
 
 impl EventWriter {
     /// Creates `dir` if needed and a new event file in it, named as TensorFlow names them
-    /// (`events.out.tfevents.<seconds>.<host>.<pid>`), starting with the file-version event.
+    /// (`events.out.tfevents.<seconds>.<host>.<pid>`, with `.<n>` added when this process
+    /// made one with that name already, as two engines in one second do), starting with the
+    /// file-version event. Never an existing file.
     pub fn create(dir: &Path) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(|e| DeepSpeedError::io(dir, e))?;
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
             .unwrap_or_else(|_| "localhost".into());
         let now = wall_time();
-        let path = dir.join(format!(
+        let name = format!(
             "events.out.tfevents.{}.{host}.{}",
             now as u64,
             std::process::id()
-        ));
-        let file = OpenOptions::new()
-            .create_new(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| DeepSpeedError::io(&path, e))?;
+        );
+        let mut n = 0;
+        let (path, file) = loop {
+            let path = match n {
+                0 => dir.join(&name),
+                n => dir.join(format!("{name}.{n}")),
+            };
+            match OpenOptions::new().create_new(true).write(true).open(&path) {
+                Ok(file) => break (path, file),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 1024 => n += 1,
+                Err(e) => return Err(DeepSpeedError::io(&path, e)),
+            }
+        };
         let mut writer = Self {
             path,
             out: BufWriter::new(file),
@@ -322,6 +331,16 @@ fn masked_crc(data: &[u8]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two writers made in one second by one process (two engines) get files of their own.
+    #[test]
+    fn writers_made_together_get_files_of_their_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = EventWriter::create(dir.path()).unwrap();
+        let b = EventWriter::create(dir.path()).unwrap();
+        assert_ne!(a.path(), b.path());
+        assert!(b.path().to_string_lossy().contains("tfevents"));
+    }
 
     #[test]
     fn crc32c_matches_the_standard_check_value() {

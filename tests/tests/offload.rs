@@ -184,3 +184,67 @@ fn a_bad_nvme_path_is_refused_by_name() {
         "{e}"
     );
 }
+
+/// A disk that fails (ENOSPC, EIO) while a load writes a checkpoint's state into the swap
+/// file, or while a step writes its tiles back, leaves the file part old, part new: every
+/// later step and save is refused, naming the cause and saying to load the last checkpoint,
+/// and after that load the run continues with the uninterrupted run's losses.
+#[test]
+fn a_failing_disk_refuses_every_later_step_until_a_checkpoint_is_loaded() {
+    use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
+    use burn_deepspeed_strategies::swap::{SwapFault, inject_swap_fault};
+    let (swap_dir, ckpt) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let config = offload_config(2, "fp32", Some(("nvme", swap_dir.path(), 333, false)));
+    let whole = train_steps(&config, SHAPE, 1, 0..6, ckpt.path(), Some(2), false);
+    let faulty_dir = tempfile::tempdir().unwrap();
+    let faulty = offload_config(2, "fp32", Some(("nvme", faulty_dir.path(), 333, false)));
+    let corpus = ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 7);
+    let batch = |step| {
+        let batch = corpus.batch(step, 0, 16, SHAPE.seq_len, &Device::flex());
+        std::iter::once(batch)
+    };
+    let refused = |e: burn_deepspeed::DeepSpeedError, cause: &str| {
+        let e = e.to_string();
+        assert!(e.contains("inconsistent") && e.contains(cause), "{e}");
+        assert!(e.contains("load the last checkpoint"), "{e}");
+    };
+    launch(1, Duration::from_secs(120), |comm| {
+        let device = Device::flex().autodiff();
+        let mut engine = DeepSpeedEngine::new(Gpt::new(SHAPE, 5, &device), faulty.clone(), comm)?;
+        // The load's fifth tile write finds the disk full.
+        inject_swap_fault(
+            faulty_dir.path(),
+            SwapFault::parse("write:5:ENOSPC").unwrap(),
+        );
+        let e = engine.load_checkpoint(ckpt.path(), None).unwrap_err();
+        assert!(e.to_string().contains("No space left"), "{e}");
+        refused(engine.train_batch(batch(3)).unwrap_err(), "No space left");
+        let elsewhere = tempfile::tempdir().unwrap();
+        refused(
+            engine.save_checkpoint(elsewhere.path(), None).unwrap_err(),
+            "No space left",
+        );
+        engine.load_checkpoint(ckpt.path(), None)?;
+        let mut losses = Vec::new();
+        for step in 3..5 {
+            losses.push(engine.train_batch(batch(step))?.loss);
+        }
+        assert_eq!(losses, whole[3..5], "resumed after the failed load");
+        // The next step's third tile write fails.
+        inject_swap_fault(faulty_dir.path(), SwapFault::parse("write:3:EIO").unwrap());
+        let e = engine.train_batch(batch(5)).unwrap_err();
+        assert!(e.to_string().contains("Input/output error"), "{e}");
+        refused(
+            engine.train_batch(batch(5)).unwrap_err(),
+            "Input/output error",
+        );
+        engine.load_checkpoint(ckpt.path(), None)?;
+        assert_eq!(
+            engine.train_batch(batch(3))?.loss,
+            whole[3],
+            "resumed after the failed step"
+        );
+        Ok(())
+    })
+    .expect("the run recovers from both failures");
+}

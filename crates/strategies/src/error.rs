@@ -71,6 +71,19 @@ pub enum CommError {
         /// The system's error.
         source: std::io::Error,
     },
+    /// A swapped state that a failed pass left part stepped, part not: it is refused from then
+    /// on, until a checkpoint is loaded into it.
+    #[error(
+        "swap file {path}: the state in it is inconsistent since an earlier pass over it \
+         failed ({cause}): some tiles were updated and the rest were not, so it is refused \
+         from now on; load the last checkpoint to go on (load_checkpoint rewrites it whole)"
+    )]
+    SwapInconsistent {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The error that stopped the pass.
+        cause: String,
+    },
     /// A rank's communication thread ([`CommWorker`](crate::comm::CommWorker)) could not
     /// start, panicked, or skipped a collective after an earlier one failed.
     #[error("rank {rank}'s communication thread: {detail}")]

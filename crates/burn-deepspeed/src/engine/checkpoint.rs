@@ -57,12 +57,16 @@ where
         self.sync.settle();
         let comm = self.comm.clone();
         let loaded = checkpoint::load(dir.as_ref(), tag, &self.meta(), comm.as_ref())?;
-        // The step protocol's position is checked before the regime takes the state.
-        let restored = self
+        // Everything that can refuse the checkpoint (the step protocol's position, the
+        // regime's state) is checked on every rank before any rank changes anything.
+        let staged = self
             .core
             .restorable(&loaded.meta.position())
-            .and_then(|position| Ok((self.sync.load(self.model.clone(), &loaded)?, position)));
-        let (model, position) = agreed(comm.as_ref(), "checkpoint restore", restored)?;
+            .and_then(|position| Ok((self.sync.stage_load(&loaded)?, position)));
+        let (staged, position) = agreed(comm.as_ref(), "checkpoint restore", staged)?;
+        // Only a swap file's write can fail from here (and then refuses every step).
+        let committed = self.sync.commit_load(self.model.clone(), &loaded, staged);
+        let model = agreed(comm.as_ref(), "checkpoint commit", committed)?;
         self.model = model;
         self.core.restore(position);
         self.loss_sum = 0.0;

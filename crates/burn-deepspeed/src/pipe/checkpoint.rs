@@ -26,7 +26,7 @@ use crate::checkpoint::{
     partition_file, partition_state_bytes, partition_state_from_bytes,
 };
 use crate::step::core::RestoredPosition;
-use crate::sync::{Cut, GradSync, SyncOptions};
+use crate::sync::{Cut, GradSync, StagedLoad, SyncOptions};
 use crate::tensor_parallel::{cut_flat, join_flat};
 use crate::{DeepSpeedError, Result, agreed};
 
@@ -104,8 +104,11 @@ where
         self.flat_state()?;
         let expected = self.whole_meta();
         let loaded = format::load(dir.as_ref(), tag, &expected, world.as_ref())?;
-        let restored = self.restore(&loaded);
-        let (layers, position) = agreed(world.as_ref(), "checkpoint restore", restored)?;
+        // Every refusal happens on every rank before any rank changes anything.
+        let staged = self.stage_restore(&loaded);
+        let (local, staged, position) = agreed(world.as_ref(), "checkpoint restore", staged)?;
+        let committed = self.grads.commit_load(self.layers.clone(), &local, staged);
+        let layers = agreed(world.as_ref(), "checkpoint commit", committed)?;
         self.layers = layers;
         self.core.restore(position);
         Ok(self.core.global_step())
@@ -181,10 +184,11 @@ where
         format::write_checkpoint(dir, tag, self.whole_meta(), &files)
     }
 
-    /// This rank's layers and loss scaler restored from a whole checkpoint: its stage's
-    /// tensors cut for its slice, as one rank's checkpoint of its layout, which the regime
-    /// cuts again for its data-parallel partition.
-    fn restore(&mut self, loaded: &Loaded) -> Result<(Vec<L>, RestoredPosition)> {
+    /// This rank's part of a whole checkpoint, checked and staged, changing nothing: its
+    /// stage's tensors cut for its slice as one rank's checkpoint of its layout (which the
+    /// regime cuts again for its data-parallel partition), the staged state, and the step
+    /// protocol's position.
+    fn stage_restore(&self, loaded: &Loaded) -> Result<(Loaded, StagedLoad, RestoredPosition)> {
         let sizes: Vec<usize> = self.catalog.iter().map(|t| t.numel()).collect();
         let numel: usize = sizes.iter().sum();
         let whole = loaded.slice_state(&sizes, std::slice::from_ref(&(0..numel)))?;
@@ -216,12 +220,11 @@ where
         };
         // The step protocol's position is checked before the regime takes the state.
         let position = self.core.restorable(&loaded.meta.position())?;
-        let layers = self.layers.clone();
         if self.stage_zero() {
             return Err(no_flat_state());
         }
-        let layers = self.grads.load(layers, &local)?;
-        Ok((layers, position))
+        let staged = self.grads.stage_load(&local)?;
+        Ok((local, staged, position))
     }
 }
 

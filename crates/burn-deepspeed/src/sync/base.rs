@@ -53,6 +53,28 @@ impl Reduced {
     }
 }
 
+/// A checkpoint's optimizer state checked and prepared for one regime by
+/// [`GradSync::stage_load`], not in place yet.
+pub enum StagedLoad {
+    /// Burn's optimizer, rebuilt from `optim.bin` (ZeRO stage 0).
+    Burn(ModuleOptimizer),
+    /// This rank's cut of a flat state (steps, m and v).
+    Flat(PartitionState),
+    /// A 1-bit optimizer built and restored from the checkpoint (the regime's own type).
+    OneBit(Box<dyn std::any::Any>),
+    /// Expert parallelism: the dense tensors' state and this rank's experts'.
+    Experts(Box<StagedLoad>, Box<StagedLoad>),
+}
+
+impl StagedLoad {
+    /// The refusal of a load staged by another kind of regime (a defect, never input).
+    pub fn mismatch(regime: &str) -> crate::DeepSpeedError {
+        crate::DeepSpeedError::Regime(format!(
+            "{regime} was given a load staged by another regime"
+        ))
+    }
+}
+
 /// The optimizer state a rank contributes to a checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SavedState {
@@ -180,9 +202,17 @@ pub trait GradSync<M: Module> {
     /// state).
     fn save(&self, root: bool) -> Result<SavedState>;
 
-    /// Restores a checkpoint read by every rank: the parameters and their ids into `model`,
-    /// and this rank's optimizer state (cut again for this world size where partitioned).
-    fn load(&mut self, model: M, loaded: &Loaded) -> Result<M>;
+    /// The first phase of an all-or-nothing load: checks a checkpoint read by every rank
+    /// against this regime and prepares this rank's optimizer state (cut again for this world
+    /// size where partitioned), changing nothing. Every refusal of a load happens here, so
+    /// that the ranks can agree before any of them commits.
+    fn stage_load(&self, loaded: &Loaded) -> Result<StagedLoad>;
+
+    /// The second phase: puts what [`stage_load`](Self::stage_load) prepared in place, the
+    /// parameters and their ids into `model` and the optimizer state into this regime. Fails
+    /// only writing a swap file (ZeRO-Infinity), which then refuses every step until a load
+    /// succeeds.
+    fn commit_load(&mut self, model: M, loaded: &Loaded, staged: StagedLoad) -> Result<M>;
 
     /// The whole optimizer state (steps, m and v in layout order) on every rank, joined from
     /// every rank's slice: a collective. `None` where the state is not flat slices (Burn's or

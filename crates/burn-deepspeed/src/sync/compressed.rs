@@ -20,7 +20,7 @@ use burn_deepspeed_strategies::onebit::{OneBitOptimizer, OneBitPhase};
 
 use super::place::{ModelPlace, clipped};
 use super::scale::Scaling;
-use super::{GradSync, Reduced, SavedState, SyncOptions};
+use super::{GradSync, Reduced, SavedState, StagedLoad, SyncOptions};
 use crate::checkpoint::{Loaded, one_bit_state_bytes, one_bit_state_from_bytes};
 use crate::config::OptimizerConfig;
 use crate::flat::{ParamLayout, restore_params};
@@ -198,11 +198,22 @@ impl<M: Module, P: ModelPlace> GradSync<M> for CompressedSync<P> {
 
     /// Everything fallible (reading and restoring the optimizer state) happens before the
     /// parameters are replaced.
-    fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
+    fn stage_load(&self, loaded: &Loaded) -> Result<StagedLoad> {
         let state = one_bit_state_from_bytes(loaded.replicated_state()?)?;
         let mut optim = build_one_bit(&self.config, &self.layout, &self.place)?
             .ok_or_else(|| DeepSpeedError::Checkpoint("not a 1-bit optimizer".into()))?;
         optim.restore(&self.place, state)?;
+        Ok(StagedLoad::OneBit(Box::new(optim)))
+    }
+
+    fn commit_load(&mut self, model: M, loaded: &Loaded, staged: StagedLoad) -> Result<M> {
+        let StagedLoad::OneBit(optim) = staged else {
+            return Err(StagedLoad::mismatch("a 1-bit optimizer's regime"));
+        };
+        let optim = optim
+            .downcast::<Box<dyn OneBitOptimizer<P>>>()
+            .map_err(|_| StagedLoad::mismatch("a 1-bit optimizer's regime"))?;
+        let optim = *optim;
         let model = restore_params(model, &self.layout, &loaded.meta.param_ids, &loaded.params);
         self.layout = ParamLayout::of(&model);
         self.optim = optim;

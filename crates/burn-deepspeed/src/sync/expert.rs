@@ -22,8 +22,8 @@ use burn_deepspeed_strategies::zero::PartitionState;
 
 use super::{Cut, ZeroPlan};
 use super::{
-    GradSync, ModelParallelNorm, PartitionedSync, Reduced, SavedState, SyncOptions, WholeLayout,
-    broadcast_params, module_device,
+    GradSync, ModelParallelNorm, PartitionedSync, Reduced, SavedState, StagedLoad, SyncOptions,
+    WholeLayout, broadcast_params, module_device,
 };
 use crate::checkpoint::{
     Loaded, all_gather_bytes, f32_bytes, f32_values, partition_state_bytes,
@@ -339,7 +339,7 @@ impl<M: Module> GradSync<M> for ExpertSync {
     /// The whole model's parameters and state (written at any `ep_size` and world size, by
     /// this regime or a plain one with flat state) cut to this rank's dense tensors and
     /// experts. Every read happens before anything is restored.
-    fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
+    fn stage_load(&self, loaded: &Loaded) -> Result<StagedLoad> {
         let state = match loaded.meta.zero_stage {
             0 => partition_state_from_bytes(loaded.replicated_state()?, "optim.bin")?,
             _ => {
@@ -368,7 +368,18 @@ impl<M: Module> GradSync<M> for ExpertSync {
             m: mine_m,
             v: mine_v,
         };
-        let model = self.dense.restore_whole(model, &dense_params, &dense)?;
-        self.experts.restore_whole(model, &mine_params, &mine)
+        Ok(StagedLoad::Experts(
+            Box::new(self.dense.stage_whole(&dense_params, &dense)?),
+            Box::new(self.experts.stage_whole(&mine_params, &mine)?),
+        ))
+    }
+
+    fn commit_load(&mut self, model: M, loaded: &Loaded, staged: StagedLoad) -> Result<M> {
+        let StagedLoad::Experts(dense, mine) = staged else {
+            return Err(StagedLoad::mismatch("expert parallelism"));
+        };
+        let (dense_params, mine_params) = self.whole.split(&loaded.params);
+        let model = self.dense.commit_whole(model, &dense_params, *dense)?;
+        self.experts.commit_whole(model, &mine_params, *mine)
     }
 }

@@ -48,8 +48,14 @@ pub trait FlatOptimizer<P: ModelPlace>: Send {
     /// The slice's state (steps, m and v), read into host memory.
     fn export(&self, place: &P) -> Result<PartitionState>;
 
-    /// Restores the slice's state (and, when offloaded, its fp32 `masters`).
+    /// Restores the slice's state (and, when offloaded, its fp32 `masters`). Fails only as
+    /// [`check_restore`](Self::check_restore) says, or writing an offloaded state's swap file
+    /// (which then refuses every step until a restore succeeds).
     fn restore(&mut self, place: &P, state: PartitionState, masters: Option<&[f32]>) -> Result<()>;
+
+    /// The error [`restore`](Self::restore) would return for a state (or masters) of another
+    /// slice, found before anything changes: the first phase of an all-or-nothing load.
+    fn check_restore(&self, state: &PartitionState, masters: Option<&[f32]>) -> Result<()>;
 
     /// Whether the state lives in a swap file (ZeRO-Infinity).
     fn is_offloaded(&self) -> bool {
@@ -159,6 +165,10 @@ impl FlatOptimizer<HostPlace> for HostFlatOptimizer {
     ) -> Result<()> {
         self.inner.restore(state, masters)?;
         Ok(())
+    }
+
+    fn check_restore(&self, state: &PartitionState, masters: Option<&[f32]>) -> Result<()> {
+        Ok(self.inner.check_restore(state, masters)?)
     }
 
     fn is_offloaded(&self) -> bool {
@@ -291,8 +301,16 @@ impl FlatOptimizer<DevicePlace> for DeviceFlatOptimizer {
         &mut self,
         place: &DevicePlace,
         state: PartitionState,
-        _masters: Option<&[f32]>,
+        masters: Option<&[f32]>,
     ) -> Result<()> {
+        self.check_restore(&state, masters)?;
+        self.m = place.write(state.m);
+        self.v = place.write(state.v);
+        self.steps = state.steps;
+        Ok(())
+    }
+
+    fn check_restore(&self, state: &PartitionState, _masters: Option<&[f32]>) -> Result<()> {
         let len = self.m.dims()[0];
         if state.m.len() != len || state.v.len() != len || state.steps.len() != self.steps.len() {
             return Err(crate::DeepSpeedError::Checkpoint(format!(
@@ -304,9 +322,6 @@ impl FlatOptimizer<DevicePlace> for DeviceFlatOptimizer {
                 self.steps.len()
             )));
         }
-        self.m = place.write(state.m);
-        self.v = place.write(state.v);
-        self.steps = state.steps;
         Ok(())
     }
 }

@@ -34,8 +34,8 @@ use super::grads::{Cut, GradStore, Part, reduce_and_clip, step_part};
 use super::scale::Scaling;
 use super::{
     DeviceFlatOptimizer, DeviceGrads, FlatOptimizer, GradElem, GradSync, HostFlatOptimizer,
-    HostGrads, ModelParallelNorm, ModelPlace, NvmeOffload, Reduced, SavedState, SyncOptions,
-    caller_optimizer_keeps_no_masters,
+    HostGrads, ModelParallelNorm, ModelPlace, NvmeOffload, Reduced, SavedState, StagedLoad,
+    SyncOptions, caller_optimizer_keeps_no_masters,
 };
 use crate::checkpoint::{
     Loaded, cut_state, gather_state, no_state_to_restore, partition_state_bytes,
@@ -261,8 +261,24 @@ impl<S: GradStore> PartitionedSync<S> {
         self.present.iter_mut().for_each(|p| *p = 0);
     }
 
+    /// Refuses this rank's part `own` of an optimizer state, or whole parameters `params`
+    /// (flat in this regime's layout), that [`restore_own`](Self::restore_own) could not
+    /// take.
+    fn check_own(&self, own: &PartitionState, params: &[f32]) -> Result<()> {
+        let optim = self.optim.as_ref().ok_or_else(no_state_to_restore)?;
+        if params.len() != self.layout.numel {
+            return Err(DeepSpeedError::Checkpoint(format!(
+                "{} parameters for a regime of {}",
+                params.len(),
+                self.layout.numel
+            )));
+        }
+        let masters = optim.is_offloaded().then(|| &params[self.own.clone()]);
+        optim.check_restore(own, masters)
+    }
+
     /// This rank's part of the optimizer state `own` and of the whole parameters `params`
-    /// (flat in this regime's layout) restored; the gradient cleared.
+    /// restored, as [`check_own`](Self::check_own) passed them; the gradient cleared.
     fn restore_own(&mut self, own: PartitionState, params: &[f32]) -> Result<()> {
         let optim = self.optim.as_mut().ok_or_else(no_state_to_restore)?;
         let masters = optim.is_offloaded().then(|| &params[self.own.clone()]);
@@ -274,17 +290,28 @@ impl<S: GradStore> PartitionedSync<S> {
         Ok(())
     }
 
-    /// Restores the whole parameters `params` and optimizer `state` of this regime's tensors
-    /// (flat in its layout) into `model` and this rank's slice, keeping the parameters' ids:
-    /// a regime over part of a model (expert parallelism's) loads a checkpoint this way.
-    pub fn restore_whole<M: Module>(
+    /// Checks the whole parameters `params` and optimizer `state` of this regime's tensors
+    /// (flat in its layout) and cuts this rank's part of the state, changing nothing: a
+    /// regime over part of a model (expert parallelism's) stages a load this way.
+    pub fn stage_whole(&self, params: &[f32], state: &PartitionState) -> Result<StagedLoad> {
+        check_whole(&self.layout, params, state)?;
+        let own = cut_state(state, std::slice::from_ref(&self.own));
+        self.check_own(&own, params)?;
+        Ok(StagedLoad::Flat(own))
+    }
+
+    /// Puts a load [`stage_whole`](Self::stage_whole) prepared in place: `params` into
+    /// `model` and this rank's slice, keeping the parameters' ids.
+    pub fn commit_whole<M: Module>(
         &mut self,
         model: M,
         params: &[f32],
-        state: &PartitionState,
+        staged: StagedLoad,
     ) -> Result<M> {
-        check_whole(&self.layout, params, state)?;
-        self.restore_own(cut_state(state, std::slice::from_ref(&self.own)), params)?;
+        let StagedLoad::Flat(own) = staged else {
+            return Err(StagedLoad::mismatch("a partitioned regime"));
+        };
+        self.restore_own(own, params)?;
         Ok(params_from_flat(model, &self.layout, params))
     }
 
@@ -519,10 +546,18 @@ impl<M: Module, S: GradStore> GradSync<M> for PartitionedSync<S> {
 
     /// Everything fallible (reading and restoring the optimizer state) happens before the
     /// parameters are replaced.
-    fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
+    fn stage_load(&self, loaded: &Loaded) -> Result<StagedLoad> {
+        let state = self.loaded_state(loaded)?;
+        self.check_own(&state, &loaded.params)?;
+        Ok(StagedLoad::Flat(state))
+    }
+
+    fn commit_load(&mut self, model: M, loaded: &Loaded, staged: StagedLoad) -> Result<M> {
+        let StagedLoad::Flat(state) = staged else {
+            return Err(StagedLoad::mismatch("a partitioned regime"));
+        };
         // Buckets still being reduced belong to the gradient the load replaces.
         self.settle_overlap();
-        let state = self.loaded_state(loaded)?;
         self.restore_own(state, &loaded.params)?;
         let model = restore_params(model, &self.layout, &loaded.meta.param_ids, &loaded.params);
         self.layout = ParamLayout::of(&model);

@@ -20,7 +20,9 @@ use super::ModelParallelNorm;
 use super::buffer::GradBuffer;
 use super::elem::GradElem;
 use super::scale::{clip_local, clip_to, scale};
-use super::{GradSync, Reduced, SavedState, SyncOptions, caller_optimizer_keeps_no_masters};
+use super::{
+    GradSync, Reduced, SavedState, StagedLoad, SyncOptions, caller_optimizer_keeps_no_masters,
+};
 use crate::checkpoint::Loaded;
 use crate::flat::{ParamLayout, params_from_flat, params_to_flat, restore_params};
 use crate::memory::{
@@ -240,12 +242,19 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
 
     /// Everything fallible (reading and restoring the optimizer state) happens before the
     /// parameters are replaced.
-    fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
+    fn stage_load(&self, loaded: &Loaded) -> Result<StagedLoad> {
         let bytes = loaded.replicated_state()?;
         let fresh = self.fresh.clone().ok_or_else(no_optimizer)?;
         let optim = fresh
             .from_bytes(Bytes::from_bytes_vec(bytes.to_vec()))
             .map_err(|e| DeepSpeedError::Checkpoint(format!("optimizer state: {e:?}")))?;
+        Ok(StagedLoad::Burn(optim))
+    }
+
+    fn commit_load(&mut self, model: M, loaded: &Loaded, staged: StagedLoad) -> Result<M> {
+        let StagedLoad::Burn(optim) = staged else {
+            return Err(StagedLoad::mismatch("stage 0 with Burn's optimizer"));
+        };
         let model = restore_params(
             model,
             self.buffer.layout(),

@@ -31,7 +31,7 @@ use super::scale::Scaling;
 use super::{
     DeviceFlatOptimizer, DeviceShards, FlatOptimizer, GradElem, GradSync, HostFlatOptimizer,
     HostShards, ModelParallelNorm, ModelPlace, NvmeOffload, PieceReader, PieceWriter, Reduced,
-    SavedState, ShardCut, SyncOptions, caller_optimizer_keeps_no_masters,
+    SavedState, ShardCut, StagedLoad, SyncOptions, caller_optimizer_keeps_no_masters,
 };
 use crate::checkpoint::{Loaded, gather_state, no_state_to_restore, partition_state_bytes};
 use crate::flat::{ParamLayout, set_param_ids};
@@ -530,12 +530,21 @@ impl<M: Module, S: GradStore> GradSync<M> for ShardedSync<S> {
 
     /// Everything fallible (cutting the state, restoring the optimizer) happens before the
     /// shards are replaced, so a failed load leaves this rank as it was.
-    fn load(&mut self, model: M, loaded: &Loaded) -> Result<M> {
-        let layout = self.layout.with_ids(&loaded.meta.param_ids);
-        let sizes: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+    fn stage_load(&self, loaded: &Loaded) -> Result<StagedLoad> {
+        let sizes: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
         let ranges: Vec<_> = self.cut.segments.iter().map(|s| s.global.clone()).collect();
         let state = loaded.slice_state(&sizes, &ranges)?;
-        // `restore` checks the state before it replaces anything.
+        let masters = self.offloaded().then(|| self.pieces_of(&loaded.params));
+        let optim = self.optim.as_ref().ok_or_else(no_state_to_restore)?;
+        optim.check_restore(&state, masters.as_deref())?;
+        Ok(StagedLoad::Flat(state))
+    }
+
+    fn commit_load(&mut self, model: M, loaded: &Loaded, staged: StagedLoad) -> Result<M> {
+        let StagedLoad::Flat(state) = staged else {
+            return Err(StagedLoad::mismatch("ZeRO stage 3"));
+        };
+        let layout = self.layout.with_ids(&loaded.meta.param_ids);
         let masters = self.offloaded().then(|| self.pieces_of(&loaded.params));
         let optim = self.optim.as_mut().ok_or_else(no_state_to_restore)?;
         optim.restore(&self.place, state, masters.as_deref())?;

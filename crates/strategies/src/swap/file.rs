@@ -20,6 +20,9 @@ pub struct SwapFile {
     engine: IoEngine,
     aio: AioOptions,
     direct: bool,
+    /// The fault a test armed for this file (see [`inject_swap_fault`](super::inject_swap_fault)).
+    #[cfg(all(target_os = "linux", any(test, feature = "fault-injection")))]
+    faults: super::fault::FaultCounter,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +73,8 @@ impl SwapFile {
             engine,
             aio,
             direct,
+            #[cfg(all(target_os = "linux", any(test, feature = "fault-injection")))]
+            faults: super::fault::FaultCounter::for_path(path),
         })
     }
 
@@ -109,6 +114,18 @@ impl SwapFile {
     }
 
     fn transfer(&self, dir: Dir, span: Span) -> Result<()> {
+        #[cfg(all(target_os = "linux", any(test, feature = "fault-injection")))]
+        {
+            let on = match dir {
+                Dir::Read => super::fault::FaultOn::Read,
+                Dir::Write => super::fault::FaultOn::Write,
+            };
+            self.faults.count(on).map_err(|source| CommError::Swap {
+                path: self.path.clone(),
+                op: dir.name(),
+                source,
+            })?;
+        }
         if !span.offset.is_multiple_of(ALIGN as u64)
             || !span.len.is_multiple_of(ALIGN)
             || !(span.ptr as usize).is_multiple_of(ALIGN)

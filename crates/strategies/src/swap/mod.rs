@@ -10,12 +10,16 @@
 //! - [`SwapFile`]: one file read and written in blocks, many in flight, created where no file
 //!   was (never truncating or following a link to another's).
 //! - [`TilePlan`]: how a flat state of several fields is cut into tiles (plain data).
+//! - `SwapFault` (the `fault-injection` feature): makes a swap file's k-th read or write fail,
+//!   for tests.
 //! - [`SwapStore`]: a swapped state, visited tile by tile with the next read and the previous
 //!   write overlapping the work on the current tile.
 
 mod aio;
 mod baseline;
 mod buffer;
+#[cfg(all(target_os = "linux", any(test, feature = "fault-injection")))]
+mod fault;
 mod file;
 mod run_dir;
 mod store;
@@ -24,6 +28,8 @@ mod tiles;
 pub use aio::*;
 pub use baseline::*;
 pub use buffer::*;
+#[cfg(all(target_os = "linux", any(test, feature = "fault-injection")))]
+pub use fault::*;
 pub use file::*;
 pub use run_dir::fresh_dir;
 pub use store::*;

@@ -106,6 +106,10 @@ pub struct SwapStore {
     options: SwapOptions,
     bufs: [AlignedBuf; 3],
     counters: TransferCounters,
+    /// Why the state in the file is no longer one state: a pass that writes tiles stopped
+    /// part way (some tiles new, the rest old). Every later read or update is refused until a
+    /// whole new state is written ([`fill`](Self::fill), [`write_all`](Self::write_all)).
+    broken: Option<String>,
 }
 
 impl SwapStore {
@@ -133,6 +137,7 @@ impl SwapStore {
             options,
             bufs: [AlignedBuf::new(record), spare(1), spare(2)],
             counters: TransferCounters::default(),
+            broken: None,
         })
     }
 
@@ -205,7 +210,18 @@ impl SwapStore {
     /// Writes every tile in order: `fill(i, elements, fields)` gets the tile's fields, zeroed,
     /// to fill (each `elements.len()` long). Nothing is read, and only one tile's record is
     /// in memory: a state larger than RAM is written from a source read piece by piece.
+    /// A pass that stops part way leaves the store refusing reads and updates until a whole
+    /// state is written again.
     pub fn fill(
+        &mut self,
+        fill: impl FnMut(usize, Range<usize>, &mut [&mut [f32]]) -> Result<()>,
+    ) -> Result<()> {
+        let filled = self.fill_tiles(fill);
+        self.broken = filled.as_ref().err().map(ToString::to_string);
+        filled
+    }
+
+    fn fill_tiles(
         &mut self,
         mut fill: impl FnMut(usize, Range<usize>, &mut [&mut [f32]]) -> Result<()>,
     ) -> Result<()> {
@@ -223,6 +239,7 @@ impl SwapStore {
 
     /// Reads the fields `which` whole, one pass over the file.
     pub fn read_fields(&self, which: &[usize]) -> Result<Vec<Vec<f32>>> {
+        self.check_whole()?;
         let plan = self.plan;
         let mut out: Vec<Vec<f32>> = which
             .iter()
@@ -242,8 +259,39 @@ impl SwapStore {
     /// Visits every tile in order: `work(i, elements, fields)` gets the tile's fields (each
     /// `elements.len()` long) to read and update, and the tile is written back. With
     /// pipelining, the next tile is read and the previous one written while `work` runs.
-    /// Stops at the first error; tiles before it are written back.
+    /// Stops at the first error; tiles before it are written back, and the store then refuses
+    /// every read and update until a whole state is written again (the file holds part of
+    /// two states).
     pub fn update(
+        &mut self,
+        work: impl FnMut(usize, Range<usize>, &mut [&mut [f32]]) -> Result<()>,
+    ) -> Result<()> {
+        self.check_whole()?;
+        let updated = self.update_tiles(work);
+        if let Err(e) = &updated {
+            self.broken = Some(e.to_string());
+        }
+        updated
+    }
+
+    /// Refuses, with [`CommError::SwapInconsistent`], a state that a failed pass left part
+    /// old, part new.
+    pub fn check_whole(&self) -> Result<()> {
+        match &self.broken {
+            None => Ok(()),
+            Some(cause) => Err(CommError::SwapInconsistent {
+                path: self.file.path().to_path_buf(),
+                cause: cause.clone(),
+            }),
+        }
+    }
+
+    /// Whether a failed pass left the file part old, part new (see [`update`](Self::update)).
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
+    }
+
+    fn update_tiles(
         &mut self,
         mut work: impl FnMut(usize, Range<usize>, &mut [&mut [f32]]) -> Result<()>,
     ) -> Result<()> {

@@ -328,6 +328,8 @@ impl PartitionedOptimizer {
                 ),
             });
         }
+        // A state that an earlier failed step left part stepped is not stepped again.
+        swap.check_whole()?;
         for (s, &p) in self.state.steps.iter_mut().zip(present) {
             *s += u32::from(p != 0);
         }
@@ -366,6 +368,21 @@ impl PartitionedOptimizer {
     /// slice). When offloaded, `masters` (the slice's fp32 parameters) are written beside
     /// it and are required.
     pub fn restore(&mut self, state: PartitionState, masters: Option<&[f32]>) -> Result<()> {
+        self.check_restore(&state, masters)?;
+        match &mut self.swap {
+            Some(swap) => {
+                swap.write_all(&[masters, Some(&state.m), Some(&state.v)])?;
+                self.state.steps = state.steps;
+            }
+            None => self.state = state,
+        }
+        Ok(())
+    }
+
+    /// Whether [`restore`](Self::restore) takes `state` and `masters`: the error it would
+    /// return for a state of another slice, checked before anything changes. (An offloaded
+    /// restore can still fail writing its swap file.)
+    pub fn check_restore(&self, state: &PartitionState, masters: Option<&[f32]>) -> Result<()> {
         let masters_fit = match (&self.swap, masters) {
             (Some(_), Some(p)) => p.len() == self.own.len(),
             (Some(_), None) => false,
@@ -394,13 +411,6 @@ impl PartitionedOptimizer {
                     }
                 ),
             });
-        }
-        match &mut self.swap {
-            Some(swap) => {
-                swap.write_all(&[masters, Some(&state.m), Some(&state.v)])?;
-                self.state.steps = state.steps;
-            }
-            None => self.state = state,
         }
         Ok(())
     }
@@ -666,5 +676,49 @@ mod tests {
             v: vec![0.0; 4],
         };
         assert!(opt.restore(bad, None).is_err());
+    }
+
+    /// A disk that fails part way through an offloaded step leaves the tiles before the
+    /// failure stepped and the rest not: every later step and save is refused, naming the
+    /// cause, until a checkpoint's state is restored into it.
+    #[test]
+    fn a_step_that_fails_part_way_refuses_what_follows_until_a_restore() {
+        use crate::swap::{SwapFault, inject_swap_fault};
+        let dir = tempfile::tempdir().unwrap();
+        // Offloading writes the 3 tiles (writes 1-3); the step's second tile is write 5.
+        inject_swap_fault(dir.path(), SwapFault::parse("write:5:ENOSPC").unwrap());
+        ThreadWorld::run(1, ThreadWorldOptions::default(), |c| {
+            let part = FlatPartition::new(10, 1);
+            let mut opt = PartitionedOptimizer::new(kinds()[0], &part, 0, &[10]);
+            let plan = TilePlan::new(10, 4, 3);
+            let options = swap_options(IoEngine::Pread, false);
+            let store = SwapStore::create(&dir.path().join("s.swp"), plan, options).unwrap();
+            let init = values(10, 1);
+            opt.offload(store, &init).unwrap();
+            let saved = opt.export().unwrap().into_owned();
+            let (g, mut p) = (values(10, 2), vec![0.0; 10]);
+            let e = opt
+                .step(&c, &mut p, &g, &[1], 0.01)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("No space left"), "{e}");
+            for e in [
+                opt.step(&c, &mut p, &g, &[1], 0.01).unwrap_err(),
+                opt.export().unwrap_err(),
+                opt.masters().unwrap_err(),
+            ] {
+                let e = e.to_string();
+                assert!(
+                    e.contains("inconsistent") && e.contains("No space left"),
+                    "{e}"
+                );
+                assert!(e.contains("load the last checkpoint"), "{e}");
+            }
+            opt.restore(saved.clone(), Some(&init)).unwrap();
+            opt.step(&c, &mut p, &g, &[1], 0.01).unwrap();
+            assert_eq!(opt.export().unwrap().steps, vec![1]);
+        })
+        .into_iter()
+        .for_each(|r| r.unwrap());
     }
 }

@@ -73,6 +73,15 @@ fn edit_meta(tag_dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
     fs::write(tag_dir.join("meta.sha256"), sha256_hex(&text)).expect("write sum");
 }
 
+/// The entry of file `name` in `meta.json`'s list.
+fn listed<'a>(meta: &'a mut serde_json::Value, name: &str) -> &'a mut serde_json::Value {
+    let files = meta["files"].as_array_mut().expect("files");
+    files
+        .iter_mut()
+        .find(|f| f["name"] == name)
+        .expect("listed")
+}
+
 fn assert_refused(dir: &Path, stage: u8, needles: &[&str], what: &str) {
     for (rank, err) in resume_errors(dir, stage).iter().enumerate() {
         for needle in needles {
@@ -187,11 +196,7 @@ fn foreign_or_inconsistent_metadata_is_refused() {
     let foreign = fs::read(other_tag.join(shard)).expect("read");
     fs::write(tag.join(shard), &foreign).expect("replace");
     edit_meta(&tag, |m| {
-        let files = m["files"].as_array_mut().expect("files");
-        let f = files
-            .iter_mut()
-            .find(|f| f["name"] == shard)
-            .expect("listed");
+        let f = listed(m, shard);
         f["bytes"] = foreign.len().into();
         f["sha256"] = sha256_hex(&foreign).into();
     });
@@ -229,5 +234,42 @@ fn foreign_or_inconsistent_metadata_is_refused() {
         2,
         &["meta.json", "overflow"],
         "overflowing shapes",
+    );
+}
+
+/// The files are found by name: a `meta.json` whose list is reordered (its checksum
+/// recomputed) resumes exactly as the checkpoint as written, where taking the files by
+/// position gave each rank the other's optimizer slice; a slice listed with a length its
+/// shapes cannot explain (a huge sparse file) is refused before anything is read.
+#[test]
+fn files_are_found_by_name_and_their_lengths_bounded() {
+    let resume = |dir: &Path| {
+        let (config, shape) = config(2, 1);
+        let mut spec: RunSpec = common::spec(config, shape, 4, 1, 2);
+        spec.resume_from = Some(dir.to_path_buf());
+        common::train(2, &spec).losses
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tag = saved(dir.path(), 2, 1);
+    let as_written = resume(dir.path());
+    // model.bin, then the ranks' slices: the slices trade places.
+    edit_meta(&tag, |m| {
+        m["files"].as_array_mut().expect("files").swap(1, 2);
+    });
+    assert_eq!(resume(dir.path()), as_written, "reordered meta.json");
+
+    let shard = "zero_pp_rank_1_optim_states.bin";
+    let huge = 1u64 << 40;
+    fs::File::options()
+        .write(true)
+        .open(tag.join(shard))
+        .and_then(|f| f.set_len(huge))
+        .expect("sparse");
+    edit_meta(&tag, |m| listed(m, shard)["bytes"] = huge.into());
+    assert_refused(
+        dir.path(),
+        2,
+        &["meta.json", shard, "at most"],
+        "huge slice",
     );
 }

@@ -21,7 +21,7 @@ use safetensors::Dtype;
 use safetensors::tensor::{TensorView, View};
 
 use super::{
-    CheckpointMeta, check_tag, io_bar, io_err, read_checkpoint, read_latest, refuse, sync_dir,
+    CheckpointMeta, check_tag, io_bar, io_err, read_files, read_latest, read_meta, refuse, sync_dir,
 };
 use crate::progress::TaskProgress;
 use crate::{DeepSpeedError, Result};
@@ -52,13 +52,11 @@ fn read_model_bytes(dir: &Path, tag: Option<&str>) -> Result<(String, Checkpoint
         }
         None => read_latest(dir)?,
     };
-    let (meta, mut contents) = read_checkpoint(dir, &tag, true)?;
-    let at = meta
-        .files
-        .iter()
-        .position(|f| f.name == "model.bin")
+    // Only `model.bin` is read; the optimizer's files are checked in the metadata alone.
+    let meta = read_meta(dir, &tag)?;
+    let model = read_files(dir, &tag, &meta, 1, true)?
+        .pop()
         .ok_or_else(|| refuse(&dir.join(&tag), "has no model.bin"))?;
-    let model = contents.swap_remove(at);
     Ok((tag, meta, model))
 }
 

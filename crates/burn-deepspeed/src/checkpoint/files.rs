@@ -259,11 +259,17 @@ fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
 /// At most `len` bytes of `file`, read piece by piece and hashed as they arrive (one pass),
 /// with the hex SHA-256 of what was read; each piece is counted on `bar`.
 fn read_hashed(file: File, len: u64, bar: &TaskProgress) -> std::io::Result<(Vec<u8>, String)> {
-    let mut bytes = Vec::with_capacity(len as usize);
+    let mut bytes = Vec::new();
     let mut hasher = Sha256::new();
     let mut file = file.take(len);
     loop {
         let at = bytes.len();
+        // Memory is taken piece by piece as bytes arrive, and refused cleanly when short.
+        let room = usize::try_from(len.saturating_sub(at as u64).min(PIECE as u64))
+            .map_err(std::io::Error::other)?;
+        bytes
+            .try_reserve_exact(room)
+            .map_err(std::io::Error::other)?;
         let read = (&mut file).take(PIECE as u64).read_to_end(&mut bytes)?;
         if read == 0 {
             break;
@@ -274,15 +280,23 @@ fn read_hashed(file: File, len: u64, bar: &TaskProgress) -> std::io::Result<(Vec
     Ok((bytes, hex(&hasher.finalize())))
 }
 
-/// Reads checkpoint `tag` under `dir`: its metadata (checked against `meta.sha256`) and its
-/// files in the order listed, each checked for its name, its recorded length (before it is
-/// read) and its SHA-256. With `show` (rank 0) a large checkpoint shows a progress bar on a
-/// terminal.
+/// Reads checkpoint `tag` under `dir`: its metadata (checked against `meta.sha256`) and all
+/// its files, `model.bin` first, then the optimizer's (see [`read_files`]). With `show`
+/// (rank 0) a large checkpoint shows a progress bar on a terminal.
 pub fn read_checkpoint(
     dir: &Path,
     tag: &str,
     show: bool,
 ) -> Result<(CheckpointMeta, Vec<Vec<u8>>)> {
+    let meta = read_meta(dir, tag)?;
+    let files = read_files(dir, tag, &meta, usize::MAX, show)?;
+    Ok((meta, files))
+}
+
+/// Reads and checks the metadata of checkpoint `tag` under `dir` (against `meta.sha256`,
+/// the format, and [`check_meta`]: names, ids, shapes, and the files the stage and world
+/// size call for, with lengths their shapes allow), before any state file is opened.
+pub fn read_meta(dir: &Path, tag: &str) -> Result<CheckpointMeta> {
     check_tag(tag)?;
     let root = dir.join(tag);
     let info = fs::symlink_metadata(&root).map_err(|e| io_err(&root, e))?;
@@ -313,10 +327,31 @@ pub fn read_checkpoint(
         ));
     }
     check_meta(&meta).map_err(|e| refuse(&meta_path, e))?;
-    let mut out = Vec::with_capacity(meta.files.len());
-    let total = meta.files.iter().map(|f| f.bytes).sum();
+    Ok(meta)
+}
+
+/// The first `count` state files of checkpoint `tag` (whose checked metadata is `meta`) in
+/// the order a load uses them (`model.bin`, then `optim.bin` or each rank's slice in rank
+/// order), each found by its name, never by its position in `meta.json`, and checked for its
+/// recorded length (before it is read) and its SHA-256. Memory is taken as the file is read,
+/// in pieces, and a length the system cannot provide is an error, not an abort.
+pub fn read_files(
+    dir: &Path,
+    tag: &str,
+    meta: &CheckpointMeta,
+    count: usize,
+    show: bool,
+) -> Result<Vec<Vec<u8>>> {
+    let root = dir.join(tag);
+    let expected = expected_files(meta).map_err(|e| refuse(&root.join("meta.json"), e))?;
+    let listed = |name: &str| meta.files.iter().find(|f| f.name == name);
+    let wanted: Vec<&CheckpointFile> = (expected.iter().take(count))
+        .map(|e| listed(&e.name).ok_or_else(|| refuse(&root, format!("has no {}", e.name))))
+        .collect::<Result<_>>()?;
+    let total = wanted.iter().map(|f| f.bytes).sum();
     let bar = io_bar("checkpoint load", total, show);
-    for f in &meta.files {
+    let mut out = Vec::with_capacity(wanted.len());
+    for f in wanted {
         let path = root.join(&f.name);
         let (file, len) = open_regular(&path)?;
         if len != f.bytes {
@@ -346,7 +381,7 @@ pub fn read_checkpoint(
         out.push(bytes);
     }
     bar.finish();
-    Ok((meta, out))
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -396,10 +431,18 @@ mod tests {
         }
     }
 
+    /// A whole checkpoint of [`meta`]'s stage-0 model of 3 elements.
+    fn whole(values: [f32; 3]) -> [(&'static str, Vec<u8>); 2] {
+        [
+            ("model.bin", f32_bytes(&values)),
+            ("optim.bin", vec![7; 16]),
+        ]
+    }
+
     #[test]
     fn round_trip_and_latest() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let files = [("model.bin", f32_bytes(&[1.0, 2.0, 3.0]))];
+        let files = whole([1.0, 2.0, 3.0]);
         write_checkpoint(dir.path(), "step_7", meta(), &files).expect("write");
         let (m, data) =
             read_checkpoint(dir.path(), &read_latest(dir.path()).expect("latest"), false)
@@ -422,7 +465,7 @@ mod tests {
     #[test]
     fn corrupt_or_foreign_checkpoints_are_refused() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let files = [("model.bin", f32_bytes(&[1.0, 2.0]))];
+        let files = whole([1.0, 2.0, 3.0]);
         let root = write_checkpoint(dir.path(), "a", meta(), &files).expect("write");
         let mut bytes = fs::read(root.join("model.bin")).expect("read");
         bytes[3] ^= 0x40;
@@ -491,5 +534,91 @@ mod tests {
             .collect();
         assert_eq!(names.len(), 2, "{names:?}");
         assert_eq!(fs::read(old.join("meta.json")).expect("new one"), b"{}");
+    }
+
+    /// Files are found by name whatever the order `meta.json` lists them in (taken by
+    /// position, a reordered list swapped the ranks' optimizer slices), and a listed length
+    /// the shapes cannot explain, a missing file or a foreign one is refused before any state
+    /// file is read.
+    #[test]
+    fn files_are_found_by_name_and_bounded_by_the_shapes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let partitioned = CheckpointMeta {
+            zero_stage: 2,
+            ..meta()
+        };
+        let (slice0, slice1) = (vec![0u8; 20], vec![1u8; 24]);
+        let files = [
+            ("model.bin", f32_bytes(&[1.0, 2.0, 3.0])),
+            ("zero_pp_rank_0_optim_states.bin", slice0.clone()),
+            ("zero_pp_rank_1_optim_states.bin", slice1.clone()),
+        ];
+        let root = write_checkpoint(dir.path(), "t", partitioned, &files).expect("write");
+        let rewrite = |edit: &dyn Fn(&mut CheckpointMeta)| {
+            let path = root.join("meta.json");
+            let mut m: CheckpointMeta =
+                serde_json::from_slice(&fs::read(&path).expect("read")).expect("json");
+            edit(&mut m);
+            let text = serde_json::to_vec_pretty(&m).expect("json");
+            fs::write(&path, &text).expect("write");
+            fs::write(root.join("meta.sha256"), sha256_hex(&text)).expect("write");
+        };
+        rewrite(&|m| m.files.reverse());
+        let (_, data) = read_checkpoint(dir.path(), "t", false).expect("read");
+        assert_eq!(data[0], f32_bytes(&[1.0, 2.0, 3.0]));
+        assert_eq!((&data[1], &data[2]), (&slice0, &slice1), "by name");
+        // A huge (sparse) slice listed with its true length: refused by its bound.
+        let entry = |m: &mut CheckpointMeta, name: &str| {
+            m.files.iter().position(|f| f.name == name).expect("listed")
+        };
+        let slice = "zero_pp_rank_1_optim_states.bin";
+        rewrite(&|m| {
+            let at = entry(m, slice);
+            m.files[at].bytes = 1 << 40;
+        });
+        let e = read_checkpoint(dir.path(), "t", false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("meta.json") && e.contains("at most 44 bytes"),
+            "{e}"
+        );
+        rewrite(&|m| {
+            let at = entry(m, slice);
+            m.files[at].bytes = 24;
+            let at = entry(m, "model.bin");
+            m.files[at].bytes = 16;
+        });
+        let e = read_checkpoint(dir.path(), "t", false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("records 16 bytes for `model.bin`") && e.contains("exactly 12"),
+            "{e}"
+        );
+        rewrite(&|m| {
+            let at = entry(m, "model.bin");
+            m.files[at].bytes = 12;
+            let at = entry(m, slice);
+            m.files[at].name = "zero_pp_rank_2_optim_states.bin".into();
+        });
+        let e = read_checkpoint(dir.path(), "t", false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`zero_pp_rank_2_optim_states.bin`") && e.contains("does not have"),
+            "{e}"
+        );
+        rewrite(&|m| {
+            let at = entry(m, "zero_pp_rank_2_optim_states.bin");
+            m.files.remove(at);
+        });
+        let e = read_checkpoint(dir.path(), "t", false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("does not list the file `zero_pp_rank_1_optim_states.bin`"),
+            "{e}"
+        );
     }
 }

@@ -152,7 +152,90 @@ pub(crate) fn check_meta(meta: &CheckpointMeta) -> std::result::Result<(), Strin
         }
     }
     numel_of(&meta.shapes).ok_or_else(|| "its shapes overflow the element count".to_string())?;
+    let expected = expected_files(meta)?;
+    for f in &meta.files {
+        match expected.iter().find(|e| e.name == f.name) {
+            None => {
+                return Err(format!(
+                    "lists the file `{}`, which a checkpoint of ZeRO stage {} on {} rank(s) \
+                     does not have",
+                    f.name, meta.zero_stage, meta.world_size
+                ));
+            }
+            Some(e) if f.bytes > e.most || (e.exact && f.bytes != e.most) => {
+                return Err(format!(
+                    "records {} bytes for `{}`, which holds {} {} bytes for these shapes",
+                    f.bytes,
+                    f.name,
+                    if e.exact { "exactly" } else { "at most" },
+                    e.most
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    if let Some(e) = expected.iter().find(|e| !names.contains(e.name.as_str())) {
+        return Err(format!("does not list the file `{}`", e.name));
+    }
     Ok(())
+}
+
+/// A state file a checkpoint must hold, and the bytes it may have.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ExpectedFile {
+    /// Its name in the tag directory.
+    pub name: String,
+    /// Its largest length (its only one when `exact`).
+    pub most: u64,
+    /// Whether the length is known exactly.
+    pub exact: bool,
+}
+
+/// The state files a checkpoint of `meta`'s stage, world size and shapes holds, in the order
+/// a load uses them: `model.bin` (4 bytes per element, exactly), then `optim.bin` at stage 0
+/// or each rank's slice at stages 1-3. Files are looked up by these names, never by their
+/// position in `meta.json`, and a length above the bound is refused before anything is read
+/// or allocated.
+pub(crate) fn expected_files(
+    meta: &CheckpointMeta,
+) -> std::result::Result<Vec<ExpectedFile>, String> {
+    let numel = numel_of(&meta.shapes).ok_or("its shapes overflow the element count")? as u64;
+    let tensors = meta.shapes.len() as u64;
+    let model = ExpectedFile {
+        name: "model.bin".into(),
+        most: numel
+            .checked_mul(4)
+            .ok_or("its shapes overflow the byte count")?,
+        exact: true,
+    };
+    // A slice holds at most every tensor's step and every element's two moments.
+    let slice = (8 * numel).saturating_add(4 * tensors + 12);
+    let mut files = vec![model];
+    match meta.zero_stage {
+        // Burn's optimizer record (ids and shapes beside two moments), a flat state, or a
+        // 1-bit optimizer's (its moments and frozen coefficients).
+        0 => files.push(ExpectedFile {
+            name: "optim.bin".into(),
+            most: (16 * numel).saturating_add(4096 * tensors + (1 << 20)),
+            exact: false,
+        }),
+        1..=3 => {
+            if meta.world_size > meta.files.len() {
+                return Err(format!(
+                    "records a world size of {} but lists {} files",
+                    meta.world_size,
+                    meta.files.len()
+                ));
+            }
+            files.extend((0..meta.world_size).map(|r| ExpectedFile {
+                name: super::partition_file(r),
+                most: slice,
+                exact: false,
+            }));
+        }
+        s => return Err(format!("records ZeRO stage {s}; stages 0-3 exist")),
+    }
+    Ok(files)
 }
 
 /// The total element count of `shapes`, `None` when it overflows.

@@ -27,7 +27,7 @@ use burn_deepspeed_strategies::zero::{PartitionState, ShardPlan};
 use super::{
     CheckpointFile, CheckpointMeta, check_tag, check_target, commit_checkpoint, create_staging,
     discard_staging, f32_bytes, f32_values, numel_of, partition_state_bytes,
-    partition_state_from_bytes, read_checkpoint, read_latest, staging_dir, unique_suffix,
+    partition_state_from_bytes, read_files, read_latest, read_meta, staging_dir, unique_suffix,
     write_checkpoint, write_state_file,
 };
 use crate::sync::{GradSync, SavedState};
@@ -45,7 +45,8 @@ pub struct Loaded {
     pub meta: CheckpointMeta,
     /// The whole parameters, flat in layout order.
     pub params: Vec<f32>,
-    /// The optimizer files after `model.bin`, in the order `meta.json` lists them.
+    /// The optimizer files after `model.bin`: `optim.bin`, or each rank's slice in rank
+    /// order (found by name, whatever the order `meta.json` lists them in).
     pub files: Vec<Vec<u8>>,
 }
 
@@ -227,7 +228,9 @@ fn decide_tag(dir: &Path, tag: Option<&str>, comm: &dyn Communicator) -> Result<
 
 /// This rank's read of checkpoint `tag`, checked against `expected`.
 fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta, show: bool) -> Result<Loaded> {
-    let (meta, files) = read_checkpoint(dir, tag, show)?;
+    // The metadata is checked against the engine before any state file is opened, so that
+    // every file's length is bounded by this model's shapes.
+    let meta = read_meta(dir, tag)?;
     let refuse = |what: String| Err(DeepSpeedError::Checkpoint(what));
     let stage = expected.zero_stage;
     let partitioned = |s: u8| (1..=3).contains(&s);
@@ -275,7 +278,7 @@ fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta, show: bool) 
             shapes.len()
         ));
     }
-    let mut files = files.into_iter();
+    let mut files = read_files(dir, tag, &meta, usize::MAX, show)?.into_iter();
     let params = f32_values(&files.next().unwrap_or_default(), "model.bin")?;
     let numel = numel_of(shapes).unwrap_or(usize::MAX);
     if params.len() != numel {

@@ -209,19 +209,30 @@ fault_case() {
         echo "mpi fault: $name: FAILED"
     fi
 }
-start=$(date +%s)
-set +e
-timeout 120 mpirun -n 3 "$victim" fail 1 3 > "$out/fail.out" 2> "$out/fail.err"
-rc=$?
-set -e
-took=$(($(date +%s) - start))
-echo "rank 1 returns an error before step 3 of 3: exit $rc after ${took}s; stderr says:"
-grep -m 2 "aborts the MPI job" "$out/fail.err" || true
-ok=0
-if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$took" -le 60 ] \
-    && grep -q "rank 1 aborts the MPI job: data: injected fault on rank 1" "$out/fail.err"; then
-    ok=1
-fi
+# failing_job NAME SHOWN PATTERN DESCRIPTION COMMAND...: runs a job that must fail (non-zero,
+# within 60 s) with PATTERN in its stderr; shows the stderr lines matching SHOWN.
+failing_job() {
+    local name=$1 shown=$2 pattern=$3 what=$4 rc took ok=0
+    shift 4
+    local start
+    start=$(date +%s)
+    set +e
+    timeout 120 "$@" > "$out/$name.out" 2> "$out/$name.err"
+    rc=$?
+    set -e
+    took=$(($(date +%s) - start))
+    echo "$what: exit $rc after ${took}s; stderr says:"
+    grep -m 2 "$shown" "$out/$name.err" || true
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$took" -le 60 ] \
+        && grep -q "$pattern" "$out/$name.err"; then
+        ok=1
+    fi
+    echo "$ok"
+}
+ok=$(failing_job fail "aborts the MPI job" \
+    "rank 1 aborts the MPI job: data: injected fault on rank 1" \
+    "rank 1 returns an error before step 3 of 3" \
+    mpirun -n 3 "$victim" fail 1 3 | tee /dev/stderr | tail -n 1)
 fault_case "a rank's error aborts the job" "$ok"
 
 mkdir -p "$out/pids"
@@ -255,6 +266,15 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$took" -le 60 ] && [ "$left" -eq 0
     ok=1
 fi
 fault_case "a killed rank ends the job" "$ok"
+
+# The flight recorder: rank 2 of 3 is killed (SIGKILL) before step 3 while the others wait
+# in that step's first collective; the launcher reads every rank's ring once mpirun has
+# ended the job and names rank 2 and the collective it never called.
+ok=$(failing_job die "flight recorder" \
+    "flight recorder: rank(s) \[2\] out of step: .* on rank(s) 0, 1; rank 2 never called it" \
+    "rank 2 killed before step 3 under launch --mpi 3" \
+    "$cli" launch --mpi 3 -- "$victim" die 2 3 | tee /dev/stderr | tail -n 1)
+fault_case "a killed rank is named by the flight recorder" "$ok"
 echo "mpi faults: $fault_passed passed, $fault_failed failed"
 [ "$fault_failed" -eq 0 ]
 }

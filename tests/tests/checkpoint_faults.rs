@@ -273,3 +273,36 @@ fn files_are_found_by_name_and_their_lengths_bounded() {
         "huge slice",
     );
 }
+
+/// Every rank reads the checkpoint's files itself: ranks that read different checkpoints
+/// under one tag (here rank 0 and rank 1 resume from two directories holding runs of other
+/// seeds) are refused on every rank, where each used to load its own.
+#[test]
+fn ranks_that_read_different_checkpoints_are_refused() {
+    let (a, b) = (
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+    );
+    for (dir, seed) in [(a.path(), 2), (b.path(), 3)] {
+        let (config, shape) = config(2, 1);
+        let mut spec = common::spec(config, shape, 2, 1, seed);
+        spec.save_dir = Some(dir.to_path_buf());
+        common::train(2, &spec);
+    }
+    let (config, shape) = config(2, 1);
+    let errors = launch(2, Duration::from_secs(60), |comm| {
+        let device = burn::tensor::Device::flex().autodiff();
+        let model = burn_deepspeed_example_gpt::model::Gpt::new(shape, 2, &device);
+        let mut engine = burn_deepspeed::DeepSpeedEngine::new(model, config.clone(), comm.clone())?;
+        let dir = if comm.rank() == 0 { a.path() } else { b.path() };
+        Ok(engine.load_checkpoint(dir, None).map_err(|e| e.to_string()))
+    })
+    .expect("every rank returns");
+    for e in errors.1 {
+        let e = e.expect_err("refused");
+        assert!(
+            e.contains("rank 1's checkpoint metadata (meta.json) differs"),
+            "{e}"
+        );
+    }
+}

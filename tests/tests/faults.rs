@@ -277,3 +277,62 @@ fn progressive_layer_drop_at_stage_3_matches_stage_0() {
 }
 
 use crate::common;
+
+/// The flight recorder, on by default in `launch`: rank 2 of 4 skips one all-gather and goes
+/// on with the all-reduce after it; the run fails within the timeout, and the error names
+/// rank 2 and the collective where the ranks parted ways (#6, the fourth step's all-gather).
+#[test]
+fn a_rank_that_skips_an_all_gather_is_named_by_the_flight_recorder() {
+    use burn_deepspeed::comm::{CommunicatorExt, ReduceOp};
+    let start = Instant::now();
+    let e = launch(4, Duration::from_secs(5), |comm| {
+        for step in 0..5 {
+            if !(comm.rank() == 2 && step == 3) {
+                let mut all = [0f32; 64];
+                comm.all_gather_equal(&[comm.rank() as f32; 16], &mut all)?;
+            }
+            comm.all_reduce(&mut [1f32; 8], ReduceOp::Sum)?;
+        }
+        Ok(())
+    })
+    .expect_err("the ranks part ways")
+    .to_string();
+    println!("{e}");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(
+        e.contains("flight recorder") && e.contains("[2] out of step"),
+        "{e}"
+    );
+    assert!(e.contains("is #6, all_gather of 64 f32"), "{e}");
+    assert!(e.contains("rank 2 called all_reduce of 8 f32"), "{e}");
+}
+
+/// Ranks given different configs (here another bucket size on rank 1) are refused when the
+/// engine is built, on every rank, naming the rank, instead of pairing collectives of
+/// different lengths later.
+#[test]
+fn ranks_with_different_configs_are_refused() {
+    let (_, errors) = launch(2, Duration::from_secs(30), |comm| {
+        let bucket = 1000 + 10 * comm.rank();
+        let c = config(&format!(
+            r#"{} , "zero_optimization": {{"stage": 2, "reduce_bucket_size": {bucket}}}"#,
+            adamw()
+        ));
+        let device = Device::flex().autodiff();
+        Ok(DeepSpeedEngine::new(Toy::new(1, &device), c, comm)
+            .err()
+            .map(|e| e.to_string()))
+    })
+    .expect("every rank returns");
+    for e in errors {
+        let e = e.expect("refused");
+        assert!(
+            e.contains("rank 1's resolved config differs from rank 0's"),
+            "{e}"
+        );
+    }
+}

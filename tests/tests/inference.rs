@@ -110,6 +110,13 @@ fn cached_decoding_gives_the_tokens_of_full_recomputation() {
         "a batch of prompts of different lengths"
     );
     assert_eq!(batch.steps.len(), NEW_TOKENS - 1);
+    // A token count whose cache size overflows is refused (it overflowed `longest + n`).
+    let huge = GenerateOptions {
+        max_new_tokens: usize::MAX,
+        ..GREEDY
+    };
+    let e = generate(&gpt, &prompts, &huge, &Device::flex()).unwrap_err();
+    assert!(e.to_string().contains("max_new_tokens"), "{e}");
     let text =
         String::from_utf8_lossy(&want[0].iter().map(|&t| t as u8).collect::<Vec<_>>()).into_owned();
     println!("prompt 0 continues with {text:?}");

@@ -30,5 +30,4 @@ mod profiler;
 mod soak;
 mod tensor_parallel;
 mod tensor_parallel_user_model;
-mod trace;
 mod zero;

@@ -1,6 +1,7 @@
 //! The integration tests that use process-wide state, in a binary of their own: the heap's
 //! counters (the counting allocator is this binary's global allocator, so that the engine and
-//! the tests measure activations and gathered weights) and the environment. Each test holds
+//! the tests measure activations and gathered weights), the environment, and the global
+//! `tracing` subscriber. Each test holds
 //! [`alone`] throughout, so that none runs beside another even under a plain `cargo test`;
 //! `scripts/test.sh` also runs each module in a process of its own.
 
@@ -25,4 +26,7 @@ mod common;
 
 mod activation;
 mod offload_pread;
+// The trace installs the process's global `tracing` subscriber, which only one caller may
+// (Burn's Learner installs its application logger there too).
+mod trace;
 mod zero3_memory;

@@ -22,6 +22,7 @@ const SHAPE: GptShape = GptShape {
 
 #[test]
 fn a_pipeline_trace_has_a_track_per_rank_and_every_instruction() {
+    let _alone = crate::alone();
     const MICRO: usize = 4;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("trace.json");

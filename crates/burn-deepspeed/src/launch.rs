@@ -3,7 +3,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use burn_deepspeed_strategies::comm::{Communicator, ThreadWorld, ThreadWorldOptions};
+use burn_deepspeed_strategies::comm::{
+    Communicator, FlightOptions, FlightRecorder, ThreadWorld, ThreadWorldOptions,
+};
 
 use crate::{DeepSpeedError, Result};
 
@@ -195,7 +197,11 @@ where
     // The library's log subscriber on every thread of a rank, when the program has none.
     let dispatch = crate::log::default_dispatch();
     let dispatch = dispatch.as_ref();
-    let mut comms = world.communicators().into_iter();
+    // Every rank behind the flight recorder (see `comm::FlightRecorder`).
+    let comms = (world.communicators().into_iter())
+        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+        .collect();
+    let mut comms = FlightRecorder::world(comms, &FlightOptions::from_env()?).into_iter();
     let leader = leader.map(|l| (l, comms.next().expect("a world has rank 0")));
     let first_follower = usize::from(leader.is_some());
     Ok(std::thread::scope(|scope| {
@@ -208,14 +214,13 @@ where
                     .spawn_scoped(scope, move || {
                         crate::log::with_dispatch(dispatch, || {
                             let rank = i + first_follower;
-                            in_rank_pool(pool_threads, rank, dispatch, || run(Arc::new(comm)))
+                            in_rank_pool(pool_threads, rank, dispatch, || run(comm))
                         })
                     })
                     .expect("failed to spawn a rank thread")
             })
             .collect();
-        let first =
-            leader.map(|(run, comm)| crate::log::with_dispatch(dispatch, || run(Arc::new(comm))));
+        let first = leader.map(|(run, comm)| crate::log::with_dispatch(dispatch, || run(comm)));
         (first, handles.into_iter().map(|h| h.join()).collect())
     }))
 }
@@ -307,8 +312,11 @@ fn panicked(rank: usize, panic: Box<dyn std::any::Any + Send>) -> DeepSpeedError
 /// This process's communicator in the MPI world (initializes MPI; once per process).
 #[cfg(feature = "mpi")]
 pub(crate) fn mpi_world() -> Result<Arc<dyn Communicator>> {
-    let comm = burn_deepspeed_strategies::comm::MpiCommunicator::init()?;
-    Ok(Arc::new(comm))
+    let comm: Arc<dyn Communicator> =
+        Arc::new(burn_deepspeed_strategies::comm::MpiCommunicator::init()?);
+    let options = FlightOptions::from_env()?;
+    let mut recorded = FlightRecorder::world(vec![comm], &options);
+    Ok(recorded.remove(0))
 }
 
 /// Without the `mpi` feature a run under `mpirun` is refused.

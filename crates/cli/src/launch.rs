@@ -10,9 +10,10 @@
 //! - `--gpus`: one MPI process per GPU of this machine (as `nvidia-smi -L` lists them); each
 //!   rank takes the GPU of its local rank.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
+use burn_deepspeed::comm::{FLIGHT_DIR_ENV, earliest_divergence, read_rings};
 use burn_deepspeed::launch::RANKS_ENV;
 
 /// The arguments of `burn-deepspeed launch`.
@@ -41,8 +42,9 @@ pub struct LaunchArgs {
     program: Vec<String>,
 }
 
-/// The command a launch runs (see the module docs), or why it cannot run.
-pub fn command(args: &LaunchArgs) -> Result<Command, String> {
+/// The command a launch runs (see the module docs), or why it cannot run; an MPI job keeps
+/// its flight recorder's rings in `flight_dir`.
+pub fn command(args: &LaunchArgs, flight_dir: Option<&Path>) -> Result<Command, String> {
     let (program, program_args) = args
         .program
         .split_first()
@@ -76,7 +78,16 @@ pub fn command(args: &LaunchArgs) -> Result<Command, String> {
         c.arg("--allow-run-as-root");
     }
     // The library's variables reach the ranks on other hosts too.
-    for (name, _) in std::env::vars().filter(|(k, _)| k.starts_with("BURN_DEEPSPEED_")) {
+    let mut names: Vec<String> = (std::env::vars().map(|(k, _)| k))
+        .filter(|k| k.starts_with("BURN_DEEPSPEED_"))
+        .collect();
+    // Each rank keeps its flight recorder's rings in this folder, which outlives the ranks.
+    if let Some(dir) = flight_dir {
+        c.env(FLIGHT_DIR_ENV, dir);
+        names.retain(|n| n != FLIGHT_DIR_ENV);
+        names.push(FLIGHT_DIR_ENV.into());
+    }
+    for name in names {
         c.arg("-x").arg(name);
     }
     c.args(&args.mpirun_args).arg(program).args(program_args);
@@ -85,7 +96,12 @@ pub fn command(args: &LaunchArgs) -> Result<Command, String> {
 
 /// Runs the launch and returns the program's (or `mpirun`'s) exit status.
 pub fn run(args: LaunchArgs) -> ExitCode {
-    let mut command = match command(&args) {
+    // Where the ranks of an MPI job keep their rings, unless the caller chose a folder.
+    let flight_dir =
+        (args.ranks.is_none() && std::env::var_os(FLIGHT_DIR_ENV).is_none()).then(|| {
+            std::env::temp_dir().join(format!("burn-deepspeed-flight-{}", std::process::id()))
+        });
+    let mut command = match command(&args, flight_dir.as_deref()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: launch: {e}");
@@ -97,7 +113,18 @@ pub fn run(args: LaunchArgs) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     match command.status() {
-        Ok(status) => ExitCode::from(status.code().unwrap_or(1).clamp(0, 255) as u8),
+        Ok(status) => {
+            let rings = flight_dir.or_else(|| std::env::var_os(FLIGHT_DIR_ENV).map(PathBuf::from));
+            if let Some(dir) = rings {
+                match status.success() {
+                    true => {
+                        let _ = std::fs::remove_dir_all(&dir);
+                    }
+                    false => eprintln!("{}", flight_report(&dir)),
+                }
+            }
+            ExitCode::from(status.code().unwrap_or(1).clamp(0, 255) as u8)
+        }
         Err(e) => {
             let program = command.get_program().to_string_lossy().into_owned();
             let hint = if program == "mpirun" {
@@ -108,6 +135,33 @@ pub fn run(args: LaunchArgs) -> ExitCode {
             eprintln!("error: launch: cannot run `{program}`: {e}{hint}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// What the rings of a failed MPI job in `dir` say: the rank out of step and the first
+/// collective where the ranks parted ways, or that they agree.
+pub fn flight_report(dir: &Path) -> String {
+    let groups = match read_rings(dir) {
+        Ok(g) if !g.is_empty() => g,
+        _ => {
+            return format!(
+                "launch: the job failed; no flight recorder rings in {}",
+                dir.display()
+            );
+        }
+    };
+    match earliest_divergence(&groups) {
+        Some(d) => format!(
+            "launch: the job failed; flight recorder: rank(s) {:?} out of step: {} (rings in {})",
+            d.lagging(),
+            d.report(),
+            dir.display()
+        ),
+        None => format!(
+            "launch: the job failed; flight recorder: the ranks agree on every collective they \
+             called (rings in {})",
+            dir.display()
+        ),
     }
 }
 

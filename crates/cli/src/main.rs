@@ -171,6 +171,9 @@ fn print_schedule(stages: usize, micro_batches: usize, json: bool) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// The largest count of parameters (or elements) `estimate-memory` takes.
+const MAX_COUNT: f64 = 1e15;
+
 #[derive(clap::Args)]
 struct EstimateArgs {
     /// Parameters (Ψ); accepts `7.5e9`.
@@ -274,6 +277,19 @@ fn estimate_memory(a: EstimateArgs) -> ExitCode {
     };
     if a.params.is_nan() || a.params < 1.0 || a.world == 0 || a.stage.is_some_and(|s| s > 3) {
         eprintln!("error: --params must be at least 1, --world at least 1 and --stage 0-3");
+        return ExitCode::FAILURE;
+    }
+    // Counts past 1e15 (a thousand times the largest models) would overflow the byte counts.
+    let counts = [
+        ("--params", a.params),
+        ("--bucket", a.bucket),
+        ("--live-params", a.live_params),
+        ("--largest-layer", a.largest_layer),
+    ];
+    if let Some((flag, v)) = counts.iter().find(|(_, v)| v.is_nan() || *v > MAX_COUNT) {
+        eprintln!(
+            "error: {flag} {v} is more than {MAX_COUNT:e}, the largest count the estimate takes"
+        );
         return ExitCode::FAILURE;
     }
     if a.offload {

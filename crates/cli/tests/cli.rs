@@ -186,6 +186,16 @@ fn estimate_memory_prints_the_zero_formulas() {
     let (code, _, stderr) = cli(&["estimate-memory", "--params", "1e6", "--stage", "5"]);
     assert_eq!(code, 1);
     assert!(stderr.contains("--stage 0-3"), "{stderr}");
+    // A count whose bytes overflow 64 bits is refused (it panicked, or wrapped in release).
+    for (flag, params) in [("--params", "1e19"), ("--largest-layer", "1e9")] {
+        let mut args = vec!["estimate-memory", "--params", params, "--offload"];
+        if flag != "--params" {
+            args.extend([flag, "1e19"]);
+        }
+        let (code, _, stderr) = cli(&args);
+        assert_eq!(code, 1, "{flag}");
+        assert!(stderr.contains(flag) && stderr.contains("1e15"), "{stderr}");
+    }
 }
 
 #[test]

@@ -71,6 +71,19 @@ pub enum CommError {
         /// The system's error.
         source: std::io::Error,
     },
+    /// A collective failed, and the flight recorder found where the group's ranks parted
+    /// ways: the first collective some rank never called, or called differently.
+    #[error("{source}; flight recorder on rank {rank}: {report} (rank(s) {lagging:?} out of step)")]
+    Diverged {
+        /// This rank.
+        rank: usize,
+        /// The ranks out of step.
+        lagging: Vec<usize>,
+        /// The first divergence, in words.
+        report: String,
+        /// The collective's own error.
+        source: Box<CommError>,
+    },
     /// A swapped state that a failed pass left part stepped, part not: it is refused from then
     /// on, until a checkpoint is loaded into it.
     #[error(
@@ -107,6 +120,16 @@ pub enum CommError {
         /// What went wrong.
         detail: String,
     },
+}
+
+impl CommError {
+    /// The error beneath what the flight recorder added ([`CommError::Diverged`]).
+    pub fn root_cause(&self) -> &CommError {
+        match self {
+            CommError::Diverged { source, .. } => source.root_cause(),
+            e => e,
+        }
+    }
 }
 
 /// Result type of the strategies crate.

@@ -90,7 +90,7 @@ fn main() -> ExitCode {
 fn run(args: &Args) -> burn_deepspeed::Result<()> {
     let shape = GptShape::preset(&args.model).expect("clap checked the preset");
     let longest = args.prompt.iter().map(String::len).max().unwrap_or(0);
-    if longest == 0 || longest + args.max_new_tokens > shape.seq_len {
+    if longest == 0 || longest.saturating_add(args.max_new_tokens) > shape.seq_len {
         return Err(DeepSpeedError::Data(format!(
             "prompts of 1 to {} bytes and --max-new-tokens must fit the model's context of {} \
              (the longest prompt has {longest})",

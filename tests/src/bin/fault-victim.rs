@@ -6,6 +6,9 @@
 //!   after each save (`tests/crash.rs` kills it during one).
 //! - `fault-victim fail RANK STEP`: rank `RANK` returns an error before step `STEP` while the
 //!   others go on (`scripts/test.sh`, under `mpirun`).
+//! - `fault-victim die RANK STEP`: rank `RANK` kills itself with SIGKILL before step `STEP`,
+//!   two seconds after the others have gone on into that step's first collective
+//!   (`scripts/test.sh` checks that the launcher's flight recorder names it).
 //! - `fault-victim train DIR`: trains until it is killed, printing `step N`; each process
 //!   writes its id to `DIR/rank-R.pid` (`scripts/test.sh` kills one of them).
 
@@ -24,6 +27,7 @@ use burn_deepspeed_tests::crash_spec;
 enum Mode {
     Save { dir: String, steps: u64 },
     Fail { rank: usize, step: u64 },
+    Die { rank: usize, step: u64 },
     Train { dir: String },
 }
 
@@ -57,6 +61,17 @@ fn victim(mode: &Mode, stage: u8, comm: Arc<dyn Communicator>) -> Result<()> {
             return Err(DeepSpeedError::Data(format!(
                 "injected fault on rank {rank} before step {at}"
             )));
+        }
+        if let Mode::Die { rank, step: at } = mode
+            && comm.rank() == *rank
+            && step == *at
+        {
+            // The others are waiting in the step's first collective by then.
+            std::thread::sleep(Duration::from_secs(2));
+            let me = std::process::id().to_string();
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &me])
+                .status();
         }
         train_step(&mut engine, &spec, step, &inner)?;
         say(comm.as_ref(), format!("step {}", step + 1));
@@ -92,10 +107,17 @@ fn main() -> Result<()> {
             },
             0,
         ),
+        ["die", rank, step] => (
+            Mode::Die {
+                rank: number(rank)? as usize,
+                step: number(step)?,
+            },
+            0,
+        ),
         ["train", dir] => (Mode::Train { dir: dir.into() }, 0),
         _ => {
             return Err(DeepSpeedError::Data(
-                "usage: fault-victim save DIR STAGE STEPS | fail RANK STEP | train DIR".into(),
+                "usage: fault-victim save DIR STAGE STEPS | fail RANK STEP | die RANK STEP | train DIR".into(),
             ));
         }
     };

@@ -620,5 +620,11 @@ mod tests {
             e.contains("does not list the file `zero_pp_rank_1_optim_states.bin`"),
             "{e}"
         );
+        // More steps skipped than taken (the step core subtracted them).
+        rewrite(&|m| m.skipped_steps = m.global_step + 1);
+        let e = read_checkpoint(dir.path(), "t", false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("8 skipped steps of 7 steps taken"), "{e}");
     }
 }

@@ -138,6 +138,12 @@ pub(crate) fn check_meta(meta: &CheckpointMeta) -> std::result::Result<(), Strin
     if meta.world_size == 0 {
         return Err("records a world size of 0".into());
     }
+    if meta.skipped_steps > meta.global_step {
+        return Err(format!(
+            "records {} skipped steps of {} steps taken",
+            meta.skipped_steps, meta.global_step
+        ));
+    }
     if !meta.paths.is_empty() {
         if meta.paths.len() != meta.param_ids.len() {
             return Err(format!(

@@ -21,8 +21,9 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
-use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt};
+use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, agree_on_digest};
 use burn_deepspeed_strategies::zero::{PartitionState, ShardPlan};
+use sha2::Digest;
 
 use super::{
     CheckpointFile, CheckpointMeta, check_tag, check_target, commit_checkpoint, create_staging,
@@ -97,7 +98,10 @@ pub fn save<M: Module>(
         SavedState::Replicated(Some(optim)) => {
             let params = f32_bytes(&params.unwrap_or_default());
             let files = [("model.bin", params), ("optim.bin", optim)];
-            write_checkpoint(dir, tag, meta, &files)
+            // Rank 0 writes alone: the others wait for it past the collective timeout.
+            comm.solo("checkpoint write", || {
+                write_checkpoint(dir, tag, meta, &files)
+            })
         }
         SavedState::Replicated(None) => Ok(dir.join(tag)),
         SavedState::Slice(state) => write_slices(dir, tag, comm, &state, params, meta),
@@ -154,12 +158,14 @@ fn write_staged(
     let mine = agreed(
         comm,
         "checkpoint slice",
-        write_state_file(
-            staging,
-            &partition_file(comm.rank()),
-            state,
-            comm.rank() == 0,
-        ),
+        comm.solo("checkpoint write", || {
+            write_state_file(
+                staging,
+                &partition_file(comm.rank()),
+                state,
+                comm.rank() == 0,
+            )
+        }),
     )?;
     // Each rank reports its file's length and SHA-256 so that rank 0 can list every file.
     const RECORD: usize = 8 + 64;
@@ -171,16 +177,20 @@ fn write_staged(
     if comm.rank() != 0 {
         return Ok(dir.join(tag));
     }
-    let params = f32_bytes(&params.unwrap_or_default());
-    meta.files = vec![write_state_file(staging, "model.bin", &params, true)?];
-    for (r, c) in all.chunks(RECORD).enumerate() {
-        meta.files.push(CheckpointFile {
-            name: partition_file(r),
-            bytes: u64::from_le_bytes(c[..8].try_into().expect("8 bytes")),
-            sha256: String::from_utf8_lossy(&c[8..]).into_owned(),
-        });
-    }
-    commit_checkpoint(dir, tag, staging, &meta)
+    // Rank 0 writes the model and commits alone: the others wait for it in the broadcast
+    // that says how it went, past the collective timeout.
+    comm.solo("checkpoint write", || {
+        let params = f32_bytes(&params.unwrap_or_default());
+        meta.files = vec![write_state_file(staging, "model.bin", &params, true)?];
+        for (r, c) in all.chunks(RECORD).enumerate() {
+            meta.files.push(CheckpointFile {
+                name: partition_file(r),
+                bytes: u64::from_le_bytes(c[..8].try_into().expect("8 bytes")),
+                sha256: String::from_utf8_lossy(&c[8..]).into_owned(),
+            });
+        }
+        commit_checkpoint(dir, tag, staging, &meta)
+    })
 }
 
 /// Reads checkpoint `tag` (default: the one `dir/latest` names, read by rank 0 and broadcast)
@@ -196,11 +206,20 @@ pub fn load(
 ) -> Result<Loaded> {
     let tag = decide_tag(dir, tag, comm)?;
     let show = comm.rank() == 0;
-    agreed(
+    let loaded = agreed(
         comm,
         "checkpoint read",
-        read_and_check(dir, &tag, expected, show),
-    )
+        comm.solo("checkpoint read", || {
+            read_and_check(dir, &tag, expected, show)
+        }),
+    )?;
+    // Every rank read the files itself: they must have read the same checkpoint (a
+    // directory replaced during the load, or a host that sees another copy, would not).
+    let text = serde_json::to_vec(&loaded.meta)
+        .map_err(|e| DeepSpeedError::Checkpoint(format!("meta.json does not serialize: {e}")))?;
+    let digest = sha2::Sha256::digest(&text);
+    agree_on_digest(comm, "checkpoint metadata (meta.json)", &digest)?;
+    Ok(loaded)
 }
 
 /// Rank 0's tag: `tag`, or the one `dir/latest` names; every rank gets it.

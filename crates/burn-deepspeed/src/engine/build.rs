@@ -7,7 +7,7 @@ use std::time::Duration;
 use burn::module::Module;
 use burn::train::TrainStep;
 use burn_deepspeed_compress::pld::ProgressiveLayerDrop;
-use burn_deepspeed_strategies::comm::{CommsLogger, Communicator};
+use burn_deepspeed_strategies::comm::{CommsLogger, Communicator, agree_on_digest};
 
 use super::base::*;
 use crate::config::{DeepSpeedConfig, EntryPoint, OptimizerKind, check_supported};
@@ -84,6 +84,7 @@ where
         }
         check_supported(&config, EntryPoint::Engine)?;
         check_grid(&config, grid)?;
+        same_run_everywhere(&config, &model, grid)?;
         let (model, mut sync) = match grid.expert_parallel().size() > 1 {
             true => sync::build_expert_parallel(
                 model,
@@ -189,6 +190,35 @@ fn check_grid(config: &DeepSpeedConfig, grid: &Grid) -> Result<()> {
                  tensor-parallel group (1-bit); use Adam or AdamW"
             ),
         );
+    }
+    Ok(())
+}
+
+/// Refuses, on every rank alike, a run whose ranks were given different configs (resolved),
+/// or whose data-parallel peers hold models of different shapes: one all-gather of a digest
+/// over the world and one over the data-parallel group. Without it, ranks with different
+/// bucket sizes or stages pair collectives of different lengths, or hang.
+fn same_run_everywhere<M: Module>(config: &DeepSpeedConfig, model: &M, grid: &Grid) -> Result<()> {
+    use sha2::{Digest, Sha256};
+    let text = serde_json::to_vec(config)
+        .map_err(|e| DeepSpeedError::Data(format!("the config does not serialize: {e}")))?;
+    agree_on_digest(
+        grid.world().as_ref(),
+        "resolved config",
+        &Sha256::digest(&text),
+    )?;
+    // Expert-parallel ranks hold different experts; tensor slices differ between slices, but
+    // data-parallel peers hold the same ones.
+    if grid.expert_parallel().size() == 1 {
+        let shapes: Vec<Vec<usize>> = (crate::flat::ParamLayout::of(model).slots.iter())
+            .map(|s| s.shape.clone())
+            .collect();
+        let text = format!("{shapes:?}");
+        agree_on_digest(
+            grid.data().as_ref(),
+            "model layout",
+            &Sha256::digest(text.as_bytes()),
+        )?;
     }
     Ok(())
 }

@@ -60,6 +60,10 @@ pub struct Generation {
     pub cache_bytes: u64,
 }
 
+/// The most positions (prompt and new tokens) a generation may ask its caches for: 2^24, far
+/// beyond any context length, and small enough that sizing the caches cannot overflow.
+pub const MAX_CONTEXT: usize = 1 << 24;
+
 /// Generates `options.max_new_tokens` tokens after each of `prompts` (token ids; lengths
 /// may differ, at least one token each) with `model` on `device` (without autodiff). The
 /// prompts are left-padded to the longest and the pads masked, so each sequence attends to
@@ -79,7 +83,16 @@ pub fn generate<M: CausalLm>(
     let batch = prompts.len();
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let pads: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
-    let capacity = longest + options.max_new_tokens;
+    let capacity = longest
+        .checked_add(options.max_new_tokens)
+        .filter(|&c| c <= MAX_CONTEXT)
+        .ok_or_else(|| {
+            DeepSpeedError::Data(format!(
+                "max_new_tokens {} after a prompt of {longest} tokens exceeds {MAX_CONTEXT} \
+                 positions, more than any cache holds; ask for fewer tokens",
+                options.max_new_tokens
+            ))
+        })?;
     let mut caches = model.caches(batch, capacity, device);
     let mut sampler = Sampler::new(options.sampling);
     let mut out = vec![Vec::with_capacity(options.max_new_tokens); batch];

@@ -78,7 +78,7 @@ where
         };
         let stages = all_gather_bytes(world, &mine)?;
         let written = match world.rank() {
-            0 => self.write_whole(dir, &tag, &stages),
+            0 => world.solo("checkpoint write", || self.write_whole(dir, &tag, &stages)),
             _ => Ok(dir.join(&tag)),
         };
         // Every rank learns whether rank 0's commit succeeded.

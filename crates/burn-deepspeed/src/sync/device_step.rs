@@ -112,7 +112,7 @@ fn fused_adam_step(
     if let Some(step) = uniform_step(steps, present) {
         let (p, new_m, new_v) = launch(0..params.dims()[0], &params, m, v, step)?;
         (*m, *v) = (new_m, new_v);
-        steps.iter_mut().for_each(|s| *s += 1);
+        steps.iter_mut().for_each(|s| *s = s.saturating_add(1));
         return Ok(p);
     }
     count_steps(steps, present);
@@ -139,7 +139,7 @@ fn uniform_step(steps: &[u32], present: &[u8]) -> Option<u32> {
 fn count_steps(steps: &mut [u32], present: &[u8]) {
     for (s, &p) in steps.iter_mut().zip(present) {
         if p != 0 {
-            *s += 1;
+            *s = s.saturating_add(1);
         }
     }
 }
@@ -200,7 +200,7 @@ fn lamb_step(
         for (k, (_, r)) in pieces.iter().enumerate() {
             updates[k] = Some(slice(&u, r));
         }
-        steps.iter_mut().for_each(|s| *s += 1);
+        steps.iter_mut().for_each(|s| *s = s.saturating_add(1));
     } else {
         count_steps(steps, present);
         for (k, (t, r)) in pieces.iter().enumerate() {
@@ -329,7 +329,7 @@ mod tests {
                 if present[*t] == 0 {
                     continue;
                 }
-                cpu_steps[k] += 1;
+                cpu_steps[k] = cpu_steps[k].saturating_add(1);
                 let (cp, cm, cv) = &mut cpu[k];
                 cpu_lamb(&h, cpu_steps[k], cp, &g[r.clone()], cm, cv);
             }

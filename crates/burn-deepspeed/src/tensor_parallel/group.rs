@@ -59,7 +59,7 @@ impl Group {
             Ok(out) => out,
             Err(e) => {
                 // The op cannot return the error.
-                if !matches!(e, CommError::PeerFailed { .. }) {
+                if !matches!(e.root_cause(), CommError::PeerFailed { .. }) {
                     self.coll
                         .abort(&format!("a model-parallel {what} failed: {e}"));
                 }

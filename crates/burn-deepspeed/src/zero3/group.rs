@@ -446,7 +446,7 @@ impl GatherGroup {
     /// be inside the next one): the world is aborted, so that they fail at once rather than
     /// wait, and [`ShardedSync`](crate::sync::ShardedSync)'s reduce reports the error.
     pub(super) fn fail(&self, st: &mut State, e: CommError) {
-        if !matches!(e, CommError::PeerFailed { .. }) {
+        if !matches!(e.root_cause(), CommError::PeerFailed { .. }) {
             self.comm.abort(&format!("a ZeRO-3 collective failed: {e}"));
         }
         st.error = Some(e);

@@ -7,6 +7,34 @@ use crate::{CommError, Result};
 /// The longest failure message that travels to the peers (longer ones are cut).
 const MAX_REASON: usize = 1024;
 
+/// Checks that every rank holds the same `digest` of something that must not differ between
+/// ranks (the resolved config, the model's layout, the checkpoint metadata it read): one
+/// all-gather of the digests. Every rank gets the same verdict: `Ok(())`, or
+/// [`CommError::Mismatch`] naming `what` and the first rank whose digest differs from rank 0's.
+pub fn agree_on_digest(comm: &dyn Communicator, what: &'static str, digest: &[u8]) -> Result<()> {
+    let world = comm.world_size();
+    if world == 1 {
+        return Ok(());
+    }
+    // Digests of any length compare as 32 bytes (longer ones are cut, shorter ones padded).
+    let mut mine = [0u8; 32];
+    let n = digest.len().min(32);
+    mine[..n].copy_from_slice(&digest[..n]);
+    let mut all = vec![0u8; 32 * world];
+    comm.all_gather_buf(Buf::U8(&mine), BufMut::U8(&mut all), &vec![32; world])?;
+    let first = &all[..32];
+    match (1..world).find(|&r| &all[32 * r..32 * (r + 1)] != first) {
+        None => Ok(()),
+        Some(r) => Err(CommError::Mismatch {
+            rank: comm.rank(),
+            op: what,
+            detail: format!(
+                "rank {r}'s {what} differs from rank 0's: every rank must run with the same one"
+            ),
+        }),
+    }
+}
+
 /// Agrees on the outcome of a rank-local phase (reading a file, checking an argument, a step
 /// whose precondition failed): every rank passes `None` when its part succeeded or
 /// `Some(reason)` when it failed, and every rank gets the same verdict. A collective: every
@@ -156,6 +184,22 @@ mod tests {
             let s = r.unwrap();
             assert_eq!(s[0], 2e300);
             assert_eq!(s[1], 2.0 + 1e-12);
+        }
+    }
+
+    #[test]
+    fn digests_agree_or_name_the_first_rank_that_differs() {
+        let out = ThreadWorld::run(3, ThreadWorldOptions::default(), |c| {
+            agree_on_digest(&c, "config", b"same")
+        });
+        assert!(out.into_iter().all(|r| r.unwrap().is_ok()));
+        let out = ThreadWorld::run(4, ThreadWorldOptions::default(), |c| {
+            let digest: &[u8] = if c.rank() >= 2 { b"other" } else { b"same" };
+            agree_on_digest(&c, "config", digest)
+        });
+        for r in out {
+            let e = r.unwrap().unwrap_err().to_string();
+            assert!(e.contains("rank 2's config differs from rank 0's"), "{e}");
         }
     }
 }

@@ -77,6 +77,16 @@ pub trait Communicator: Send + Sync + Debug {
     fn label_next(&self, key: u64) {
         let _ = key;
     }
+    /// Marks this rank as busy on its own between two collectives (rank 0 writing a
+    /// checkpoint, a rank reading its files) until [`end_solo`](Self::end_solo): peers that
+    /// wait for it in a collective meanwhile wait on instead of timing out, however long the
+    /// phase takes. The thread world honours it; MPI has no timeout to suspend. Prefer
+    /// [`CommunicatorExt::solo`], which ends the phase however the work returns.
+    fn begin_solo(&self, what: &'static str) {
+        let _ = what;
+    }
+    /// Ends the phase [`begin_solo`](Self::begin_solo) began.
+    fn end_solo(&self) {}
     /// Splits the world into groups (MPI's `MPI_Comm_split`): ranks that pass the same
     /// `color` form one new communicator, ranked in the order of their rank here. Every
     /// rank must call it (a collective); the groups' traffic is counted in their own stats.
@@ -162,6 +172,19 @@ pub trait CommunicatorExt: Communicator {
     fn recv<T: CommElement>(&self, buf: &mut [T], src: usize, tag: u16) -> Result<()> {
         let _span = comm_span!("recv", self, buf.len());
         self.recv_buf(T::buf_mut(buf), src, tag)
+    }
+    /// Runs `work`, this rank's own between two collectives, as a solo phase `what` (see
+    /// [`Communicator::begin_solo`]): peers waiting for this rank meanwhile do not time out.
+    fn solo<R>(&self, what: &'static str, work: impl FnOnce() -> R) -> R {
+        struct End<'a, C: Communicator + ?Sized>(&'a C);
+        impl<C: Communicator + ?Sized> Drop for End<'_, C> {
+            fn drop(&mut self) {
+                self.0.end_solo();
+            }
+        }
+        self.begin_solo(what);
+        let _end = End(self);
+        work()
     }
     /// The even split of `n` elements over this world (see [`even_split`]).
     fn even_counts(&self, n: usize) -> Vec<usize> {

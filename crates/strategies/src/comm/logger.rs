@@ -410,17 +410,7 @@ fn bytes_of(len: usize, elem: usize) -> u64 {
 }
 
 impl Communicator for CommsLogger {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
+    delegate_to_inner!();
 
     fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let msg_bytes = bytes_of(buf.len(), buf.dtype().size());
@@ -491,18 +481,6 @@ impl Communicator for CommsLogger {
             msg_bytes: 0,
         };
         self.timed(call, |c| c.barrier())
-    }
-
-    fn stats(&self) -> CommStats {
-        self.inner.stats()
-    }
-
-    fn abort(&self, reason: &str) {
-        self.inner.abort(reason)
-    }
-
-    fn label_next(&self, key: u64) {
-        self.inner.label_next(key)
     }
 
     fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {

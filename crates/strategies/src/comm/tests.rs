@@ -111,6 +111,44 @@ fn a_stalled_rank_makes_the_others_time_out() {
     assert!(start.elapsed() < Duration::from_secs(3));
 }
 
+/// A rank busy on its own (rank 0 writing a checkpoint) for five timeouts, in a solo phase,
+/// is waited for by the others, in the world and in a group split from it; once the phase
+/// ends, a late rank times them out again.
+#[test]
+fn a_solo_phase_is_waited_for_past_the_timeout() {
+    let options = ThreadWorldOptions {
+        timeout: Duration::from_millis(200),
+    };
+    let results = ThreadWorld::run(3, options, |c| {
+        let pair = c.split(usize::from(c.rank() == 2))?;
+        if c.rank() == 0 {
+            c.solo("checkpoint write", || {
+                std::thread::sleep(Duration::from_millis(1000))
+            });
+        }
+        if c.rank() < 2 {
+            pair.barrier()?;
+        }
+        c.barrier()?;
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(1000));
+        }
+        c.barrier()
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let r = r.expect("no panic");
+        match rank {
+            2 => assert!(r.is_err(), "the others gave up on rank 2"),
+            _ => {
+                let e = r
+                    .expect_err("rank 2 was late outside a solo phase")
+                    .to_string();
+                assert!(e.contains("timed out") && e.contains("[2]"), "{e}");
+            }
+        }
+    }
+}
+
 #[test]
 fn a_rank_that_left_early_is_reported() {
     let results = run(2, |c| {

@@ -111,6 +111,10 @@ struct Shared {
     parent: Option<Arc<Shared>>,
     /// The groups split from this world.
     children: Mutex<Vec<Weak<Shared>>>,
+    /// In the root world: what each rank (by root rank) is busy with on its own between two
+    /// collectives (see [`Communicator::begin_solo`]). Locked alone, never with `state`
+    /// waiting on it.
+    solo: Mutex<Vec<Option<&'static str>>>,
 }
 
 impl Shared {
@@ -130,6 +134,7 @@ impl Shared {
             cv: Condvar::new(),
             parent,
             children: Mutex::new(Vec::new()),
+            solo: Mutex::new(vec![None; world]),
         });
         if let Some(parent) = &shared.parent {
             parent
@@ -184,6 +189,19 @@ impl Shared {
     /// The failure recorded in the root world, which every failure of the family reaches.
     fn family_failure(self: &Arc<Self>) -> Option<(usize, String)> {
         lock(&self.root().state).failure.clone()
+    }
+
+    /// What the first of `ranks` (ranks of this world) that is busy on its own is doing.
+    fn solo_among(self: &Arc<Self>, ranks: &[usize]) -> Option<(usize, &'static str)> {
+        let root = self.root();
+        let solo = root.solo.lock().unwrap_or_else(|e| e.into_inner());
+        ranks.iter().find_map(|&r| {
+            let global = self.members[r];
+            solo.get(global)
+                .copied()
+                .flatten()
+                .map(|what| (global, what))
+        })
     }
 }
 
@@ -292,6 +310,15 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 }
 
 impl ThreadCommunicator {
+    /// Sets what this rank is busy with on its own (`None`: nothing).
+    fn set_solo(&self, what: Option<&'static str>) {
+        let root = self.shared.root();
+        let mut solo = root.solo.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = solo.get_mut(self.shared.members[self.rank]) {
+            *slot = what;
+        }
+    }
+
     /// Marks this rank failed in its world's whole family (see [`Shared::fail_family`]).
     fn fail(&self, reason: &str) {
         self.shared
@@ -374,7 +401,7 @@ impl ThreadCommunicator {
         let op = header.kind.name();
         let world = self.shared.world;
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
-        let deadline = Instant::now() + self.shared.timeout;
+        let mut deadline = Instant::now() + self.shared.timeout;
         let mut state = lock(&self.shared.state);
         if let Some(e) = self.failure_of_peer(&state, op) {
             return Err(e);
@@ -412,6 +439,10 @@ impl ThreadCommunicator {
                 });
             }
             let now = Instant::now();
+            // A rank busy on its own (writing a checkpoint) is not late: wait on.
+            if now >= deadline && self.shared.solo_among(&missing).is_some() {
+                deadline = now + self.shared.timeout;
+            }
             if now >= deadline {
                 drop(state);
                 self.fail(&format!(
@@ -736,7 +767,7 @@ impl Communicator for ThreadCommunicator {
     fn recv_buf(&self, mut buf: BufMut<'_>, src: usize, tag: u16) -> Result<()> {
         let name = OpKind::Recv.name();
         self.check_rank(name, "source", src)?;
-        let deadline = Instant::now() + self.shared.timeout;
+        let mut deadline = Instant::now() + self.shared.timeout;
         let mut state = lock(&self.shared.state);
         let msg = loop {
             if let Some(m) = state
@@ -765,6 +796,9 @@ impl Communicator for ThreadCommunicator {
                 });
             }
             let now = Instant::now();
+            if now >= deadline && self.shared.solo_among(&[src]).is_some() {
+                deadline = now + self.shared.timeout;
+            }
             if now >= deadline {
                 drop(state);
                 self.fail(&format!("it timed out in `recv` waiting for rank {src}"));
@@ -834,6 +868,14 @@ impl Communicator for ThreadCommunicator {
 
     fn label_next(&self, key: u64) {
         self.key.store(key, Ordering::SeqCst);
+    }
+
+    fn begin_solo(&self, what: &'static str) {
+        self.set_solo(Some(what));
+    }
+
+    fn end_solo(&self) {
+        self.set_solo(None);
     }
 
     fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {

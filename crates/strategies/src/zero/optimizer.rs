@@ -245,7 +245,7 @@ impl PartitionedOptimizer {
             });
         }
         for (s, &p) in self.state.steps.iter_mut().zip(present) {
-            *s += u32::from(p != 0);
+            *s = s.saturating_add(u32::from(p != 0));
         }
         let steps = &self.state.steps;
         let live = self.segments.iter().filter(|s| present[s.tensor] != 0);
@@ -331,7 +331,7 @@ impl PartitionedOptimizer {
         // A state that an earlier failed step left part stepped is not stepped again.
         swap.check_whole()?;
         for (s, &p) in self.state.steps.iter_mut().zip(present) {
-            *s += u32::from(p != 0);
+            *s = s.saturating_add(u32::from(p != 0));
         }
         h.lr = lr as f32;
         let steps = &self.state.steps;

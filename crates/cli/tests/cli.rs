@@ -230,10 +230,16 @@ fn launch_sets_the_ranks_or_drives_mpirun() {
     ]);
     assert_eq!(code, 0, "{stderr}");
     let line = stdout.trim();
+    // The job's ranks keep their flight-recorder rings in a folder of the launcher's.
+    let line = line
+        .strip_prefix("BURN_DEEPSPEED_FLIGHT_DIR=")
+        .and_then(|l| l.split_once(' '))
+        .map_or(line, |(_, rest)| rest);
     assert!(
         line.starts_with(&format!("mpirun -n 4 --hostfile {hosts} ")),
         "{line}"
     );
+    assert!(line.contains(" -x BURN_DEEPSPEED_FLIGHT_DIR "), "{line}");
     assert!(line.ends_with("--bind-to none train --json"), "{line}");
 
     for (args, says) in [

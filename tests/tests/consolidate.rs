@@ -120,3 +120,28 @@ fn a_tampered_checkpoint_is_not_consolidated() {
         .to_string();
     assert!(e.contains("../x"), "{e}");
 }
+
+/// The file is written under a name nobody can plant in advance: a link at the name the
+/// scratch file used to have (`.NAME.PID.tmp`) is neither followed nor overwritten, and what
+/// it points to keeps its contents.
+#[test]
+fn a_planted_link_is_not_followed() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    train_and_save(0, 1, dir.path());
+    let victim = dir.path().join("victim.txt");
+    std::fs::write(&victim, b"keep me").expect("write");
+    let out = dir.path().join("model.safetensors");
+    let planted = dir
+        .path()
+        .join(format!(".model.safetensors.{}.tmp", std::process::id()));
+    std::os::unix::fs::symlink(&victim, &planted).expect("link");
+    consolidate(dir.path(), Some("trained"), &out).expect("consolidates");
+    assert_eq!(std::fs::read(&victim).expect("victim"), b"keep me");
+    assert!(std::fs::symlink_metadata(&out).expect("written").is_file());
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("list")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("partial"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}

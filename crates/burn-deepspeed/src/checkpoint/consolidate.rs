@@ -21,7 +21,8 @@ use safetensors::Dtype;
 use safetensors::tensor::{TensorView, View};
 
 use super::{
-    CheckpointMeta, check_tag, io_bar, io_err, read_files, read_latest, read_meta, refuse, sync_dir,
+    CheckpointMeta, check_tag, io_bar, io_err, read_files, read_latest, read_meta, refuse,
+    sync_dir, unique_suffix,
 };
 use crate::progress::TaskProgress;
 use crate::{DeepSpeedError, Result};
@@ -173,7 +174,12 @@ fn write_atomically<V: View>(
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => Path::new(".").to_path_buf(),
     };
-    let scratch = parent.join(format!(".{name}.{}.tmp", std::process::id()));
+    // The file is written inside a folder made for it (a new name, `mkdir` never follows a
+    // link or reuses a folder), so that nothing planted at a predictable name is followed or
+    // overwritten.
+    let staging = parent.join(format!(".{name}.partial-{:016x}", unique_suffix()));
+    std::fs::create_dir(&staging).map_err(|e| io_err(&staging, e))?;
+    let scratch = staging.join(&name);
     let written = safetensors::serialize_to_file(tensors, Some(info), &scratch)
         .map_err(|e| DeepSpeedError::Checkpoint(format!("{}: {e}", scratch.display())))
         .and_then(|()| {
@@ -182,9 +188,8 @@ fn write_atomically<V: View>(
                 .map_err(|e| io_err(&scratch, e))
         })
         .and_then(|()| std::fs::rename(&scratch, out).map_err(|e| io_err(out, e)));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&scratch);
-    }
+    let _ = std::fs::remove_file(&scratch);
+    let _ = std::fs::remove_dir(&staging);
     written?;
     sync_dir(&parent)
 }

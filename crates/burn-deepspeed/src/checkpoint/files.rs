@@ -232,11 +232,28 @@ pub fn read_latest(dir: &Path) -> Result<String> {
 /// Opens `path` for reading when it is a regular file (not a symbolic link, a directory or a
 /// device) and returns it with its length.
 fn open_regular(path: &Path) -> Result<(File, u64)> {
-    let info = fs::symlink_metadata(path).map_err(|e| io_err(path, e))?;
+    // Opened without following a link (`O_NOFOLLOW`) and without waiting on a FIFO
+    // (`O_NONBLOCK`), then checked on the open descriptor: no check-then-open race in which the
+    // path is swapped for a link or a device between the two.
+    let mut options = fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+    }
+    let file = match options.open(path) {
+        Ok(f) => f,
+        #[cfg(target_os = "linux")]
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(refuse(path, "is not a regular file (a symbolic link)"));
+        }
+        Err(e) => return Err(io_err(path, e)),
+    };
+    let info = file.metadata().map_err(|e| io_err(path, e))?;
     if !info.file_type().is_file() {
         return Err(refuse(path, "is not a regular file"));
     }
-    let file = File::open(path).map_err(|e| io_err(path, e))?;
     Ok((file, info.len()))
 }
 

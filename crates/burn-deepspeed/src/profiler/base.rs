@@ -3,12 +3,12 @@
 //! module's own device.
 
 use std::collections::{BTreeMap, HashMap};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::{Duration, Instant};
 
 use burn::backend::capture::TensorId;
 use burn::module::Module;
 use burn::tensor::Device;
+use burn_deepspeed_strategies::comm::catch_panic;
 use burn_ir::{FloatOperationIr, NumericOperationIr, OperationIr, TensorIr};
 use serde::Serialize;
 
@@ -267,7 +267,8 @@ where
         .unwrap_or("Model")
         .to_string();
     let mut tree = None;
-    let graph = catch_unwind(AssertUnwindSafe(|| {
+    // Caught here, and so not the end of an MPI job (see `comm::catch_panic`).
+    let graph = catch_panic(|| {
         device.capture_scope(|scope| {
             let captured = model.clone().to_device(&device);
             let mut builder = TreeBuilder::new(&kind);
@@ -277,7 +278,7 @@ where
             drop(out);
             scope.complete([], [])
         })
-    }))
+    })
     .map_err(|panic| {
         let why = panic
             .downcast_ref::<String>()

@@ -49,6 +49,7 @@ mod flight;
 mod logger;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod panics;
 mod recorder;
 mod stats;
 mod thread;
@@ -61,6 +62,7 @@ pub use flight::*;
 pub use logger::*;
 #[cfg(feature = "mpi")]
 pub use mpi::*;
+pub use panics::*;
 pub use recorder::*;
 pub use stats::*;
 pub use thread::*;

@@ -379,6 +379,10 @@ fn install_abort_on_panic() {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
             previous(info);
+            // A panic the library catches itself becomes an error, which the ranks agree on.
+            if super::panic_is_caught() {
+                return;
+            }
             eprintln!("burn-deepspeed: a rank panicked; aborting the MPI job");
             SimpleCommunicator::world().abort(101);
         }));

@@ -9,7 +9,6 @@
 //! [`CommWorker::quiesce`] waits until the queue is empty.
 
 use std::any::Any;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -136,7 +135,7 @@ fn run(comm: &dyn Communicator, jobs: &Receiver<Job>, cancelled: &AtomicBool) {
         if cancelled.load(Ordering::Acquire) {
             continue;
         }
-        match catch_unwind(AssertUnwindSafe(|| job(comm, poisoned.as_deref()))) {
+        match super::catch_panic(|| job(comm, poisoned.as_deref())) {
             Ok(failure) => {
                 if let Some(first) = failure {
                     poisoned.get_or_insert(first);

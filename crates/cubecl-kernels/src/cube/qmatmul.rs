@@ -57,21 +57,31 @@ pub fn dequant_matmul(
     k: usize,
     n: usize,
 ) -> Result<Handle, KernelError> {
-    if w.len() != k * n {
+    // Products that overflow would wrap in a release build and let the unchecked launch
+    // below read past a buffer: they are refused.
+    let product = |a: usize, b: usize| {
+        a.checked_mul(b).ok_or_else(|| KernelError::Arguments {
+            op: "dequant_matmul",
+            detail: format!("[{m}, {k}] x [{k}, {n}] has more elements than a buffer can hold"),
+        })
+    };
+    let (mk, kn, mn) = (product(m, k)?, product(k, n)?, product(m, n)?);
+    product(mn.max(1), size_of::<f32>())?;
+    if w.len() != kn {
         return Err(KernelError::Arguments {
             op: "dequant_matmul",
             detail: format!("the weight holds {} values, not [{k}, {n}]", w.len()),
         });
     }
-    holds::<f32>("dequant_matmul", "x", x, m * k)?;
-    let out = client.empty((m * n).max(1) * size_of::<f32>());
-    if m * n == 0 {
+    holds::<f32>("dequant_matmul", "x", x, mk)?;
+    let out = client.empty(mn.max(1) * size_of::<f32>());
+    if mn == 0 {
         return Ok(out);
     }
     let q = w.quantizer();
-    let groups = (k * n).div_ceil(q.group());
+    let groups = kn.div_ceil(q.group());
     let (codes, steps, offsets) = w.buffers();
-    let (count, dim, _) = cover(client, m * n, UNITS);
+    let (count, dim, _) = cover(client, mn, UNITS);
     // SAFETY: unit `pos < m·n` reads row `pos / n` of `x` (m·k values, checked), values
     // `p·n + pos % n < k·n` of the weight (its words and groups, checked when it was built),
     // and writes value `pos` of `out` (m·n values).
@@ -80,11 +90,11 @@ pub fn dequant_matmul(
             client,
             count,
             dim,
-            arg(x, m * k),
-            arg(codes, q.bits().words_for(k * n)),
+            arg(x, mk),
+            arg(codes, q.bits().words_for(kn)),
             arg(steps, groups),
             arg(offsets, groups),
-            arg(&out, m * n),
+            arg(&out, mn),
             k,
             n,
             q.group(),
@@ -147,6 +157,14 @@ mod tests {
             assert!(e.to_string().contains("not [4, 9]"), "{name}: {e}");
             let e = dequant_matmul(&client, &x, 2, &w, 4, 8).expect_err("x holds 7 of 8");
             assert!(e.to_string().contains("`x` holds"), "{name}: {e}");
+            // k·n and m·k wrap to 32 and 4 in 64 bits: refused, never launched.
+            let k = (1usize << 63) + 2;
+            let w4 = quantize(&client, &q, &upload(&client, &values(4, 1)), 4).expect("sized");
+            let e = dequant_matmul(&client, &x, 2, &w4, k, 2).expect_err("overflows");
+            assert!(
+                e.to_string().contains("more elements than a buffer"),
+                "{name}: {e}"
+            );
         }
     }
 }

@@ -19,8 +19,12 @@ unsafe impl Sync for AlignedBuf {}
 impl AlignedBuf {
     /// A zeroed buffer of at least `bytes` bytes (rounded up to [`ALIGN`]; at least one
     /// block).
+    ///
+    /// # Panics
+    /// When `bytes` rounded up is more than memory can address (as `Vec::with_capacity`).
     pub fn new(bytes: usize) -> Self {
-        let len = bytes.max(1).div_ceil(ALIGN) * ALIGN;
+        let len = (bytes.max(1).checked_next_multiple_of(ALIGN))
+            .expect("an aligned swap buffer fits in the address space");
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
@@ -81,6 +85,14 @@ impl std::fmt::Debug for AlignedBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A size near `usize::MAX` would wrap to a small buffer when rounded up: it panics
+    /// instead, as `Vec::with_capacity` does.
+    #[test]
+    #[should_panic(expected = "fits in the address space")]
+    fn a_size_that_cannot_be_rounded_up_panics() {
+        let _ = AlignedBuf::new(usize::MAX - 1);
+    }
 
     #[test]
     fn buffers_are_aligned_zeroed_and_rounded_up() {

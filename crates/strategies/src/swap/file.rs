@@ -262,7 +262,14 @@ impl SwapFile {
                     // The requests in flight still point into the caller's buffer, and there
                     // is no way left to wait for them: returning would be unsound.
                     _ => {
-                        eprintln!("io_uring wait failed with {inflight} requests in flight: {e}");
+                        // `eprintln!` panics when stderr is gone, and a panic would unwind
+                        // with the requests still writing into the buffer: write or not, then
+                        // abort.
+                        use std::io::Write;
+                        let _ = writeln!(
+                            std::io::stderr(),
+                            "io_uring wait failed with {inflight} requests in flight: {e}"
+                        );
                         std::process::abort();
                     }
                 }

@@ -1,5 +1,5 @@
-//! Engine checkpoints: the files on disk ([`files`]: atomic writes, checked reads; moving a
-//! staged checkpoint into place, `commit`), what
+//! Engine checkpoints: the files on disk ([`files`]: atomic writes; moving a staged
+//! checkpoint into place, `commit`; checked reads, `read`), what
 //! `meta.json` holds ([`meta`]), how state is serialized in the files ([`state`]), and the
 //! collective protocol that writes and reads them (`protocol`): which rank writes what, how
 //! ranks agree, and how a checkpoint of one world size is cut again for another.
@@ -10,6 +10,7 @@ mod consolidate;
 pub mod files;
 pub mod meta;
 mod protocol;
+mod read;
 pub mod state;
 
 pub use commit::*;
@@ -17,4 +18,5 @@ pub use consolidate::*;
 pub use files::*;
 pub use meta::*;
 pub use protocol::*;
+pub use read::*;
 pub use state::*;

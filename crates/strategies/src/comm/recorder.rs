@@ -392,17 +392,14 @@ mod tests {
     use super::*;
     use crate::comm::{CommunicatorExt, ThreadWorld, ThreadWorldOptions};
 
-    fn recorded(n: usize, options: &FlightOptions) -> Vec<Arc<dyn Communicator>> {
-        let world = ThreadWorld::new(
-            n,
-            ThreadWorldOptions {
-                timeout: Duration::from_secs(10),
-            },
-        )
-        .unwrap();
-        let comms = world
-            .communicators()
-            .into_iter()
+    /// A thread world of `n` ranks with `timeout`, each rank behind a recorder of `options`.
+    fn recorded(
+        n: usize,
+        timeout: Duration,
+        options: &FlightOptions,
+    ) -> Vec<Arc<dyn Communicator>> {
+        let world = ThreadWorld::new(n, ThreadWorldOptions { timeout }).unwrap();
+        let comms = (world.communicators().into_iter())
             .map(|c| Arc::new(c) as Arc<dyn Communicator>)
             .collect();
         FlightRecorder::world(comms, options)
@@ -411,21 +408,11 @@ mod tests {
     /// Every rank's error when ranks run `body` on a recorded thread world of 4 ranks with a
     /// timeout of 1 s (`None` for a rank that returned).
     fn run4(body: impl Fn(&dyn Communicator) -> Result<()> + Sync) -> Vec<Option<String>> {
-        let world = ThreadWorld::new(
-            4,
-            ThreadWorldOptions {
-                timeout: Duration::from_secs(1),
-            },
-        )
-        .unwrap();
-        let comms = (world.communicators().into_iter())
-            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
-            .collect();
         let options = FlightOptions {
             entries: 16,
             dir: None,
         };
-        let comms = FlightRecorder::world(comms, &options);
+        let comms = recorded(4, Duration::from_secs(1), &options);
         std::thread::scope(|s| {
             let handles: Vec<_> = (comms.iter())
                 .map(|c| s.spawn(|| body(c.as_ref()).err().map(|e| e.to_string())))
@@ -487,7 +474,7 @@ mod tests {
             entries: 4,
             dir: Some(dir.path().to_path_buf()),
         };
-        let comms = recorded(2, &options);
+        let comms = recorded(2, Duration::from_secs(10), &options);
         std::thread::scope(|s| {
             for c in &comms {
                 s.spawn(move || {
@@ -518,7 +505,7 @@ mod tests {
             entries: 0,
             dir: None,
         };
-        let comms = recorded(1, &options);
+        let comms = recorded(1, Duration::from_secs(10), &options);
         assert_eq!(comms[0].backend(), "threads");
         let e = format!("{:?}", comms[0]);
         assert!(!e.contains("FlightRecorder"), "{e}");

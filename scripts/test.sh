@@ -88,6 +88,9 @@ group() {
         offload_cgroup)
             # The memory-capped ZeRO-Infinity run says whether its cgroup could be made.
             grep -m 1 "^offload cgroup:" "$log" || echo "offload cgroup: no line (the test did not run)" ;;
+        resume_cgroup)
+            # The memory-capped resume says whether its cgroup could be made.
+            grep -m 1 "^resume cgroup:" "$log" || echo "resume cgroup: no line (the test did not run)" ;;
     esac
     if [ "$rc" -ne 0 ] || [ "$failed" -ne 0 ]; then groups_failed+=("$name"); fi
 }

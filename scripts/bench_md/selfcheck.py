@@ -139,6 +139,7 @@ SECTIONS = {
     "kernels": ("kernels", [f"{FAKE}/k.json", "2"]),
     "precision": ("precision", [FAKE, "2"]),
     "offload": ("offload", [FAKE, "2"]),
+    "resume": ("resume", [FAKE, "2"]),
     "moonshot": ("moonshot", [FAKE, "2", "1"]),
     "device_flex": ("device_flex", [FAKE, "2", "rev", "2"]),
     "redesign_flex": ("device_flex", [FAKE, "2", "rev", "2", "redesign-flex"]),

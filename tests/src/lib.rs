@@ -2,6 +2,7 @@
 //! small regression model whose batches a test can poison with NaN or inf, and the configs and
 //! comparisons of the offload tests.
 
+pub mod cgroup;
 pub mod offload;
 
 use burn::module::{Module, Param};

@@ -27,6 +27,7 @@ mod onebit;
 mod pipeline;
 mod precision;
 mod profiler;
+mod resume_cgroup;
 mod soak;
 mod tensor_parallel;
 mod tensor_parallel_user_model;

@@ -7,10 +7,10 @@
 //! SKIPPED`, which `.ci/run` repeats in its summary, and checks the offloaded run uncapped.
 
 use std::fs;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
 use burn_deepspeed::DeepSpeedConfig;
+use burn_deepspeed_tests::cgroup::{Cgroup, command_in, gpt_report, say};
 use burn_deepspeed_tests::offload::{offload_config, with_params_offloaded};
 
 const STEPS: &str = "2";
@@ -46,113 +46,13 @@ fn run(config: &DeepSpeedConfig, dir: &Path, procs: Option<&Path>) -> serde_json
     )
     .expect("write");
     let exe = env!("CARGO_BIN_EXE_gpt-run");
-    let mut cmd = match procs {
-        // The shell joins the cgroup, then becomes the run: it starts inside it.
-        Some(procs) => {
-            let mut c = Command::new("sh");
-            c.arg("-c")
-                .arg(format!(
-                    "echo $$ > {} && exec \"$0\" \"$@\"",
-                    procs.display()
-                ))
-                .arg(exe);
-            c
-        }
-        None => Command::new(exe),
-    };
+    let mut cmd = command_in(exe, procs);
     // glibc's allocator raises its mmap threshold as large buffers are freed, and then keeps
     // freed gathered weights and gradients in its heap; a fixed threshold hands them back,
     // as a memory-capped job would set it.
     cmd.env("MALLOC_MMAP_THRESHOLD_", "65536");
-    let out = cmd
-        .arg(&file)
-        .arg("small")
-        .arg(STEPS)
-        .output()
-        .expect("gpt-run starts");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "gpt-run failed ({}): {}\n{stdout}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let last = stdout.lines().last().expect("a report line");
-    serde_json::from_str(last).expect("a JSON report")
-}
-
-/// A memory cgroup capped at `limit` bytes with swap off, removed on drop.
-struct Cgroup {
-    dir: PathBuf,
-    v2: bool,
-}
-
-impl Cgroup {
-    fn create(limit: u64) -> Result<Self, String> {
-        let name = format!("burn-deepspeed-offload-{}", std::process::id());
-        let v2_root = Path::new("/sys/fs/cgroup");
-        let v2 = fs::read_to_string(v2_root.join("cgroup.controllers"))
-            .is_ok_and(|c| c.split_whitespace().any(|x| x == "memory"));
-        let dir = match v2 {
-            true => v2_root.join(&name),
-            false => v2_root.join("memory").join(&name),
-        };
-        fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-        let group = Self { dir, v2 };
-        let (max, swap) = match v2 {
-            true => ("memory.max", "memory.swap.max"),
-            false => ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"),
-        };
-        group.write(max, &limit.to_string())?;
-        // Swap would let the run exceed the cap unseen: off where the kernel accounts it (v1
-        // counts memory and swap together), and the machine must have none where it does not.
-        let no_swap = match v2 {
-            true => "0".to_string(),
-            false => limit.to_string(),
-        };
-        if group.write(swap, &no_swap).is_err() {
-            let swaps = fs::read_to_string("/proc/swaps").unwrap_or_default();
-            if swaps.lines().count() > 1 {
-                return Err("the machine swaps and the cgroup cannot account it".into());
-            }
-        }
-        Ok(group)
-    }
-
-    fn write(&self, file: &str, value: &str) -> Result<(), String> {
-        fs::write(self.dir.join(file), value)
-            .map_err(|e| format!("cannot write {file} of {}: {e}", self.dir.display()))
-    }
-
-    fn procs(&self) -> PathBuf {
-        self.dir.join("cgroup.procs")
-    }
-
-    /// The most memory the group used (bytes), where the kernel reports it.
-    fn peak(&self) -> Option<u64> {
-        let file = match self.v2 {
-            true => "memory.peak",
-            false => "memory.max_usage_in_bytes",
-        };
-        fs::read_to_string(self.dir.join(file))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-    }
-}
-
-impl Drop for Cgroup {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir(&self.dir);
-    }
-}
-
-/// A line for `.ci/run`'s summary: written to the process's stderr itself, which the test
-/// harness does not capture.
-fn say(line: String) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr().lock(), "{line}");
+    cmd.arg(&file).arg("small").arg(STEPS);
+    gpt_report(&mut cmd, "offload")
 }
 
 fn losses(report: &serde_json::Value) -> Vec<f64> {
@@ -176,7 +76,7 @@ fn gpt_small_trains_offloaded_in_a_cgroup_capped_below_its_in_ram_model_state() 
     assert!(state >= 16 * params, "{state} for {params} parameters");
     let cap = state * 9 / 10;
     let offloaded = config(Some(dir.path()));
-    let (report, capped) = match Cgroup::create(cap) {
+    let (report, capped) = match Cgroup::create("offload", cap) {
         Ok(group) => {
             let report = run(&offloaded, dir.path(), Some(&group.procs()));
             let peak = group.peak();

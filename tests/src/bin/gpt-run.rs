@@ -2,7 +2,9 @@
 //! stdout), for tests that need the run in a process of its own (the memory-capped offload
 //! test runs it inside a cgroup).
 //!
-//! `gpt-run CONFIG MODEL STEPS`: the config file, a preset (`tiny`, `small`, ...), the steps.
+//! `gpt-run CONFIG MODEL STEPS [RANKS [save|resume DIR]]`: the config file, a preset (`tiny`,
+//! `small`, ...), the steps, the thread ranks (1 by default), and a checkpoint directory to
+//! save to at the end or to resume from.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -14,20 +16,43 @@ use burn_deepspeed_example_gpt::run::{RunSpec, run_rank};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [config, model, steps] = &args[..] else {
-        eprintln!("usage: gpt-run CONFIG MODEL STEPS");
+    let usage = "usage: gpt-run CONFIG MODEL STEPS [RANKS [save|resume DIR]]";
+    let (config, model, steps, rest) = match &args[..] {
+        [config, model, steps, rest @ ..] if rest.len() <= 3 => (config, model, steps, rest),
+        _ => {
+            eprintln!("{usage}");
+            return ExitCode::from(2);
+        }
+    };
+    let ranks = rest.first().map_or(Ok(1), |r| r.parse::<usize>());
+    let (Some(shape), Ok(steps), Ok(ranks)) = (
+        GptShape::preset(model),
+        steps.parse::<u64>(),
+        ranks.map(|r| r.max(1)),
+    ) else {
+        eprintln!("error: no preset {model:?}, or a step or rank count is not a number");
         return ExitCode::from(2);
     };
-    let (Some(shape), Ok(steps)) = (GptShape::preset(model), steps.parse::<u64>()) else {
-        eprintln!("error: no preset {model:?}, or {steps:?} is not a step count");
-        return ExitCode::from(2);
+    let (save, resume) = match &rest.get(1..).unwrap_or_default() {
+        [] => (None, None),
+        [what, dir] if what == "save" => (Some(dir.into()), None),
+        [what, dir] if what == "resume" => (None, Some(dir.into())),
+        _ => {
+            eprintln!("{usage}");
+            return ExitCode::from(2);
+        }
     };
     let run = || -> burn_deepspeed::Result<String> {
         let (config, _) = DeepSpeedConfig::from_file(config)?;
         let mut spec = RunSpec::on_embedded_corpus(config, shape, steps, 5, 9);
         spec.keep_final_state = false;
-        let (_, mut reports) = launch(1, Duration::from_secs(600), |comm| run_rank(&spec, comm))?;
-        let report = reports.pop().expect("one rank");
+        spec.save_dir = save;
+        spec.resume_from = resume;
+        let (_, mut reports) = launch(ranks, Duration::from_secs(600), |comm| {
+            run_rank(&spec, comm)
+        })?;
+        reports.truncate(1);
+        let report = reports.pop().expect("rank 0");
         serde_json::to_string(&report)
             .map_err(|e| burn_deepspeed::DeepSpeedError::Data(e.to_string()))
     };

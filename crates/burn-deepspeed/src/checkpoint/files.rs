@@ -173,13 +173,61 @@ fn write_state_file_counted(
     bytes: &[u8],
     bar: &TaskProgress,
 ) -> Result<CheckpointFile> {
-    bar.set_message(name.to_string());
-    write_synced(&staging.join(name), bytes, Some(bar))?;
-    Ok(CheckpointFile {
-        name: name.to_string(),
-        bytes: bytes.len() as u64,
-        sha256: sha256_hex(bytes),
-    })
+    let mut file = StateFileWriter::create(staging, name, bar)?;
+    file.write(bytes)?;
+    file.finish()
+}
+
+/// A state file written into the staging directory piece by piece as its bytes arrive (the
+/// parameters gathered tensor by tensor, say), hashed on the way, and synced when finished:
+/// the writer never holds the whole file.
+pub struct StateFileWriter<'b> {
+    file: File,
+    path: PathBuf,
+    name: String,
+    hasher: Sha256,
+    bytes: u64,
+    bar: &'b TaskProgress,
+}
+
+impl<'b> StateFileWriter<'b> {
+    /// Creates file `name` in `staging`, counting the bytes written on `bar`.
+    pub fn create(staging: &Path, name: &str, bar: &'b TaskProgress) -> Result<Self> {
+        let path = staging.join(name);
+        let file = File::create(&path).map_err(|e| io_err(&path, e))?;
+        bar.set_message(name.to_string());
+        Ok(Self {
+            file,
+            path,
+            name: name.to_string(),
+            hasher: Sha256::new(),
+            bytes: 0,
+            bar,
+        })
+    }
+
+    /// Appends `bytes`.
+    pub fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        for piece in bytes.chunks(PIECE) {
+            (self.file)
+                .write_all(piece)
+                .map_err(|e| io_err(&self.path, e))?;
+            self.hasher.update(piece);
+            self.bytes += piece.len() as u64;
+            self.bar.inc(piece.len() as u64);
+        }
+        Ok(())
+    }
+
+    /// Syncs the file and describes it.
+    pub fn finish(self) -> Result<CheckpointFile> {
+        self.file.sync_all().map_err(|e| io_err(&self.path, e))?;
+        Ok(CheckpointFile {
+            name: self.name,
+            bytes: self.bytes,
+            sha256: hex(&self.hasher.finalize()),
+        })
+    }
 }
 
 /// Writes `files` and `meta` as checkpoint `tag` under `dir` and points `latest` at it (one
@@ -230,12 +278,19 @@ pub(crate) mod tests {
         assert_eq!(file.sha256, sha256_hex(&bytes));
         let loaded = io_bar("load", len as u64, false);
         let open = File::open(dir.path().join("big.bin")).expect("open");
-        let (back, sum) = read_hashed(open, len as u64, &loaded).expect("read");
-        assert_eq!((back == bytes, sum), (true, file.sha256));
+        let (back, read, sum) = read_hashed(open, len as u64, &loaded, true).expect("read");
+        assert_eq!(
+            (back == bytes, read, &sum),
+            (true, len as u64, &file.sha256)
+        );
         assert_eq!(loaded.position(), len as u64);
+        // Checked without being kept: the same hash, nothing held.
+        let open = File::open(dir.path().join("big.bin")).expect("open");
+        let (none, read, same) = read_hashed(open, len as u64, &loaded, false).expect("read");
+        assert_eq!((none.len(), read, same), (0, len as u64, file.sha256));
         // A file longer than recorded is read only up to its record.
         let open = File::open(dir.path().join("big.bin")).expect("open");
-        let (head, sum) = read_hashed(open, 100, &loaded).expect("read");
+        let (head, _, sum) = read_hashed(open, 100, &loaded, true).expect("read");
         assert_eq!((head.len(), sum), (100, sha256_hex(&bytes[..100])));
     }
 

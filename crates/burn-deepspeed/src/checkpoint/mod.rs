@@ -8,6 +8,7 @@
 mod commit;
 mod consolidate;
 pub mod files;
+mod loaded;
 pub mod meta;
 mod protocol;
 mod read;
@@ -16,6 +17,7 @@ pub mod state;
 pub use commit::*;
 pub use consolidate::*;
 pub use files::*;
+pub use loaded::*;
 pub use meta::*;
 pub use protocol::*;
 pub use read::*;

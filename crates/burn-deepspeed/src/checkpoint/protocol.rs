@@ -7,71 +7,39 @@
 //! - Partitioned states (stages 1-3) are written by every rank into one staging directory
 //!   (which every rank must see): rank 0 creates it and says so, each rank writes its slice
 //!   `zero_pp_rank_R_optim_states.bin` and reports its length and checksum (one all-gather),
-//!   and rank 0 adds `model.bin` (at stage 3 gathered by every rank first) and commits.
+//!   and rank 0 adds `model.bin`, writing each tensor as it arrives (at stage 3 gathered one
+//!   tensor at a time), and commits.
 //! - Every rank learns whether rank 0's commit succeeded (one broadcast). Every fallible
 //!   local phase (serializing the state, creating the staging directory, writing a slice)
 //!   ends in an agreement before the next collective, so a rank's failure fails every rank.
 //! - On load, rank 0 decides the tag (the one asked for, or the one `latest` names) and
-//!   broadcasts it; every rank reads the files, and the ranks agree that every read
-//!   succeeded before anything changes; the slices are joined into one whole state
-//!   (contiguous pieces at stages 1-2, each rank's pieces of every tensor at stage 3) and cut
-//!   again for this rank.
+//!   broadcasts it; the ranks share the checking of the files (each file's length and SHA-256
+//!   by one rank) and agree that every check passed before anything changes; then each rank
+//!   reads only the byte ranges of the files that its own partition covers ([`Loaded`]),
+//!   whatever the world size that saved them (contiguous slices at stages 1-2, each rank's
+//!   pieces of every tensor at stage 3).
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, agree_on_digest};
-use burn_deepspeed_strategies::zero::{PartitionState, ShardPlan};
+use burn_deepspeed_strategies::zero::PartitionState;
 use sha2::Digest;
 
+use super::files::io_bar;
 use super::{
-    CheckpointFile, CheckpointMeta, check_tag, check_target, commit_checkpoint, create_staging,
-    discard_staging, f32_bytes, f32_values, numel_of, partition_state_bytes,
-    partition_state_from_bytes, read_files, read_latest, read_meta, staging_dir, unique_suffix,
-    write_checkpoint, write_state_file,
+    CheckpointFile, CheckpointMeta, Loaded, StateFileWriter, check_tag, check_target,
+    commit_checkpoint, create_staging, discard_staging, f32_bytes, numel_of, partition_state_bytes,
+    partition_state_from_bytes, read_latest, read_meta, saved_spans, staging_dir, unique_suffix,
+    verify_files, write_checkpoint, write_state_file,
 };
-use crate::sync::{GradSync, SavedState};
+use crate::sync::{GradSync, ParamSink, SavedState};
 use crate::{DeepSpeedError, Result, agreed};
 
 /// The name of rank `rank`'s optimizer slice in a partitioned checkpoint.
 pub fn partition_file(rank: usize) -> String {
     format!("zero_pp_rank_{rank}_optim_states.bin")
-}
-
-/// A checkpoint read from disk and checked against the engine that loads it.
-#[derive(Debug)]
-pub struct Loaded {
-    /// Its metadata.
-    pub meta: CheckpointMeta,
-    /// The whole parameters, flat in layout order.
-    pub params: Vec<f32>,
-    /// The optimizer files after `model.bin`: `optim.bin`, or each rank's slice in rank
-    /// order (found by name, whatever the order `meta.json` lists them in).
-    pub files: Vec<Vec<u8>>,
-}
-
-impl Loaded {
-    /// The replicated optimizer state (`optim.bin`).
-    pub fn replicated_state(&self) -> Result<&[u8]> {
-        self.files
-            .first()
-            .map(Vec::as_slice)
-            .ok_or_else(|| DeepSpeedError::Checkpoint("the optimizer state file is missing".into()))
-    }
-
-    /// The saved slices joined into the whole state of tensors of `sizes` elements, cut to
-    /// the flat element `ranges` this rank owns (back to back).
-    pub fn slice_state(&self, sizes: &[usize], ranges: &[Range<usize>]) -> Result<PartitionState> {
-        let slices = self
-            .files
-            .iter()
-            .enumerate()
-            .map(|(r, b)| partition_state_from_bytes(b, &partition_file(r)))
-            .collect::<Result<Vec<_>>>()?;
-        let whole = join_slices(slices, sizes, self.meta.zero_stage, self.meta.world_size)?;
-        Ok(cut_state(&whole, ranges))
-    }
 }
 
 /// Saves checkpoint `tag` under `dir` (see the module docs). Collective: every rank calls it
@@ -91,20 +59,27 @@ pub fn save<M: Module>(
         false => Ok(()),
     });
     agreed(comm, "checkpoint tag", checked)?;
-    // At stage 3 every rank takes part in gathering the whole parameters; rank 0 writes them.
-    let params = sync.whole_params(model, root)?;
     let state = agreed(comm, "checkpoint state", sync.save(root))?;
+    // Every rank takes part in gathering the whole parameters (at stage 3, and with expert
+    // parallelism, a collective); rank 0 writes them.
+    let stream = |sink: Option<ParamSink>| sync.stream_params(model, sink);
     let written = match state {
-        SavedState::Replicated(Some(optim)) => {
-            let params = f32_bytes(&params.unwrap_or_default());
-            let files = [("model.bin", params), ("optim.bin", optim)];
-            // Rank 0 writes alone: the others wait for it past the collective timeout.
-            comm.solo("checkpoint write", || {
-                write_checkpoint(dir, tag, meta, &files)
-            })
+        SavedState::Replicated(optim) => {
+            let mut params = Vec::new();
+            let mut collect = |p: &[f32]| params.extend_from_slice(p);
+            stream(root.then_some(&mut collect as ParamSink))?;
+            match optim {
+                Some(optim) => {
+                    let files = [("model.bin", f32_bytes(&params)), ("optim.bin", optim)];
+                    // Rank 0 writes alone: the others wait for it past the collective timeout.
+                    comm.solo("checkpoint write", || {
+                        write_checkpoint(dir, tag, meta, &files)
+                    })
+                }
+                None => Ok(dir.join(tag)),
+            }
         }
-        SavedState::Replicated(None) => Ok(dir.join(tag)),
-        SavedState::Slice(state) => write_slices(dir, tag, comm, &state, params, meta),
+        SavedState::Slice(state) => write_slices(dir, tag, comm, &state, &stream, meta),
     };
     // Every rank learns whether rank 0's commit succeeded.
     let mut ok = [u8::from(written.is_ok())];
@@ -118,13 +93,17 @@ pub fn save<M: Module>(
     written
 }
 
-/// Every rank stages its optimizer slice; rank 0 adds the model (`params`) and commits.
+/// The whole parameters handed to a sink where one is given (a collective; see
+/// [`GradSync::stream_params`]).
+type ParamStream<'a> = dyn Fn(Option<ParamSink>) -> Result<()> + 'a;
+
+/// Every rank stages its optimizer slice; rank 0 adds the model (from `params`) and commits.
 fn write_slices(
     dir: &Path,
     tag: &str,
     comm: &dyn Communicator,
     state: &[u8],
-    params: Option<Vec<f32>>,
+    params: &ParamStream,
     meta: CheckpointMeta,
 ) -> Result<PathBuf> {
     // Rank 0's name for the staging directory, unique to this save.
@@ -152,7 +131,7 @@ fn write_staged(
     comm: &dyn Communicator,
     staging: &Path,
     state: &[u8],
-    params: Option<Vec<f32>>,
+    params: &ParamStream,
     mut meta: CheckpointMeta,
 ) -> Result<PathBuf> {
     let mine = agreed(
@@ -174,14 +153,32 @@ fn write_staged(
     record[8..].copy_from_slice(mine.sha256.as_bytes());
     let mut all = vec![0u8; RECORD * comm.world_size()];
     comm.all_gather_equal(&record, &mut all)?;
-    if comm.rank() != 0 {
+    // The parameters arrive tensor by tensor (gathered at stage 3) and rank 0 writes each
+    // as it comes, so that no rank holds the whole model; a failed write is reported after
+    // the gathers, which every rank finishes.
+    let root = comm.rank() == 0;
+    let total = numel_of(&meta.shapes).map_or(0, |n| 4 * n as u64);
+    let bar = io_bar("checkpoint save model.bin", total, root);
+    let mut writer = root.then(|| StateFileWriter::create(staging, "model.bin", &bar));
+    let mut failed = None;
+    let mut sink = |p: &[f32]| {
+        if let Some(Ok(w)) = writer.as_mut()
+            && failed.is_none()
+        {
+            failed = w.write(&f32_bytes(p)).err();
+        }
+    };
+    params(root.then_some(&mut sink as ParamSink))?;
+    let Some(writer) = writer else {
         return Ok(dir.join(tag));
-    }
-    // Rank 0 writes the model and commits alone: the others wait for it in the broadcast
+    };
+    // Rank 0 finishes the model and commits alone: the others wait for it in the broadcast
     // that says how it went, past the collective timeout.
-    comm.solo("checkpoint write", || {
-        let params = f32_bytes(&params.unwrap_or_default());
-        meta.files = vec![write_state_file(staging, "model.bin", &params, true)?];
+    let committed = comm.solo("checkpoint write", || {
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        meta.files = vec![writer?.finish()?];
         for (r, c) in all.chunks(RECORD).enumerate() {
             meta.files.push(CheckpointFile {
                 name: partition_file(r),
@@ -190,14 +187,18 @@ fn write_staged(
             });
         }
         commit_checkpoint(dir, tag, staging, &meta)
-    })
+    });
+    bar.finish();
+    committed
 }
 
-/// Reads checkpoint `tag` (default: the one `dir/latest` names, read by rank 0 and broadcast)
+/// Opens checkpoint `tag` (default: the one `dir/latest` names, read by rank 0 and broadcast)
 /// and checks it against the engine `expected` describes: a ZeRO stage it can load (stages
 /// 1-3 load each other's), the same optimizer, and the same parameter shapes. A collective:
-/// every rank reads the files (they must be visible to every rank), and every rank fails when
-/// one rank's read fails.
+/// the ranks share the checking of the files' lengths and SHA-256 (file `i` of the load order
+/// by rank `i mod N`, read piece by piece and not kept; the files must be visible to every
+/// rank), and every rank fails when one rank's check fails. The regime then reads only the
+/// byte ranges it needs ([`Loaded`]).
 pub fn load(
     dir: &Path,
     tag: Option<&str>,
@@ -210,7 +211,7 @@ pub fn load(
         comm,
         "checkpoint read",
         comm.solo("checkpoint read", || {
-            read_and_check(dir, &tag, expected, show)
+            read_and_check(dir, &tag, expected, comm, show)
         }),
     )?;
     // Every rank read the files itself: they must have read the same checkpoint (a
@@ -245,8 +246,14 @@ fn decide_tag(dir: &Path, tag: Option<&str>, comm: &dyn Communicator) -> Result<
         .map_err(|_| DeepSpeedError::Checkpoint("rank 0 sent a tag that is not UTF-8".into()))
 }
 
-/// This rank's read of checkpoint `tag`, checked against `expected`.
-fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta, show: bool) -> Result<Loaded> {
+/// Checkpoint `tag` checked against `expected`, and this rank's share of its files checked.
+fn read_and_check(
+    dir: &Path,
+    tag: &str,
+    expected: &CheckpointMeta,
+    comm: &dyn Communicator,
+    show: bool,
+) -> Result<Loaded> {
     // The metadata is checked against the engine before any state file is opened, so that
     // every file's length is bounded by this model's shapes.
     let meta = read_meta(dir, tag)?;
@@ -297,20 +304,9 @@ fn read_and_check(dir: &Path, tag: &str, expected: &CheckpointMeta, show: bool) 
             shapes.len()
         ));
     }
-    let mut files = read_files(dir, tag, &meta, usize::MAX, show)?.into_iter();
-    let params = f32_values(&files.next().unwrap_or_default(), "model.bin")?;
-    let numel = numel_of(shapes).unwrap_or(usize::MAX);
-    if params.len() != numel {
-        return refuse(format!(
-            "model.bin holds {} values; the model has {numel}",
-            params.len()
-        ));
-    }
-    Ok(Loaded {
-        meta,
-        params,
-        files: files.collect(),
-    })
+    let (rank, world) = (comm.rank(), comm.world_size());
+    verify_files(dir, tag, &meta, &|i| i % world == rank, show)?;
+    Ok(Loaded::on_disk(meta, dir.join(tag)))
 }
 
 /// The refusal of a rank that steps with its caller's optimizer and so keeps no state.
@@ -413,37 +409,19 @@ pub fn join_slices(
             sizes.len()
         )));
     }
-    let total: usize = slices.iter().map(|s| s.m.len()).sum();
-    if total != numel || slices.len() != world {
+    if slices.len() != world {
         return Err(DeepSpeedError::Checkpoint(format!(
-            "{} optimizer slices hold {total} elements; expected {world} slices of a model \
-             of {numel}",
+            "{} optimizer slices; expected {world}",
             slices.len()
         )));
     }
+    let lens: Vec<usize> = slices.iter().map(|s| s.m.len()).collect();
+    let spans = saved_spans(&lens, sizes, stage)?;
     let (mut m, mut v) = (vec![0.0f32; numel], vec![0.0f32; numel]);
-    if stage == 3 {
-        let plan = ShardPlan::new(sizes, world, 0, 0);
-        for (r, s) in slices.iter().enumerate() {
-            if s.m.len() != plan.own_len(r) {
-                return Err(DeepSpeedError::Checkpoint(format!(
-                    "{} holds {} elements; rank {r} of {world} owns {} at stage 3",
-                    partition_file(r),
-                    s.m.len(),
-                    plan.own_len(r)
-                )));
-            }
-            for seg in plan.segments(r) {
-                m[seg.global.clone()].copy_from_slice(&s.m[seg.local.clone()]);
-                v[seg.global].copy_from_slice(&s.v[seg.local]);
-            }
-        }
-    } else {
-        let mut at = 0;
-        for s in &slices {
-            m[at..at + s.m.len()].copy_from_slice(&s.m);
-            v[at..at + s.v.len()].copy_from_slice(&s.v);
-            at += s.m.len();
+    for (s, segments) in slices.iter().zip(&spans) {
+        for seg in segments {
+            m[seg.global.clone()].copy_from_slice(&s.m[seg.local.clone()]);
+            v[seg.global.clone()].copy_from_slice(&s.v[seg.local.clone()]);
         }
     }
     Ok(PartitionState { steps, m, v })

@@ -34,7 +34,7 @@ pub fn read_latest(dir: &Path) -> Result<String> {
 
 /// Opens `path` for reading when it is a regular file (not a symbolic link, a directory or a
 /// device) and returns it with its length.
-fn open_regular(path: &Path) -> Result<(File, u64)> {
+pub(crate) fn open_regular(path: &Path) -> Result<(File, u64)> {
     // Opened without following a link (`O_NOFOLLOW`) and without waiting on a FIFO
     // (`O_NONBLOCK`), then checked on the open descriptor: no check-then-open race in which the
     // path is swapped for a link or a device between the two.
@@ -77,19 +77,26 @@ fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
 }
 
 /// At most `len` bytes of `file`, read piece by piece and hashed as they arrive (one pass),
-/// with the hex SHA-256 of what was read; each piece is counted on `bar`.
+/// with the hex SHA-256 of what was read; each piece is counted on `bar`. With `keep` the
+/// bytes are returned, taken piece by piece as they arrive (and refused cleanly when memory is
+/// short); without, only one piece is held at a time and the bytes returned are empty, with
+/// their count.
 pub(crate) fn read_hashed(
     file: File,
     len: u64,
     bar: &TaskProgress,
-) -> std::io::Result<(Vec<u8>, String)> {
+    keep: bool,
+) -> std::io::Result<(Vec<u8>, u64, String)> {
     let mut bytes = Vec::new();
     let mut hasher = Sha256::new();
     let mut file = file.take(len);
+    let mut total = 0u64;
     loop {
+        if !keep {
+            bytes.clear();
+        }
         let at = bytes.len();
-        // Memory is taken piece by piece as bytes arrive, and refused cleanly when short.
-        let room = usize::try_from(len.saturating_sub(at as u64).min(PIECE as u64))
+        let room = usize::try_from(len.saturating_sub(total).min(PIECE as u64))
             .map_err(std::io::Error::other)?;
         bytes
             .try_reserve_exact(room)
@@ -99,9 +106,13 @@ pub(crate) fn read_hashed(
             break;
         }
         hasher.update(&bytes[at..]);
+        total += read as u64;
         bar.inc(read as u64);
     }
-    Ok((bytes, hex(&hasher.finalize())))
+    if !keep {
+        bytes = Vec::new();
+    }
+    Ok((bytes, total, hex(&hasher.finalize())))
 }
 
 /// Reads checkpoint `tag` under `dir`: its metadata (checked against `meta.sha256`) and all
@@ -166,39 +177,64 @@ pub fn read_files(
     count: usize,
     show: bool,
 ) -> Result<Vec<Vec<u8>>> {
+    check_files(dir, tag, meta, &|i| i < count, true, show)
+}
+
+/// Checks the state files of checkpoint `tag` (whose checked metadata is `meta`) whose index
+/// in the load order (`model.bin` first, see [`read_files`]) `mine` selects: each one's
+/// length and SHA-256, read piece by piece and never held whole. The ranks of a load share
+/// this work, each checking some of the files, and read afterwards only the byte ranges they
+/// need (`Loaded`).
+pub fn verify_files(
+    dir: &Path,
+    tag: &str,
+    meta: &CheckpointMeta,
+    mine: &dyn Fn(usize) -> bool,
+    show: bool,
+) -> Result<()> {
+    check_files(dir, tag, meta, mine, false, show).map(drop)
+}
+
+/// The files of the load order that `mine` selects, checked; their bytes with `keep`.
+fn check_files(
+    dir: &Path,
+    tag: &str,
+    meta: &CheckpointMeta,
+    mine: &dyn Fn(usize) -> bool,
+    keep: bool,
+    show: bool,
+) -> Result<Vec<Vec<u8>>> {
     let root = dir.join(tag);
-    let expected = expected_files(meta).map_err(|e| refuse(&root.join("meta.json"), e))?;
-    let listed = |name: &str| meta.files.iter().find(|f| f.name == name);
-    let wanted: Vec<&CheckpointFile> = (expected.iter().take(count))
-        .map(|e| listed(&e.name).ok_or_else(|| refuse(&root, format!("has no {}", e.name))))
-        .collect::<Result<_>>()?;
+    let wanted: Vec<&CheckpointFile> = load_order(&root, meta)?
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| mine(*i))
+        .map(|(_, f)| f)
+        .collect();
     let total = wanted.iter().map(|f| f.bytes).sum();
-    let bar = io_bar("checkpoint load", total, show);
+    let bar = io_bar(
+        if keep {
+            "checkpoint load"
+        } else {
+            "checkpoint check"
+        },
+        total,
+        show,
+    );
     let mut out = Vec::with_capacity(wanted.len());
     for f in wanted {
         let path = root.join(&f.name);
-        let (file, len) = open_regular(&path)?;
-        if len != f.bytes {
-            return Err(refuse(
-                &path,
-                format!(
-                    "is corrupt: {len} bytes, the metadata records {} (truncated or \
-                     replaced)",
-                    f.bytes
-                ),
-            ));
-        }
+        let file = open_recorded(&path, f.bytes)?;
         bar.set_message(f.name.clone());
-        let (bytes, sum) = read_hashed(file, len, &bar).map_err(|e| io_err(&path, e))?;
-        if bytes.len() as u64 != f.bytes || sum != f.sha256 {
+        let (bytes, read, sum) =
+            read_hashed(file, f.bytes, &bar, keep).map_err(|e| io_err(&path, e))?;
+        if read != f.bytes || sum != f.sha256 {
             return Err(refuse(
                 &path,
                 format!(
-                    "is corrupt: {} bytes with SHA-256 {sum}, the metadata records {} bytes \
+                    "is corrupt: {read} bytes with SHA-256 {sum}, the metadata records {} bytes \
                      with SHA-256 {}",
-                    bytes.len(),
-                    f.bytes,
-                    f.sha256
+                    f.bytes, f.sha256
                 ),
             ));
         }
@@ -206,6 +242,37 @@ pub fn read_files(
     }
     bar.finish();
     Ok(out)
+}
+
+/// The state files of a checkpoint whose checked metadata is `meta`, as `meta.json` lists
+/// them, in the order a load uses them (`model.bin`, then `optim.bin` or each rank's slice in
+/// rank order), found by name; a missing one is refused.
+pub(crate) fn load_order<'m>(
+    root: &Path,
+    meta: &'m CheckpointMeta,
+) -> Result<Vec<&'m CheckpointFile>> {
+    let expected = expected_files(meta).map_err(|e| refuse(&root.join("meta.json"), e))?;
+    let listed = |name: &str| meta.files.iter().find(|f| f.name == name);
+    expected
+        .iter()
+        .map(|e| listed(&e.name).ok_or_else(|| refuse(root, format!("has no {}", e.name))))
+        .collect()
+}
+
+/// Opens the regular file `path` and checks that its length is the `recorded` one, before
+/// anything is read from it.
+pub(crate) fn open_recorded(path: &Path, recorded: u64) -> Result<File> {
+    let (file, len) = open_regular(path)?;
+    if len != recorded {
+        return Err(refuse(
+            path,
+            format!(
+                "is corrupt: {len} bytes, the metadata records {recorded} (truncated or \
+                 replaced)"
+            ),
+        ));
+    }
+    Ok(file)
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::train::TrainStep;
+use burn_deepspeed_strategies::comm::CommunicatorExt;
 
 use super::base::*;
 use crate::checkpoint::{self, CheckpointMeta};
@@ -46,10 +47,10 @@ where
     /// Loads checkpoint `tag` (default: the one `dir/latest` names) into this engine: model,
     /// optimizer state and step. Refuses, with the reason, a checkpoint whose files are
     /// corrupt or whose parameters, optimizer or ZeRO stage differ from this engine's (stages
-    /// 1-3 load each other's). The world size may differ from the one that saved it: the
-    /// saved slices are joined and cut again for this world. Every rank calls it (rank 0
-    /// reads `latest` and tells the others the tag; each reads the files, so they must be
-    /// visible to every rank). All or nothing: when any rank cannot read or restore the
+    /// 1-3 load each other's). The world size may differ from the one that saved it: each
+    /// rank reads the parts of the saved slices that its partition in this world covers.
+    /// Every rank calls it (rank 0 reads `latest` and tells the others the tag; each reads
+    /// the files, so they must be visible to every rank). All or nothing: when any rank cannot read or restore the
     /// checkpoint, every rank returns the error and the engine is left as it was. Returns the
     /// step.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<u64> {
@@ -58,11 +59,13 @@ where
         let comm = self.comm.clone();
         let loaded = checkpoint::load(dir.as_ref(), tag, &self.meta(), comm.as_ref())?;
         // Everything that can refuse the checkpoint (the step protocol's position, the
-        // regime's state) is checked on every rank before any rank changes anything.
-        let staged = self
-            .core
-            .restorable(&loaded.meta.position())
-            .and_then(|position| Ok((self.sync.stage_load(&loaded)?, position)));
+        // regime's state) is checked on every rank before any rank changes anything. Each
+        // rank reads its part of the files here, on its own.
+        let staged = comm.as_ref().solo("checkpoint read", || {
+            self.core
+                .restorable(&loaded.meta.position())
+                .and_then(|position| Ok((self.sync.stage_load(&loaded)?, position)))
+        });
         let (staged, position) = agreed(comm.as_ref(), "checkpoint restore", staged)?;
         // Only a swap file's write can fail from here (and then refuses every step).
         let committed = self.sync.commit_load(self.model.clone(), &loaded, staged);

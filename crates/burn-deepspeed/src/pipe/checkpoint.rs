@@ -97,15 +97,17 @@ where
     /// into this engine: this rank's slice of its stage's tensors, their optimizer state cut
     /// again for its data-parallel partition, and the step. Refuses, with the reason, a
     /// checkpoint whose files are corrupt or whose tensors or optimizer differ from this
-    /// model's. Collective, all or nothing: every rank reads the files, and when one cannot
-    /// restore, every rank returns the error and the engine is left as it was.
+    /// model's. Collective, all or nothing: every rank reads the parts of the files its
+    /// tensors cover, and when one cannot restore, every rank returns the error and the
+    /// engine is left as it was.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<u64> {
         let world = self.grid.world().clone();
         self.flat_state()?;
         let expected = self.whole_meta();
         let loaded = format::load(dir.as_ref(), tag, &expected, world.as_ref())?;
         // Every refusal happens on every rank before any rank changes anything.
-        let staged = self.stage_restore(&loaded);
+        // Each rank reads its part of the files here, on its own.
+        let staged = world.solo("checkpoint read", || self.stage_restore(&loaded));
         let (local, staged, position) = agreed(world.as_ref(), "checkpoint restore", staged)?;
         let committed = self.grads.commit_load(self.layers.clone(), &local, staged);
         let layers = agreed(world.as_ref(), "checkpoint commit", committed)?;
@@ -190,23 +192,30 @@ where
     /// protocol's position.
     fn stage_restore(&self, loaded: &Loaded) -> Result<(Loaded, StagedLoad, RestoredPosition)> {
         let sizes: Vec<usize> = self.catalog.iter().map(|t| t.numel()).collect();
-        let numel: usize = sizes.iter().sum();
-        let whole = loaded.slice_state(&sizes, std::slice::from_ref(&(0..numel)))?;
         let mut ranges: Vec<Range<usize>> = Vec::with_capacity(sizes.len());
         let mut at = 0;
         for n in &sizes {
             ranges.push(at..at + n);
             at += n;
         }
-        let mine = &ranges[self.first_slot..];
+        // Only this stage's tensors are read: their values and state back to back.
+        let n = self.layout.slots.len();
+        let mine = &ranges[self.first_slot..self.first_slot + n];
+        let read = loaded.slice_state(&sizes, mine)?;
+        let values = loaded.params_in(mine)?;
+        let mut local = Vec::with_capacity(n);
+        let mut at = 0;
+        for r in mine {
+            local.push(at..at + r.len());
+            at += r.len();
+        }
         let (tp, layout) = (self.grid.tensor_parallel(), &self.layout);
-        let params = cut_flat(tp, layout, |i| &loaded.params[mine[i].clone()]);
-        let m = cut_flat(tp, layout, |i| &whole.m[mine[i].clone()]);
-        let v = cut_flat(tp, layout, |i| &whole.v[mine[i].clone()]);
-        let n = layout.slots.len();
-        let steps = whole.steps[self.first_slot..self.first_slot + n].to_vec();
-        let local = Loaded {
-            meta: CheckpointMeta {
+        let params = cut_flat(tp, layout, |i| &values[local[i].clone()]);
+        let m = cut_flat(tp, layout, |i| &read.m[local[i].clone()]);
+        let v = cut_flat(tp, layout, |i| &read.v[local[i].clone()]);
+        let steps = read.steps[self.first_slot..self.first_slot + n].to_vec();
+        let local = Loaded::in_memory(
+            CheckpointMeta {
                 // The model keeps its ids (the slices' layouts are recorded under them).
                 param_ids: layout.slots.iter().map(|s| s.id.val()).collect(),
                 shapes: layout.slots.iter().map(|s| s.shape.clone()).collect(),
@@ -216,8 +225,8 @@ where
                 ..loaded.meta.clone()
             },
             params,
-            files: vec![partition_state_bytes(&PartitionState { steps, m, v })],
-        };
+            vec![partition_state_bytes(&PartitionState { steps, m, v })],
+        );
         // The step protocol's position is checked before the regime takes the state.
         let position = self.core.restorable(&loaded.meta.position())?;
         if self.stage_zero() {

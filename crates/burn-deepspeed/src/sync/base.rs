@@ -60,6 +60,17 @@ pub enum StagedLoad {
     Burn(ModuleOptimizer),
     /// This rank's cut of a flat state (steps, m and v).
     Flat(PartitionState),
+    /// ZeRO stage 3: this rank's cut of the flat state, its pieces of the parameters (in its
+    /// buffer's order) and the persistent tensors whole (`None` for the partitioned ones),
+    /// read without the rest of the checkpoint.
+    Sharded {
+        /// The optimizer state of the pieces.
+        state: PartitionState,
+        /// The pieces' parameters.
+        pieces: Vec<f32>,
+        /// Per tensor: its whole values when it is persistent.
+        persistent: Vec<Option<Vec<f32>>>,
+    },
     /// A 1-bit optimizer built and restored from the checkpoint (the regime's own type).
     OneBit(Box<dyn std::any::Any>),
     /// Expert parallelism: the dense tensors' state and this rank's experts'.
@@ -74,6 +85,9 @@ impl StagedLoad {
         ))
     }
 }
+
+/// Where [`GradSync::stream_params`] hands the parameters, piece by piece in layout order.
+pub type ParamSink<'a> = &'a mut dyn FnMut(&[f32]);
 
 /// The optimizer state a rank contributes to a checkpoint.
 #[derive(Debug, Clone, PartialEq)]
@@ -177,6 +191,18 @@ pub trait GradSync<M: Module> {
     /// that every rank joins, wanted or not). By default, read from the model as it is.
     fn whole_params(&self, model: &M, wanted: bool) -> Result<Option<Vec<f32>>> {
         Ok(wanted.then(|| params_to_flat(model, self.layout())))
+    }
+
+    /// The whole parameters, flat in layout order, handed to `sink` in pieces (one or more
+    /// tensors each, in order) where it is given: a collective that every rank joins, with a
+    /// sink or not, as [`whole_params`](Self::whole_params). By default, that whole buffer at
+    /// once; stage 3 gathers and hands over one tensor at a time.
+    fn stream_params(&self, model: &M, sink: Option<ParamSink>) -> Result<()> {
+        let whole = self.whole_params(model, sink.is_some())?;
+        if let (Some(sink), Some(whole)) = (sink, whole) {
+            sink(&whole);
+        }
+        Ok(())
     }
 
     /// A copy of `model` with whole parameters (at stage 3 a collective gather that leaves

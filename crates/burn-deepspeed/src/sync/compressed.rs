@@ -199,7 +199,9 @@ impl<M: Module, P: ModelPlace> GradSync<M> for CompressedSync<P> {
     /// Everything fallible (reading and restoring the optimizer state) happens before the
     /// parameters are replaced.
     fn stage_load(&self, loaded: &Loaded) -> Result<StagedLoad> {
-        let state = one_bit_state_from_bytes(loaded.replicated_state()?)?;
+        let state = one_bit_state_from_bytes(&loaded.replicated_state()?)?;
+        // Read now, so that the commit reads nothing.
+        loaded.params()?;
         let mut optim = build_one_bit(&self.config, &self.layout, &self.place)?
             .ok_or_else(|| DeepSpeedError::Checkpoint("not a 1-bit optimizer".into()))?;
         optim.restore(&self.place, state)?;
@@ -214,12 +216,13 @@ impl<M: Module, P: ModelPlace> GradSync<M> for CompressedSync<P> {
             .downcast::<Box<dyn OneBitOptimizer<P>>>()
             .map_err(|_| StagedLoad::mismatch("a 1-bit optimizer's regime"))?;
         let optim = *optim;
-        let model = restore_params(model, &self.layout, &loaded.meta.param_ids, &loaded.params);
+        let params = loaded.params()?;
+        let model = restore_params(model, &self.layout, &loaded.meta.param_ids, params);
         self.layout = ParamLayout::of(&model);
         self.optim = optim;
         if self.master.is_some() {
             // The checkpoint's fp32 values, not the model's (rounded under mixed precision).
-            self.master = Some(self.place.write(loaded.params.clone()));
+            self.master = Some(self.place.write(params.to_vec()));
         }
         self.discard_state();
         Ok(model)

@@ -341,20 +341,21 @@ impl<M: Module> GradSync<M> for ExpertSync {
     /// experts. Every read happens before anything is restored.
     fn stage_load(&self, loaded: &Loaded) -> Result<StagedLoad> {
         let state = match loaded.meta.zero_stage {
-            0 => partition_state_from_bytes(loaded.replicated_state()?, "optim.bin")?,
+            0 => partition_state_from_bytes(&loaded.replicated_state()?, "optim.bin")?,
             _ => {
                 let all = 0..self.whole.numel();
                 loaded.slice_state(self.whole.numels(), std::slice::from_ref(&all))?
             }
         };
-        if loaded.params.len() != self.whole.numel() {
+        let params = loaded.params()?;
+        if params.len() != self.whole.numel() {
             return Err(DeepSpeedError::Checkpoint(format!(
                 "model.bin holds {} values; the whole model has {}",
-                loaded.params.len(),
+                params.len(),
                 self.whole.numel()
             )));
         }
-        let (dense_params, mine_params) = self.whole.split(&loaded.params);
+        let (dense_params, mine_params) = self.whole.split(params);
         let (dense_steps, mine_steps) = self.whole.split_tensors(&state.steps);
         let (dense_m, mine_m) = self.whole.split(&state.m);
         let (dense_v, mine_v) = self.whole.split(&state.v);
@@ -378,7 +379,7 @@ impl<M: Module> GradSync<M> for ExpertSync {
         let StagedLoad::Experts(dense, mine) = staged else {
             return Err(StagedLoad::mismatch("expert parallelism"));
         };
-        let (dense_params, mine_params) = self.whole.split(&loaded.params);
+        let (dense_params, mine_params) = self.whole.split(loaded.params()?);
         let model = self.dense.commit_whole(model, &dense_params, *dense)?;
         self.experts.commit_whole(model, &mine_params, *mine)
     }

@@ -324,7 +324,7 @@ impl<S: GradStore> PartitionedSync<S> {
             return loaded.slice_state(&sizes, std::slice::from_ref(&self.own));
         }
         let n = self.layout.numel;
-        partition_state_from_bytes(loaded.replicated_state()?, "optim.bin")
+        partition_state_from_bytes(&loaded.replicated_state()?, "optim.bin")
             .ok()
             .filter(|s| s.m.len() == n && s.v.len() == n && s.steps.len() == sizes.len())
             .ok_or_else(|| {
@@ -548,7 +548,7 @@ impl<M: Module, S: GradStore> GradSync<M> for PartitionedSync<S> {
     /// parameters are replaced.
     fn stage_load(&self, loaded: &Loaded) -> Result<StagedLoad> {
         let state = self.loaded_state(loaded)?;
-        self.check_own(&state, &loaded.params)?;
+        self.check_own(&state, loaded.params()?)?;
         Ok(StagedLoad::Flat(state))
     }
 
@@ -558,8 +558,10 @@ impl<M: Module, S: GradStore> GradSync<M> for PartitionedSync<S> {
         };
         // Buckets still being reduced belong to the gradient the load replaces.
         self.settle_overlap();
-        self.restore_own(state, &loaded.params)?;
-        let model = restore_params(model, &self.layout, &loaded.meta.param_ids, &loaded.params);
+        // Read by `stage_load`: kept in `loaded`.
+        let params = loaded.params()?;
+        self.restore_own(state, params)?;
+        let model = restore_params(model, &self.layout, &loaded.meta.param_ids, params);
         self.layout = ParamLayout::of(&model);
         Ok(model)
     }

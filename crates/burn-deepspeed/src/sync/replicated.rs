@@ -244,9 +244,11 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
     /// parameters are replaced.
     fn stage_load(&self, loaded: &Loaded) -> Result<StagedLoad> {
         let bytes = loaded.replicated_state()?;
+        // Read now, so that the commit reads nothing.
+        loaded.params()?;
         let fresh = self.fresh.clone().ok_or_else(no_optimizer)?;
         let optim = fresh
-            .from_bytes(Bytes::from_bytes_vec(bytes.to_vec()))
+            .from_bytes(Bytes::from_bytes_vec(bytes))
             .map_err(|e| DeepSpeedError::Checkpoint(format!("optimizer state: {e:?}")))?;
         Ok(StagedLoad::Burn(optim))
     }
@@ -255,17 +257,14 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
         let StagedLoad::Burn(optim) = staged else {
             return Err(StagedLoad::mismatch("stage 0 with Burn's optimizer"));
         };
-        let model = restore_params(
-            model,
-            self.buffer.layout(),
-            &loaded.meta.param_ids,
-            &loaded.params,
-        );
+        let params = loaded.params()?;
+        let model = restore_params(model, self.buffer.layout(), &loaded.meta.param_ids, params);
         self.buffer.set_layout(ParamLayout::of(&model));
         self.buffer.reset();
         self.optim = Some(optim);
         if let Some((values, _)) = &mut self.masters {
-            values.clone_from(&loaded.params);
+            values.clear();
+            values.extend_from_slice(params);
         }
         // A loaded optimizer keeps state for every parameter.
         self.stepped.iter_mut().for_each(|s| *s = false);

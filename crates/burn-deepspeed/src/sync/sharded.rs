@@ -16,6 +16,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::slice;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -30,8 +31,8 @@ use super::grads::{GradStore, no_optimizer, reduce_and_clip, step_part};
 use super::scale::Scaling;
 use super::{
     DeviceFlatOptimizer, DeviceShards, FlatOptimizer, GradElem, GradSync, HostFlatOptimizer,
-    HostShards, ModelParallelNorm, ModelPlace, NvmeOffload, PieceReader, PieceWriter, Reduced,
-    SavedState, ShardCut, StagedLoad, SyncOptions, caller_optimizer_keeps_no_masters,
+    HostShards, ModelParallelNorm, ModelPlace, NvmeOffload, ParamSink, PieceReader, PieceWriter,
+    Reduced, SavedState, ShardCut, StagedLoad, SyncOptions, caller_optimizer_keeps_no_masters,
 };
 use crate::checkpoint::{Loaded, gather_state, no_state_to_restore, partition_state_bytes};
 use crate::flat::{ParamLayout, set_param_ids};
@@ -508,6 +509,16 @@ impl<M: Module, S: GradStore> GradSync<M> for ShardedSync<S> {
         Ok(wanted.then(|| self.place.read(&flat)))
     }
 
+    /// Tensor by tensor: the writer never holds the whole model.
+    fn stream_params(&self, model: &M, mut sink: Option<ParamSink>) -> Result<()> {
+        let pieces = self.agreed_pieces(model)?;
+        self.each_whole_tensor(pieces.as_ref(), |tensor| {
+            if let Some(sink) = sink.as_mut() {
+                sink(&self.place.read(&tensor));
+            }
+        })
+    }
+
     fn whole_model(&self, model: &M) -> Result<M> {
         let whole = model.clone().materialize();
         match self.group.take_error() {
@@ -534,24 +545,42 @@ impl<M: Module, S: GradStore> GradSync<M> for ShardedSync<S> {
         let sizes: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
         let ranges: Vec<_> = self.cut.segments.iter().map(|s| s.global.clone()).collect();
         let state = loaded.slice_state(&sizes, &ranges)?;
-        let masters = self.offloaded().then(|| self.pieces_of(&loaded.params));
+        let pieces = loaded.params_in(&ranges)?;
+        let persistent = (self.layout.slots.iter().enumerate())
+            .map(|(t, s)| match self.cut.persistent_at[t] {
+                Some(_) => loaded
+                    .params_in(slice::from_ref(&(s.offset..s.offset + s.numel)))
+                    .map(Some),
+                None => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let optim = self.optim.as_ref().ok_or_else(no_state_to_restore)?;
-        optim.check_restore(&state, masters.as_deref())?;
-        Ok(StagedLoad::Flat(state))
+        let masters = self.offloaded().then_some(pieces.as_slice());
+        optim.check_restore(&state, masters)?;
+        Ok(StagedLoad::Sharded {
+            state,
+            pieces,
+            persistent,
+        })
     }
 
     fn commit_load(&mut self, model: M, loaded: &Loaded, staged: StagedLoad) -> Result<M> {
-        let StagedLoad::Flat(state) = staged else {
+        let StagedLoad::Sharded {
+            state,
+            pieces,
+            persistent,
+        } = staged
+        else {
             return Err(StagedLoad::mismatch("ZeRO stage 3"));
         };
         let layout = self.layout.with_ids(&loaded.meta.param_ids);
-        let masters = self.offloaded().then(|| self.pieces_of(&loaded.params));
+        let offloaded = self.offloaded();
         let optim = self.optim.as_mut().ok_or_else(no_state_to_restore)?;
-        optim.restore(&self.place, state, masters.as_deref())?;
-        let model = self.load_flat(model, &loaded.params)?;
+        optim.restore(&self.place, state, offloaded.then_some(pieces.as_slice()))?;
+        let model = self.load_pieces(model, &pieces, persistent)?;
         let model = set_param_ids(model, &loaded.meta.param_ids);
         if self.master.is_some() {
-            self.master = Some(self.place.write(self.pieces_of(&loaded.params)));
+            self.master = Some(self.place.write(pieces));
         }
         self.layout = layout;
         self.clear();

@@ -140,9 +140,21 @@ impl<S: GradStore> ShardedSync<S> {
     /// e.g. its fp32 masters). A collective: one all-gather of the persistent tensors, then
     /// one per partitioned tensor.
     pub(super) fn full_from_pieces(&self, pieces: &Buf<S>) -> Result<Buf<S>> {
+        let mut flat = Vec::with_capacity(self.layout.slots.len());
+        self.each_whole_tensor(pieces, |part| flat.push(part))?;
+        Ok(self.join(flat))
+    }
+
+    /// Every tensor whole, in layout order, from every rank's `pieces`, handed to `each` one
+    /// at a time (one all-gather per partitioned tensor, one for the persistent ones): at
+    /// most one gathered tensor is held at a time beside the persistent ones.
+    pub(super) fn each_whole_tensor(
+        &self,
+        pieces: &Buf<S>,
+        mut each: impl FnMut(Buf<S>),
+    ) -> Result<()> {
         let mut whole = self.gather_persistent(pieces)?;
         let world = self.place.world_size();
-        let mut flat = Vec::with_capacity(whole.len());
         for (t, persistent) in whole.iter_mut().enumerate() {
             let part = match persistent.take() {
                 Some(p) => p,
@@ -153,9 +165,9 @@ impl<S: GradStore> ShardedSync<S> {
                     self.place.slice(&all, 0..s.numel)
                 }
             };
-            flat.push(part);
+            each(part);
         }
-        Ok(self.join(flat))
+        Ok(())
     }
 
     /// Maps every parameter `t` to `values(t, persistent)`: whole shapes when `whole` (or
@@ -247,21 +259,36 @@ impl<S: GradStore> ShardedSync<S> {
     /// pieces are written to the store (a write that can fail, on this rank alone).
     pub fn load_flat<M: Module>(&self, model: M, flat: &[f32]) -> Result<M> {
         let slots = &self.layout.slots;
-        if let Some(store) = &self.store {
-            for t in (0..slots.len()).filter(|&t| store.holds(t)) {
-                let own = self.plan().own(self.cut.rank, t);
-                let at = slots[t].offset;
-                store.write(t, &flat[at + own.start..at + own.end])?;
-            }
-        }
-        let pieces = self.place.write(self.pieces_of(flat));
-        let whole: Vec<_> = (0..slots.len())
+        let persistent = (0..slots.len())
             .map(|t| {
                 let range = slots[t].offset..slots[t].offset + slots[t].numel;
-                let persistent = self.cut.persistent_at[t].is_some();
-                persistent.then(|| self.place.write(flat[range].to_vec()))
+                self.cut.persistent_at[t].map(|_| flat[range].to_vec())
             })
             .collect();
+        self.load_pieces(model, &self.pieces_of(flat), persistent)
+    }
+
+    /// [`load_flat`](Self::load_flat) from this rank's `pieces` of the parameters (in its
+    /// buffer's order) and the `persistent` tensors whole (per tensor, `None` for the
+    /// partitioned ones): what a load reads of a checkpoint, without the rest.
+    pub fn load_pieces<M: Module>(
+        &self,
+        model: M,
+        pieces: &[f32],
+        persistent: Vec<Option<Vec<f32>>>,
+    ) -> Result<M> {
+        let slots = &self.layout.slots;
+        if let Some(store) = &self.store {
+            for t in (0..slots.len()).filter(|&t| store.holds(t)) {
+                let own = self.cut.local[t].clone().unwrap_or(0..0);
+                store.write(t, &pieces[own])?;
+            }
+        }
+        let whole: Vec<_> = persistent
+            .into_iter()
+            .map(|p| p.map(|values| self.place.write(values)))
+            .collect();
+        let pieces = self.place.write(pieces.to_vec());
         Ok(self.write_back(model, &pieces, &whole))
     }
 

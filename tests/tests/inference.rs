@@ -126,7 +126,7 @@ fn cached_decoding_gives_the_tokens_of_full_recomputation() {
         let config = tp_config(tp);
         let (_, ranks) = launch(tp, Duration::from_secs(120), |comm| {
             let grid = Grid::from_config(&config, comm, &Device::flex())?;
-            let sliced = model(&params).sliced(grid.tensor_parallel());
+            let sliced = model(&params).sliced(grid.tensor_parallel())?;
             generate(&sliced, &prompts, &GREEDY, &Device::flex())
         })
         .expect("the ranks generate");
@@ -183,7 +183,7 @@ fn quantized_weights_keep_the_loss_and_shrink_the_bytes() {
         let config = tp_config(tp);
         let (_, ranks) = launch(tp, Duration::from_secs(120), |comm| {
             let grid = Grid::from_config(&config, comm, &Device::flex())?;
-            let f32_model = model(&params).sliced(grid.tensor_parallel());
+            let f32_model = model(&params).sliced(grid.tensor_parallel())?;
             let base = heldout(&f32_model, None, text, SHAPE.seq_len)?;
             let mut out = vec![(base.loss, 0.0, f32_model.weight_bytes())];
             for dtype in [InferenceDtype::Int8, InferenceDtype::Int4] {
@@ -302,7 +302,7 @@ fn a_gpt_moe_trained_at_ep_2_serves_with_its_experts_sliced() {
         let (_, ranks) = launch(tp, Duration::from_secs(120), |comm| {
             let grid = Grid::from_config(&config, comm, &Device::flex())?;
             let sliced = load()
-                .sliced(grid.tensor_parallel())
+                .sliced(grid.tensor_parallel())?
                 .with_sliced_experts(grid.tensor_parallel())?;
             let experts = burn::module::Module::num_params(&sliced);
             let tokens = generate(&sliced, &prompts, &GREEDY, &Device::flex())?.tokens;

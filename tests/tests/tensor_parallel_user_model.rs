@@ -25,24 +25,22 @@ pub struct Mlp {
 
 impl Mlp {
     /// The whole model (the same on every rank: seed Burn's RNG, or initialise from data).
-    pub fn new(d: usize, hidden: usize, device: &Device) -> Self {
+    pub fn new(d: usize, hidden: usize, device: &Device) -> burn_deepspeed::Result<Self> {
         let none = TensorParallel::none();
-        Self {
-            up: ColumnParallelLinear::from_linear(
-                &LinearConfig::new(d, hidden).init(device),
-                none.clone(),
-            ),
-            down: RowParallelLinear::from_linear(&LinearConfig::new(hidden, d).init(device), none),
-        }
+        let (up, down) = (LinearConfig::new(d, hidden), LinearConfig::new(hidden, d));
+        Ok(Self {
+            up: ColumnParallelLinear::from_linear(&up.init(device), none.clone())?,
+            down: RowParallelLinear::from_linear(&down.init(device), none)?,
+        })
     }
 
     /// This rank's slice: the hidden features cut across `tp` (one all-reduce forward, one
-    /// backward).
-    pub fn sliced(&self, tp: &TensorParallel) -> Self {
-        Self {
-            up: self.up.slice(tp.clone()),
-            down: self.down.slice(tp.clone()),
-        }
+    /// backward). An error when `tp` does not divide the hidden features.
+    pub fn sliced(&self, tp: &TensorParallel) -> burn_deepspeed::Result<Self> {
+        Ok(Self {
+            up: self.up.slice(tp.clone())?,
+            down: self.down.slice(tp.clone())?,
+        })
     }
 
     /// The MLP on rows `x`, whole on every rank.
@@ -117,9 +115,9 @@ fn train(
         let device = Device::flex().autodiff();
         // ANCHOR: user_engine
         let grid = Grid::from_config(&config, comm, &device)?;
-        let model = Mlp::new(D, HIDDEN, &device)
+        let model = Mlp::new(D, HIDDEN, &device)?
             .load_record(whole.clone())
-            .sliced(grid.tensor_parallel());
+            .sliced(grid.tensor_parallel())?;
         let mut engine = DeepSpeedEngine::with_grid(model, config.clone(), &grid)?;
         // ANCHOR_END: user_engine
         let (dp, replica) = (grid.topology().data, grid.coord().data);
@@ -138,7 +136,9 @@ fn train(
 #[test]
 fn a_users_mlp_sliced_over_2_ranks_follows_the_whole_one() {
     // One whole model's values, made once, for every rank of every run.
-    let whole = Mlp::new(D, HIDDEN, &Device::flex()).into_record();
+    let whole = Mlp::new(D, HIDDEN, &Device::flex())
+        .expect("the whole model")
+        .into_record();
     let (losses, params) = train(&whole, 1, 1, 0, 12);
     assert!(losses[11] < losses[0], "it learns: {losses:?}");
     for (world, tp, stage) in [(2, 2, 0), (4, 2, 1), (4, 4, 0)] {

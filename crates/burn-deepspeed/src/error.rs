@@ -53,6 +53,10 @@ pub enum DeepSpeedError {
     /// A communication failure.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// A layer cannot be cut across the tensor-parallel group (its features or heads do not
+    /// split evenly, or it is a slice already).
+    #[error("tensor parallelism: {0}")]
+    TensorParallel(String),
     /// A checkpoint cannot be written, or cannot be loaded into this engine.
     #[error("checkpoint: {0}")]
     Checkpoint(String),

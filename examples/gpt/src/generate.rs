@@ -144,7 +144,7 @@ pub fn generate_rank(spec: &GenerateSpec, comm: Arc<dyn Communicator>) -> Result
     let grid = Grid::new(comm, 1, tp, &device)?;
     // A GPT-MoE's experts are cut over the group too: each rank runs its share of them.
     let model = Gpt::from_params(spec.shape, &spec.params, &device)?
-        .sliced(grid.tensor_parallel())
+        .sliced(grid.tensor_parallel())?
         .with_sliced_experts(grid.tensor_parallel())?;
     let (served, quant_group) = serving(model.clone(), spec)?;
     let heldout = match &spec.eval {

@@ -184,7 +184,7 @@ mod tests {
             let tp = TensorParallel::new(Arc::new(HostCollectives::new(comm.clone())));
             let net = Net {
                 norm: norm.clone(),
-                col: ColumnParallelLinear::from_linear(&whole, tp.clone()),
+                col: ColumnParallelLinear::from_linear(&whole, tp.clone()).expect("it splits"),
             };
             let layout = ParamLayout::of(&net);
             let n = 2 * ones(&net.norm.gamma);

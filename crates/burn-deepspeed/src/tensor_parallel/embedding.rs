@@ -7,7 +7,7 @@ use burn::nn::Embedding;
 use burn::tensor::module::embedding;
 use burn::tensor::{Int, Tensor};
 
-use super::linear::sliced;
+use super::linear::{sliced, sliced_already};
 use super::{SliceLayout, TensorParallel};
 use crate::inference::{QuantizedMatrix, WeightQuantization};
 use crate::{DeepSpeedError, Result};
@@ -53,33 +53,35 @@ pub struct VocabParallelEmbedding {
 impl VocabParallelEmbedding {
     /// This rank's rows of `whole` (the same table on every rank), keeping its id.
     ///
-    /// # Panics
+    /// # Errors
     /// When the vocabulary does not split evenly over the group.
-    pub fn from_embedding(whole: &Embedding, tp: TensorParallel) -> Self {
+    pub fn from_embedding(whole: &Embedding, tp: TensorParallel) -> Result<Self> {
         Self::cut_from(&whole.weight, tp)
     }
 
     /// This (whole) table cut across `tp`.
     ///
-    /// # Panics
+    /// # Errors
     /// When the table is a slice already, or the vocabulary does not split evenly.
-    pub fn slice(&self, tp: TensorParallel) -> Self {
-        assert_eq!(self.tp.size(), 1, "the table is a slice already");
+    pub fn slice(&self, tp: TensorParallel) -> Result<Self> {
+        if self.tp.size() != 1 {
+            return Err(sliced_already("vocabulary-parallel table"));
+        }
         Self::cut_from(&self.weight, tp)
     }
 
-    fn cut_from(weight: &Param<Tensor<2>>, tp: TensorParallel) -> Self {
+    fn cut_from(weight: &Param<Tensor<2>>, tp: TensorParallel) -> Result<Self> {
         let vocab = weight.lazy_shape().dims::<2>()[0];
         let layout = SliceLayout {
             dim: 0,
             sections: 1,
         };
-        Self {
-            weight: sliced(weight, layout, &tp, "vocabulary-parallel embedding rows"),
+        Ok(Self {
+            weight: sliced(weight, layout, &tp, "vocabulary-parallel embedding rows")?,
             tp,
             vocab,
             quantized: None,
-        }
+        })
     }
 
     /// The embeddings `[batch, seq, d_model]` of token ids `[batch, seq]`, whole on every
@@ -173,7 +175,8 @@ mod tests {
         for world in [2usize, 3, 4] {
             let (_, ranks) = launch(world, Duration::from_secs(60), |comm| {
                 let tp = TensorParallel::new(Arc::new(HostCollectives::new(comm)));
-                let table = VocabParallelEmbedding::from_embedding(&whole, tp.clone());
+                let table = VocabParallelEmbedding::from_embedding(&whole, tp.clone())
+                    .expect("the vocabulary splits");
                 let (y, grads) = run(&|ids| table.forward(ids));
                 if let Some(e) = tp.take_error() {
                     panic!("{e}");

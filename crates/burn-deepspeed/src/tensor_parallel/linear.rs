@@ -18,22 +18,23 @@ use crate::{DeepSpeedError, Result};
 
 /// This rank's block of `whole` cut under `layout` over `tp` (see [`SliceLayout`]).
 ///
-/// # Panics
+/// # Errors
 /// When a section does not split into equal blocks over the group.
 pub(crate) fn cut<const D: usize>(
     whole: Tensor<D>,
     layout: SliceLayout,
     tp: &TensorParallel,
     what: &str,
-) -> Tensor<D> {
+) -> Result<Tensor<D>> {
     let n = whole.dims()[layout.dim];
     let (size, rank) = (tp.size(), tp.rank());
-    assert!(
-        n.is_multiple_of(layout.sections * size),
-        "{what}: {n} features in {} sections do not split into {size} equal tensor-parallel \
-         slices",
-        layout.sections
-    );
+    if layout.sections == 0 || !n.is_multiple_of(layout.sections * size) {
+        return Err(DeepSpeedError::TensorParallel(format!(
+            "{what}: {n} features in {} sections do not split into {size} equal slices; \
+             choose a tensor_parallel.tp_size that divides each section",
+            layout.sections
+        )));
+    }
     let section = n / layout.sections;
     let block = section / size;
     let pieces = (0..layout.sections)
@@ -43,7 +44,7 @@ pub(crate) fn cut<const D: usize>(
                 .narrow(layout.dim, s * section + rank * block, block)
         })
         .collect();
-    Tensor::cat(pieces, layout.dim)
+    Ok(Tensor::cat(pieces, layout.dim))
 }
 
 /// This rank's slice of `whole` as a parameter with the whole's id (the slices of one
@@ -53,16 +54,23 @@ pub(crate) fn sliced<const D: usize>(
     layout: SliceLayout,
     tp: &TensorParallel,
     what: &str,
-) -> Param<Tensor<D>> {
+) -> Result<Param<Tensor<D>>> {
     if tp.size() == 1 {
         // Whole: the parameter itself, still lazy if it was.
-        return whole.clone();
+        return Ok(whole.clone());
     }
-    let value = cut(whole.val(), layout, tp, what).detach();
+    let value = cut(whole.val(), layout, tp, what)?.detach();
     tp.record(whole.id, layout);
     let mut param = Param::from_tensor(value);
     param.id = whole.id;
-    param
+    Ok(param)
+}
+
+/// The refusal to cut a layer that is a slice already.
+pub(crate) fn sliced_already(what: &str) -> DeepSpeedError {
+    DeepSpeedError::TensorParallel(format!(
+        "the {what} is a slice already; slice the whole one"
+    ))
 }
 
 /// A linear layer whose output features are cut across the tensor-parallel group.
@@ -89,9 +97,9 @@ impl ColumnParallelLinear {
     /// This rank's slice of `whole` (the same layer on every rank). The parameters keep
     /// `whole`'s ids.
     ///
-    /// # Panics
+    /// # Errors
     /// When the output features do not split evenly over the group.
-    pub fn from_linear(whole: &Linear, tp: TensorParallel) -> Self {
+    pub fn from_linear(whole: &Linear, tp: TensorParallel) -> Result<Self> {
         Self::from_linear_sections(whole, 1, tp)
     }
 
@@ -99,18 +107,24 @@ impl ColumnParallelLinear {
     /// stacked, each cut across the group on its own: a fused `[q | k | v]` projection (3
     /// sections) keeps this rank's heads of each of q, k and v.
     ///
-    /// # Panics
+    /// # Errors
     /// When a section's features do not split evenly over the group.
-    pub fn from_linear_sections(whole: &Linear, sections: usize, tp: TensorParallel) -> Self {
+    pub fn from_linear_sections(
+        whole: &Linear,
+        sections: usize,
+        tp: TensorParallel,
+    ) -> Result<Self> {
         Self::cut_from(&whole.weight, whole.bias.as_ref(), sections, tp)
     }
 
     /// This (whole) layer cut across `tp`.
     ///
-    /// # Panics
+    /// # Errors
     /// When the layer is a slice already, or does not split evenly over the group.
-    pub fn slice(&self, tp: TensorParallel) -> Self {
-        assert_eq!(self.tp.size(), 1, "the layer is a slice already");
+    pub fn slice(&self, tp: TensorParallel) -> Result<Self> {
+        if self.tp.size() != 1 {
+            return Err(sliced_already("column-parallel layer"));
+        }
         Self::cut_from(&self.weight, self.bias.as_ref(), self.sections, tp)
     }
 
@@ -119,16 +133,16 @@ impl ColumnParallelLinear {
         bias: Option<&Param<Tensor<1>>>,
         sections: usize,
         tp: TensorParallel,
-    ) -> Self {
+    ) -> Result<Self> {
         let what = "column-parallel output features";
         let layout = |dim| SliceLayout { dim, sections };
-        Self {
-            weight: sliced(weight, layout(1), &tp, what),
-            bias: bias.map(|b| sliced(b, layout(0), &tp, what)),
+        Ok(Self {
+            weight: sliced(weight, layout(1), &tp, what)?,
+            bias: bias.map(|b| sliced(b, layout(0), &tp, what)).transpose()?,
             tp,
             sections,
             quantized: None,
-        }
+        })
     }
 
     /// This layer (whole or a slice) for inference with its weight quantized under `how`:
@@ -212,18 +226,20 @@ impl RowParallelLinear {
     /// This rank's slice of `whole` (the same layer on every rank). The parameters keep
     /// `whole`'s ids.
     ///
-    /// # Panics
+    /// # Errors
     /// When the input features do not split evenly over the group.
-    pub fn from_linear(whole: &Linear, tp: TensorParallel) -> Self {
+    pub fn from_linear(whole: &Linear, tp: TensorParallel) -> Result<Self> {
         Self::cut_from(&whole.weight, whole.bias.as_ref(), tp)
     }
 
     /// This (whole) layer cut across `tp`.
     ///
-    /// # Panics
+    /// # Errors
     /// When the layer is a slice already, or does not split evenly over the group.
-    pub fn slice(&self, tp: TensorParallel) -> Self {
-        assert_eq!(self.tp.size(), 1, "the layer is a slice already");
+    pub fn slice(&self, tp: TensorParallel) -> Result<Self> {
+        if self.tp.size() != 1 {
+            return Err(sliced_already("row-parallel layer"));
+        }
         Self::cut_from(&self.weight, self.bias.as_ref(), tp)
     }
 
@@ -231,18 +247,18 @@ impl RowParallelLinear {
         weight: &Param<Tensor<2>>,
         bias: Option<&Param<Tensor<1>>>,
         tp: TensorParallel,
-    ) -> Self {
+    ) -> Result<Self> {
         let layout = SliceLayout {
             dim: 0,
             sections: 1,
         };
-        Self {
-            weight: sliced(weight, layout, &tp, "row-parallel input features"),
+        Ok(Self {
+            weight: sliced(weight, layout, &tp, "row-parallel input features")?,
             // Whole on every rank: the same parameter.
             bias: bias.cloned(),
             tp,
             quantized: None,
-        }
+        })
     }
 
     /// This layer (whole or a slice) for inference with its weight quantized under `how`
@@ -322,8 +338,8 @@ mod tests {
         for world in [2usize, 3] {
             let (_, ranks) = launch(world, Duration::from_secs(60), |comm| {
                 let tp = TensorParallel::new(Arc::new(HostCollectives::new(comm)));
-                let col = ColumnParallelLinear::from_linear(&first, tp.clone());
-                let row = RowParallelLinear::from_linear(&second, tp.clone());
+                let col = ColumnParallelLinear::from_linear(&first, tp.clone()).expect("splits");
+                let row = RowParallelLinear::from_linear(&second, tp.clone()).expect("splits");
                 let (y, gx, grads) = mlp(&|x| col.forward(x), &|x| row.forward(x));
                 if let Some(e) = tp.take_error() {
                     panic!("{e}");
@@ -366,7 +382,8 @@ mod tests {
             let (_, ranks) = launch(world, Duration::from_secs(60), |comm| {
                 let tp = TensorParallel::new(Arc::new(HostCollectives::new(comm)));
                 let layer =
-                    ColumnParallelLinear::from_linear_sections(&whole, sections, tp.clone());
+                    ColumnParallelLinear::from_linear_sections(&whole, sections, tp.clone())
+                        .expect("each section splits");
                 let y = layer.forward(Tensor::<2>::from_data(x0.clone(), &device));
                 let layout = tp.layout(layer.weight.id).expect("the weight's layout");
                 let weight = tp.gather(layer.weight.val(), layout)?;

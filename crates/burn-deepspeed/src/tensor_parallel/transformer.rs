@@ -18,6 +18,7 @@ use burn::tensor::activation::{quiet_softmax, softmax};
 use burn::tensor::{Bool, Tensor};
 
 use super::{ColumnParallelLinear, RowParallelLinear, TensorParallel};
+use crate::{DeepSpeedError, Result};
 
 /// Burn's [`MultiHeadAttention`] with its heads cut across the group: each rank computes
 /// `n_heads / tp` heads, and the output projection sums their contributions.
@@ -46,26 +47,28 @@ pub struct ParallelMultiHeadAttention {
 impl ParallelMultiHeadAttention {
     /// This rank's heads of `mha` (the same layer on every rank).
     ///
-    /// # Panics
+    /// # Errors
     /// When the heads do not split evenly over the group.
-    pub fn from_mha(mha: &MultiHeadAttention, tp: &TensorParallel) -> Self {
-        assert!(
-            mha.n_heads.is_multiple_of(tp.size()),
-            "{} attention heads do not split over {} tensor-parallel ranks",
-            mha.n_heads,
-            tp.size()
-        );
-        Self {
-            query: ColumnParallelLinear::from_linear(&mha.query, tp.clone()),
-            key: ColumnParallelLinear::from_linear(&mha.key, tp.clone()),
-            value: ColumnParallelLinear::from_linear(&mha.value, tp.clone()),
-            output: RowParallelLinear::from_linear(&mha.output, tp.clone()),
+    pub fn from_mha(mha: &MultiHeadAttention, tp: &TensorParallel) -> Result<Self> {
+        if !mha.n_heads.is_multiple_of(tp.size()) {
+            return Err(DeepSpeedError::TensorParallel(format!(
+                "{} attention heads do not split over {} ranks; choose a \
+                 tensor_parallel.tp_size that divides the heads",
+                mha.n_heads,
+                tp.size()
+            )));
+        }
+        Ok(Self {
+            query: ColumnParallelLinear::from_linear(&mha.query, tp.clone())?,
+            key: ColumnParallelLinear::from_linear(&mha.key, tp.clone())?,
+            value: ColumnParallelLinear::from_linear(&mha.value, tp.clone())?,
+            output: RowParallelLinear::from_linear(&mha.output, tp.clone())?,
             dropout: mha.dropout.clone(),
             n_heads: mha.n_heads / tp.size(),
             d_k: mha.d_k,
             min_float: mha.min_float,
             quiet_softmax: mha.quiet_softmax,
-        }
+        })
     }
 
     /// The attention's context `[batch, seq_1, d_model]`, whole on every rank, as
@@ -130,15 +133,15 @@ pub struct ParallelFeedForward {
 impl ParallelFeedForward {
     /// This rank's slice of `pwff` (the same layer on every rank).
     ///
-    /// # Panics
+    /// # Errors
     /// When the hidden features do not split evenly over the group.
-    pub fn from_feed_forward(pwff: &PositionWiseFeedForward, tp: &TensorParallel) -> Self {
-        Self {
-            linear_inner: ColumnParallelLinear::from_linear(&pwff.linear_inner, tp.clone()),
-            linear_outer: RowParallelLinear::from_linear(&pwff.linear_outer, tp.clone()),
+    pub fn from_feed_forward(pwff: &PositionWiseFeedForward, tp: &TensorParallel) -> Result<Self> {
+        Ok(Self {
+            linear_inner: ColumnParallelLinear::from_linear(&pwff.linear_inner, tp.clone())?,
+            linear_outer: RowParallelLinear::from_linear(&pwff.linear_outer, tp.clone())?,
             dropout: pwff.dropout.clone(),
             activation: pwff.activation.clone(),
-        }
+        })
     }
 
     /// The feed-forward of `x`, whole on every rank.
@@ -170,17 +173,17 @@ impl ParallelTransformerEncoderLayer {
     /// This rank's slice of `layer` (the same layer on every rank): the parameters keep their
     /// ids, and the slices' layouts are recorded in `tp`.
     ///
-    /// # Panics
+    /// # Errors
     /// When the heads or the feed-forward's features do not split evenly over the group.
-    pub fn from_layer(layer: &TransformerEncoderLayer, tp: &TensorParallel) -> Self {
-        Self {
-            mha: ParallelMultiHeadAttention::from_mha(&layer.mha, tp),
-            pwff: ParallelFeedForward::from_feed_forward(&layer.pwff, tp),
+    pub fn from_layer(layer: &TransformerEncoderLayer, tp: &TensorParallel) -> Result<Self> {
+        Ok(Self {
+            mha: ParallelMultiHeadAttention::from_mha(&layer.mha, tp)?,
+            pwff: ParallelFeedForward::from_feed_forward(&layer.pwff, tp)?,
             norm_1: layer.norm_1.clone(),
             norm_2: layer.norm_2.clone(),
             dropout: layer.dropout.clone(),
             norm_first: layer.norm_first,
-        }
+        })
     }
 
     /// The layer on `input` `[batch, seq, d_model]`, as `TransformerEncoderLayer::forward`.
@@ -253,7 +256,8 @@ mod tests {
             for world in [2usize, 4] {
                 let (_, ranks) = launch(world, Duration::from_secs(60), |comm| {
                     let tp = TensorParallel::new(Arc::new(HostCollectives::new(comm)));
-                    let layer = ParallelTransformerEncoderLayer::from_layer(&whole, &tp);
+                    let layer = ParallelTransformerEncoderLayer::from_layer(&whole, &tp)
+                        .expect("the heads split");
                     let (y, gx, grads) = run(&|x| layer.forward(x, None, Some(causal())));
                     if let Some(e) = tp.take_error() {
                         panic!("{e}");
@@ -275,6 +279,42 @@ mod tests {
                     close(&gqs, &read(slice), "query slice gradient");
                 }
             }
+        }
+    }
+
+    /// A group that does not divide the heads, or the features, is refused with an error that
+    /// names the count and the key to change (it panicked); so is slicing a slice.
+    #[test]
+    fn layers_that_do_not_split_are_refused_with_an_error() {
+        let device = Device::flex();
+        let config = TransformerEncoderConfig::new(8, 10, 4, 1).with_dropout(0.0);
+        let whole = TransformerEncoderLayer::new(&config, &device);
+        let (_, errors) = launch(3, Duration::from_secs(60), |comm| {
+            let tp = TensorParallel::new(Arc::new(HostCollectives::new(comm)));
+            let layer = ParallelTransformerEncoderLayer::from_layer(&whole, &tp).err();
+            let ff = ParallelFeedForward::from_feed_forward(&whole.pwff, &tp).err();
+            Ok((layer.map(|e| e.to_string()), ff.map(|e| e.to_string())))
+        })
+        .expect("the ranks run");
+        for (layer, ff) in errors {
+            let layer = layer.expect("refused");
+            assert!(
+                layer.contains("4 attention heads do not split over 3 ranks")
+                    && layer.contains("tensor_parallel.tp_size"),
+                "{layer}"
+            );
+            let ff = ff.expect("refused");
+            assert!(ff.contains("10 features in 1 sections"), "{ff}");
+        }
+        let (_, errors) = launch(2, Duration::from_secs(60), |comm| {
+            let tp = TensorParallel::new(Arc::new(HostCollectives::new(comm)));
+            let half = ColumnParallelLinear::from_linear(&whole.pwff.linear_inner, tp.clone())?;
+            Ok(half.slice(tp).err().map(|e| e.to_string()))
+        })
+        .expect("the ranks run");
+        for e in errors {
+            let e = e.expect("refused");
+            assert!(e.contains("a slice already"), "{e}");
         }
     }
 }

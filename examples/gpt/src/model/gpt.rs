@@ -44,11 +44,13 @@ impl Gpt {
                 tok_emb: VocabParallelEmbedding::from_embedding(
                     &EmbeddingConfig::new(VOCAB, d).init(device),
                     TensorParallel::none(),
-                ),
+                )
+                .expect("a whole table is not cut"),
                 pos_emb: VocabParallelEmbedding::from_embedding(
                     &EmbeddingConfig::new(shape.seq_len, d).init(device),
                     TensorParallel::none(),
-                ),
+                )
+                .expect("a whole table is not cut"),
                 seq_len: shape.seq_len,
             },
             // GPT-MoE: the second, fourth, ... blocks are MoE blocks (MoE layer l / 2 of
@@ -65,7 +67,8 @@ impl Gpt {
                 head: ColumnParallelLinear::from_linear(
                     &LinearConfig::new(d, VOCAB).with_bias(false).init(device),
                     TensorParallel::none(),
-                ),
+                )
+                .expect("a whole layer is not cut"),
             },
             checkpoint_blocks: false,
             moe_log: MoeLog::default(),
@@ -144,30 +147,32 @@ impl Gpt {
     /// Every parameter keeps its id; the slices' layouts are recorded in `tp`. With
     /// [`TensorParallel::none`] the model as it is.
     ///
-    /// # Panics
+    /// # Errors
     /// When the heads, the hidden features or the vocabulary do not split evenly.
-    pub fn sliced(self, tp: &TensorParallel) -> Self {
+    pub fn sliced(self, tp: &TensorParallel) -> burn_deepspeed::Result<Self> {
         if tp.size() == 1 {
-            return self;
+            return Ok(self);
         }
-        Self {
+        Ok(Self {
             embed: GptEmbed {
-                tok_emb: self.embed.tok_emb.slice(tp.clone()),
+                tok_emb: self.embed.tok_emb.slice(tp.clone())?,
                 // Cut like the vocabulary when the positions split evenly, whole otherwise.
                 pos_emb: match self.embed.seq_len.is_multiple_of(tp.size()) {
-                    true => self.embed.pos_emb.slice(tp.clone()),
+                    true => self.embed.pos_emb.slice(tp.clone())?,
                     false => self.embed.pos_emb,
                 },
                 seq_len: self.embed.seq_len,
             },
-            blocks: self.blocks.iter().map(|b| b.sliced(tp)).collect(),
+            blocks: (self.blocks.iter())
+                .map(|b| b.sliced(tp))
+                .collect::<burn_deepspeed::Result<_>>()?,
             head: GptHead {
                 ln_f: self.head.ln_f,
-                head: self.head.head.slice(tp.clone()),
+                head: self.head.head.slice(tp.clone())?,
             },
             checkpoint_blocks: self.checkpoint_blocks,
             moe_log: self.moe_log,
-        }
+        })
     }
 
     /// The model (whole or this rank's slice) for inference with its weights quantized under

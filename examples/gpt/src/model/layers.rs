@@ -24,12 +24,14 @@ pub(crate) fn column(
 ) -> ColumnParallelLinear {
     let whole: Linear = LinearConfig::new(d_in, d_out).init(device);
     ColumnParallelLinear::from_linear_sections(&whole, sections, TensorParallel::none())
+        .expect("a whole layer is not cut")
 }
 
 /// A whole layer, to be sliced as a row-parallel one.
 pub(crate) fn row(d_in: usize, d_out: usize, device: &Device) -> RowParallelLinear {
     let whole: Linear = LinearConfig::new(d_in, d_out).init(device);
     RowParallelLinear::from_linear(&whole, TensorParallel::none())
+        .expect("a whole layer is not cut")
 }
 
 /// One pre-LN transformer block: attention (a fused `[q | k | v]` projection, column
@@ -84,26 +86,36 @@ impl Block {
     /// matching rows of the output projection, its block of the MLP's hidden features;
     /// the LayerNorms whole.
     ///
-    /// # Panics
+    /// # Errors
     /// When the heads or the hidden features do not split evenly over the group.
-    pub fn sliced(&self, tp: &TensorParallel) -> Self {
-        assert!(
-            self.heads.is_multiple_of(tp.size()),
-            "{} attention heads do not split over {} tensor-parallel ranks",
-            self.heads,
-            tp.size()
-        );
-        Self {
+    pub fn sliced(&self, tp: &TensorParallel) -> burn_deepspeed::Result<Self> {
+        if !self.heads.is_multiple_of(tp.size()) {
+            return Err(burn_deepspeed::DeepSpeedError::TensorParallel(format!(
+                "{} attention heads do not split over {} ranks; choose a \
+                 tensor_parallel.tp_size that divides the heads",
+                self.heads,
+                tp.size()
+            )));
+        }
+        Ok(Self {
             ln_attn: self.ln_attn.clone(),
-            qkv: self.qkv.slice(tp.clone()),
-            attn_out: self.attn_out.slice(tp.clone()),
+            qkv: self.qkv.slice(tp.clone())?,
+            attn_out: self.attn_out.slice(tp.clone())?,
             ln_mlp: self.ln_mlp.clone(),
-            mlp_in: self.mlp_in.as_ref().map(|l| l.slice(tp.clone())),
-            mlp_out: self.mlp_out.as_ref().map(|l| l.slice(tp.clone())),
+            mlp_in: self
+                .mlp_in
+                .as_ref()
+                .map(|l| l.slice(tp.clone()))
+                .transpose()?,
+            mlp_out: self
+                .mlp_out
+                .as_ref()
+                .map(|l| l.slice(tp.clone()))
+                .transpose()?,
             // The experts stay whole on every slice.
             moe: self.moe.clone(),
             heads: self.heads,
-        }
+        })
     }
 
     /// The block with its four linear layers' weights quantized under `how`.

@@ -47,7 +47,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     }
     let model = Gpt::new(spec.shape, spec.seed, &device)
         .with_activation_checkpointing(spec.config.activation_checkpointing.is_some())
-        .sliced(grid.tensor_parallel())
+        .sliced(grid.tensor_parallel())?
         .with_experts(grid.expert_parallel(), moe_seed(spec, rank))?;
     let moe_log = model.moe_log().clone();
     let mut engine = DeepSpeedEngine::with_grid(model, spec.config.clone(), &grid)?;

@@ -38,7 +38,7 @@ pub(crate) fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Resu
     let grid = Grid::from_config(&spec.config, comm.clone(), &device)?;
     let tp = grid.tensor_parallel().clone();
     let layers = Gpt::new(spec.shape, spec.seed, &device)
-        .sliced(&tp)
+        .sliced(&tp)?
         .into_layers();
     let mut engine = PipelineEngine::with_grid(layers, spec.config.clone(), &grid, device.clone())?;
     // A checkpoint written on any grid continues here, on the batches an uninterrupted run

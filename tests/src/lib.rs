@@ -3,6 +3,7 @@
 //! comparisons of the offload tests.
 
 pub mod cgroup;
+pub mod fuzz;
 pub mod offload;
 
 use burn::module::{Module, Param};

@@ -7,11 +7,13 @@ mod common;
 
 mod book;
 mod checkpoint_faults;
+mod config_fuzz;
 mod consolidate;
 mod crash;
 mod data_parallel;
 mod device;
 mod distill;
+mod engine_fuzz;
 mod faults;
 mod grid_checkpoint;
 mod inference;

@@ -83,7 +83,7 @@ group() {
     echo "$passed $failed $ignored $took $name" >> "$out/counts.txt"
     case "$name" in
         # One line per fault-injection group (the fault suite's own lines).
-        faults | checkpoint_faults | crash | config_fuzz | soak | consolidate | learner_strategy)
+        faults | checkpoint_faults | crash | config_fuzz | engine_fuzz | soak | consolidate | learner_strategy)
             echo "fault group $name: $passed passed, $failed failed" ;;
         offload_cgroup)
             # The memory-capped ZeRO-Infinity run says whether its cgroup could be made.

@@ -140,6 +140,7 @@ SECTIONS = {
     "precision": ("precision", [FAKE, "2"]),
     "offload": ("offload", [FAKE, "2"]),
     "resume": ("resume", [FAKE, "2"]),
+    "recorder": ("recorder", [FAKE, "2"]),
     "moonshot": ("moonshot", [FAKE, "2", "1"]),
     "device_flex": ("device_flex", [FAKE, "2", "rev", "2"]),
     "redesign_flex": ("device_flex", [FAKE, "2", "rev", "2", "redesign-flex"]),

@@ -402,6 +402,53 @@ mod tests {
         assert!(err.contains("owns 5 at stage 3"), "{err}");
     }
 
+    /// Two saved slices of [`meta`](crate::checkpoint::files::tests::meta)'s model (tensors
+    /// of 2 and 1 elements) as a stage-2 checkpoint in memory: ranges are read across them,
+    /// and slices that disagree on the steps, or whose length does not fit their header, are
+    /// refused naming the slice.
+    #[test]
+    fn saved_slices_are_read_by_range_and_checked() {
+        use crate::checkpoint::files::tests::meta;
+        use crate::checkpoint::state::partition_state_bytes;
+        let slice = |steps: u32, m: Vec<f32>| {
+            let v = m.iter().map(|x| -x).collect();
+            partition_state_bytes(&PartitionState {
+                steps: vec![steps; 2],
+                m,
+                v,
+            })
+        };
+        let meta = CheckpointMeta {
+            zero_stage: 2,
+            ..meta()
+        };
+        let loaded = |files| Loaded::in_memory(meta.clone(), vec![0.5, 1.5, 2.5], files);
+        let (all, tail) = ([0..2, 2..3], [1..2, 2..3]);
+        let good = loaded(vec![slice(3, vec![1.0, 2.0]), slice(3, vec![3.0])]);
+        let state = good.slice_state(&[2, 1], &tail).expect("read");
+        assert_eq!((state.m, state.v), (vec![2.0, 3.0], vec![-2.0, -3.0]));
+        assert_eq!(state.steps, vec![3, 3]);
+        assert_eq!(
+            good.params_in(&[2..3, 0..1]).expect("params"),
+            vec![2.5, 0.5]
+        );
+        let e = loaded(vec![slice(3, vec![1.0, 2.0]), slice(4, vec![3.0])])
+            .slice_state(&[2, 1], &all)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("disagree on the step counts"), "{e}");
+        let mut short = slice(3, vec![3.0]);
+        short.truncate(short.len() - 4);
+        let e = loaded(vec![slice(3, vec![1.0, 2.0]), short])
+            .slice_state(&[2, 1], &all)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("zero_pp_rank_1_optim_states.bin") && e.contains("for a slice of 1"),
+            "{e}"
+        );
+    }
+
     /// Every element of every range is read exactly once, at any pair of world sizes.
     #[test]
     fn reads_cover_each_range_once() {

@@ -39,12 +39,8 @@ pub fn commit_checkpoint(
     check_tag(tag)?;
     let json = serde_json::to_vec_pretty(meta)
         .map_err(|e| DeepSpeedError::Checkpoint(format!("metadata: {e}")))?;
-    write_synced(&staging.join("meta.json"), &json, None)?;
-    write_synced(
-        &staging.join("meta.sha256"),
-        sha256_hex(&json).as_bytes(),
-        None,
-    )?;
+    write_synced(&staging.join("meta.json"), &json)?;
+    write_synced(&staging.join("meta.sha256"), sha256_hex(&json).as_bytes())?;
     sync_dir(staging)?;
     check_target(dir, tag)?;
     let target = dir.join(tag);
@@ -55,7 +51,7 @@ pub fn commit_checkpoint(
     }
     sync_dir(dir)?;
     let latest_tmp = dir.join(format!(".latest.partial-{:016x}", unique_suffix()));
-    write_synced(&latest_tmp, tag.as_bytes(), None)?;
+    write_synced(&latest_tmp, tag.as_bytes())?;
     let latest = dir.join("latest");
     fs::rename(&latest_tmp, &latest).map_err(|e| io_err(&latest, e))?;
     sync_dir(dir)?;

@@ -67,14 +67,9 @@ pub(crate) fn io_bar(label: &str, total: u64, show: bool) -> TaskProgress {
     TaskProgress::bytes(label, total, show && total >= PROGRESS_MIN_BYTES)
 }
 
-pub(crate) fn write_synced(path: &Path, bytes: &[u8], bar: Option<&TaskProgress>) -> Result<()> {
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = File::create(path).map_err(|e| io_err(path, e))?;
-    for piece in bytes.chunks(PIECE) {
-        f.write_all(piece).map_err(|e| io_err(path, e))?;
-        if let Some(bar) = bar {
-            bar.inc(piece.len() as u64);
-        }
-    }
+    f.write_all(bytes).map_err(|e| io_err(path, e))?;
     f.sync_all().map_err(|e| io_err(path, e))
 }
 

@@ -213,15 +213,7 @@ impl Loaded {
                 r,
             )?);
         }
-        let steps = heads.first().map(|h| h.steps.clone()).unwrap_or_default();
-        if let Some(r) = heads.iter().position(|h| h.steps != steps) {
-            return Err(DeepSpeedError::Checkpoint(format!(
-                "{} and {} disagree on the step counts of {} tensors",
-                partition_file(0),
-                partition_file(r),
-                sizes.len()
-            )));
-        }
+        let steps = common_steps(heads.iter().map(|h| h.steps.as_slice()), sizes.len())?;
         let lens: Vec<usize> = heads.iter().map(|h| h.len).collect();
         let spans = saved_spans(&lens, sizes, self.meta.zero_stage)?;
         let numel: usize = sizes.iter().sum();
@@ -239,6 +231,22 @@ impl Loaded {
             file.read_values(at + 4 * head.len as u64, read.local.len(), &mut v)?;
         }
         Ok(PartitionState { steps, m, v })
+    }
+}
+
+/// The step counts every saved slice (in rank order) holds, refused when two disagree.
+pub fn common_steps<'a>(
+    mut slices: impl Iterator<Item = &'a [u32]>,
+    tensors: usize,
+) -> Result<Vec<u32>> {
+    let first = slices.next().unwrap_or_default();
+    match slices.position(|s| s != first) {
+        None => Ok(first.to_vec()),
+        Some(r) => Err(DeepSpeedError::Checkpoint(format!(
+            "{} and {} disagree on the step counts of {tensors} tensors",
+            partition_file(0),
+            partition_file(r + 1),
+        ))),
     }
 }
 

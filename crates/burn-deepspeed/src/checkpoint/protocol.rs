@@ -30,9 +30,9 @@ use sha2::Digest;
 use super::files::io_bar;
 use super::{
     CheckpointFile, CheckpointMeta, Loaded, StateFileWriter, check_tag, check_target,
-    commit_checkpoint, create_staging, discard_staging, f32_bytes, numel_of, partition_state_bytes,
-    partition_state_from_bytes, read_latest, read_meta, saved_spans, staging_dir, unique_suffix,
-    verify_files, write_checkpoint, write_state_file,
+    commit_checkpoint, common_steps, create_staging, discard_staging, f32_bytes, numel_of,
+    partition_state_bytes, partition_state_from_bytes, read_latest, read_meta, saved_spans,
+    staging_dir, unique_suffix, verify_files, write_checkpoint, write_state_file,
 };
 use crate::sync::{GradSync, ParamSink, SavedState};
 use crate::{DeepSpeedError, Result, agreed};
@@ -400,15 +400,7 @@ pub fn join_slices(
             sizes.len()
         )));
     }
-    let steps = slices.first().map(|s| s.steps.clone()).unwrap_or_default();
-    if let Some(r) = slices.iter().position(|s| s.steps != steps) {
-        return Err(DeepSpeedError::Checkpoint(format!(
-            "{} and {} disagree on the step counts of {} tensors",
-            partition_file(0),
-            partition_file(r),
-            sizes.len()
-        )));
-    }
+    let steps = common_steps(slices.iter().map(|s| s.steps.as_slice()), sizes.len())?;
     if slices.len() != world {
         return Err(DeepSpeedError::Checkpoint(format!(
             "{} optimizer slices; expected {world}",

@@ -28,6 +28,7 @@
 
 use std::fs::{self, File};
 use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
@@ -37,6 +38,7 @@ use crate::{DeepSpeedError, Result};
 
 use super::commit::{check_target, commit_checkpoint, discard_staging};
 use super::meta::*;
+use super::state::SliceState;
 
 /// SHA-256 of `bytes`, as lowercase hex.
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -147,21 +149,35 @@ pub fn create_staging(staging: &Path) -> Result<()> {
     fs::create_dir(staging).map_err(|e| io_err(staging, e))
 }
 
-/// Writes one state file into the staging directory, synced, and describes it; with `show`
-/// (rank 0) a large file shows a progress bar on a terminal.
-pub fn write_state_file(
+/// Writes a rank's optimizer slice into the staging directory as file `name`, synced, and
+/// describes it; with `show` (rank 0) a large file shows a progress bar on a terminal. The
+/// slice's pieces are written where they belong as they come, so an offloaded slice is read
+/// from its swap file and written tile by tile.
+pub fn write_slice_file(
     staging: &Path,
     name: &str,
-    bytes: &[u8],
+    slice: SliceState,
     show: bool,
 ) -> Result<CheckpointFile> {
-    let bar = io_bar(&format!("checkpoint save {name}"), bytes.len() as u64, show);
-    let file = write_state_file_counted(staging, name, bytes, &bar);
+    let declared = slice.bytes;
+    let bar = io_bar(&format!("checkpoint save {name}"), declared, show);
+    let written = (|| {
+        let mut file = StateFileWriter::create(staging, name, &bar)?;
+        slice.write_to(&mut |at, piece| file.write_at(at, piece))?;
+        file.finish()
+    })();
     bar.finish();
-    file
+    let written = written?;
+    if written.bytes != declared {
+        return Err(DeepSpeedError::Checkpoint(format!(
+            "{name}: {} bytes written of a slice of {declared}",
+            written.bytes
+        )));
+    }
+    Ok(written)
 }
 
-/// [`write_state_file`], counting the bytes on `bar`.
+/// [`StateFileWriter`] for `bytes`, counting them on `bar`.
 fn write_state_file_counted(
     staging: &Path,
     name: &str,
@@ -174,14 +190,19 @@ fn write_state_file_counted(
 }
 
 /// A state file written into the staging directory piece by piece as its bytes arrive (the
-/// parameters gathered tensor by tensor, say), hashed on the way, and synced when finished:
-/// the writer never holds the whole file.
+/// parameters gathered tensor by tensor, the moments of a swapped slice tile by tile), and
+/// synced when finished: the writer never holds the whole file. Pieces written in order are
+/// hashed on the way; a file written out of order is hashed by reading it back once.
 pub struct StateFileWriter<'b> {
     file: File,
     path: PathBuf,
     name: String,
     hasher: Sha256,
-    bytes: u64,
+    /// How far the file is hashed, while its pieces arrive in order.
+    hashed: u64,
+    in_order: bool,
+    /// The end of the furthest piece written.
+    end: u64,
     bar: &'b TaskProgress,
 }
 
@@ -189,37 +210,68 @@ impl<'b> StateFileWriter<'b> {
     /// Creates file `name` in `staging`, counting the bytes written on `bar`.
     pub fn create(staging: &Path, name: &str, bar: &'b TaskProgress) -> Result<Self> {
         let path = staging.join(name);
-        let file = File::create(&path).map_err(|e| io_err(&path, e))?;
+        // Readable too: a file written out of order is hashed by reading it back.
+        let file = (fs::OpenOptions::new().read(true).write(true).create(true))
+            .truncate(true)
+            .open(&path)
+            .map_err(|e| io_err(&path, e))?;
         bar.set_message(name.to_string());
         Ok(Self {
             file,
             path,
             name: name.to_string(),
             hasher: Sha256::new(),
-            bytes: 0,
+            hashed: 0,
+            in_order: true,
+            end: 0,
             bar,
         })
     }
 
     /// Appends `bytes`.
     pub fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        self.write_at(self.end, bytes)
+    }
+
+    /// Writes `bytes` at byte `offset`.
+    pub fn write_at(&mut self, offset: u64, bytes: &[u8]) -> Result<()> {
+        let mut at = offset;
         for piece in bytes.chunks(PIECE) {
             (self.file)
-                .write_all(piece)
+                .write_all_at(piece, at)
                 .map_err(|e| io_err(&self.path, e))?;
-            self.hasher.update(piece);
-            self.bytes += piece.len() as u64;
+            if self.in_order && at == self.hashed {
+                self.hasher.update(piece);
+                self.hashed += piece.len() as u64;
+            } else {
+                self.in_order = false;
+            }
+            at += piece.len() as u64;
+            self.end = self.end.max(at);
             self.bar.inc(piece.len() as u64);
         }
         Ok(())
     }
 
     /// Syncs the file and describes it.
-    pub fn finish(self) -> Result<CheckpointFile> {
+    pub fn finish(mut self) -> Result<CheckpointFile> {
         self.file.sync_all().map_err(|e| io_err(&self.path, e))?;
+        if !self.in_order || self.hashed != self.end {
+            self.hasher = Sha256::new();
+            let mut buf = vec![0u8; PIECE];
+            let mut at = 0;
+            while at < self.end {
+                let n = PIECE.min((self.end - at) as usize);
+                (self.file)
+                    .read_exact_at(&mut buf[..n], at)
+                    .map_err(|e| io_err(&self.path, e))?;
+                self.hasher.update(&buf[..n]);
+                at += n as u64;
+            }
+        }
         Ok(CheckpointFile {
             name: self.name,
-            bytes: self.bytes,
+            bytes: self.end,
             sha256: hex(&self.hasher.finalize()),
         })
     }
@@ -287,6 +339,33 @@ pub(crate) mod tests {
         let open = File::open(dir.path().join("big.bin")).expect("open");
         let (head, _, sum) = read_hashed(open, 100, &loaded, true).expect("read");
         assert_eq!((head.len(), sum), (100, sha256_hex(&bytes[..100])));
+    }
+
+    #[test]
+    fn slices_written_out_of_order_are_whole_and_hashed() {
+        let len = 2 * PIECE + 77;
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 17 % 253) as u8).collect();
+        let dir = tempfile::tempdir().expect("tempdir");
+        // The pieces arrive as an offloaded slice's tiles do: m and v of each tile in turn.
+        let (a, b) = (PIECE / 3, PIECE + PIECE / 2);
+        let order = [0..a, b..b + 1000, a..b, b + 1000..len];
+        let slice = SliceState::streamed(len as u64, |sink| {
+            order
+                .iter()
+                .try_for_each(|r| sink(r.start as u64, &bytes[r.clone()]))
+        });
+        let file = write_slice_file(dir.path(), "slice.bin", slice, false).expect("write");
+        let back = fs::read(dir.path().join("slice.bin")).expect("read");
+        assert!(back == bytes, "the file holds the pieces where they belong");
+        assert_eq!((file.bytes, file.sha256), (len as u64, sha256_hex(&bytes)));
+        // In order, the hash is taken on the way: the same result.
+        let held = SliceState::held(bytes.clone());
+        let file = write_slice_file(dir.path(), "held.bin", held, false).expect("write");
+        assert_eq!(file.sha256, sha256_hex(&bytes));
+        // A slice that writes less than it declared is refused, naming the file.
+        let short = SliceState::streamed(len as u64, |sink| sink(0, &bytes[..10]));
+        let err = write_slice_file(dir.path(), "short.bin", short, false).unwrap_err();
+        assert!(err.to_string().contains("short.bin"), "{err}");
     }
 
     /// A stage-0 checkpoint's metadata of two tensors (3 elements) on 2 ranks.

@@ -29,10 +29,10 @@ use sha2::Digest;
 
 use super::files::io_bar;
 use super::{
-    CheckpointFile, CheckpointMeta, Loaded, StateFileWriter, check_tag, check_target,
+    CheckpointFile, CheckpointMeta, Loaded, SliceState, StateFileWriter, check_tag, check_target,
     commit_checkpoint, common_steps, create_staging, discard_staging, f32_bytes, numel_of,
     partition_state_bytes, partition_state_from_bytes, read_latest, read_meta, saved_spans,
-    staging_dir, unique_suffix, verify_files, write_checkpoint, write_state_file,
+    staging_dir, unique_suffix, verify_files, write_checkpoint, write_slice_file,
 };
 use crate::sync::{GradSync, ParamSink, SavedState};
 use crate::{DeepSpeedError, Result, agreed};
@@ -79,7 +79,7 @@ pub fn save<M: Module>(
                 None => Ok(dir.join(tag)),
             }
         }
-        SavedState::Slice(state) => write_slices(dir, tag, comm, &state, &stream, meta),
+        SavedState::Slice(state) => write_slices(dir, tag, comm, state, &stream, meta),
     };
     // Every rank learns whether rank 0's commit succeeded.
     let mut ok = [u8::from(written.is_ok())];
@@ -102,7 +102,7 @@ fn write_slices(
     dir: &Path,
     tag: &str,
     comm: &dyn Communicator,
-    state: &[u8],
+    state: SliceState,
     params: &ParamStream,
     meta: CheckpointMeta,
 ) -> Result<PathBuf> {
@@ -130,7 +130,7 @@ fn write_staged(
     tag: &str,
     comm: &dyn Communicator,
     staging: &Path,
-    state: &[u8],
+    state: SliceState,
     params: &ParamStream,
     mut meta: CheckpointMeta,
 ) -> Result<PathBuf> {
@@ -138,7 +138,7 @@ fn write_staged(
         comm,
         "checkpoint slice",
         comm.solo("checkpoint write", || {
-            write_state_file(
+            write_slice_file(
                 staging,
                 &partition_file(comm.rank()),
                 state,

@@ -69,13 +69,78 @@ pub fn one_bit_state_from_bytes(bytes: &[u8]) -> Result<OneBitState> {
 /// A ZeRO stage 1/2 slice's state as bytes: tensor count (u32), per-tensor steps (u32), slice
 /// length (u64), then m and v (f32); all little-endian.
 pub fn partition_state_bytes(state: &PartitionState) -> Vec<u8> {
-    let mut out = Vec::with_capacity(12 + 4 * state.steps.len() + 8 * state.m.len());
-    out.extend((state.steps.len() as u32).to_le_bytes());
-    state.steps.iter().for_each(|s| out.extend(s.to_le_bytes()));
-    out.extend((state.m.len() as u64).to_le_bytes());
+    let mut out = partition_state_head(&state.steps, state.m.len());
+    out.reserve(8 * state.m.len());
     out.extend(f32_bytes(&state.m));
     out.extend(f32_bytes(&state.v));
     out
+}
+
+/// What [`partition_state_bytes`] writes before the moments of a slice of `len` elements.
+pub fn partition_state_head(steps: &[u32], len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(12 + 4 * steps.len());
+    out.extend((steps.len() as u32).to_le_bytes());
+    steps.iter().for_each(|s| out.extend(s.to_le_bytes()));
+    out.extend((len as u64).to_le_bytes());
+    out
+}
+
+/// Where a slice's bytes go: each piece with its byte offset in the file.
+pub type SliceSink<'a> = &'a mut dyn FnMut(u64, &[u8]) -> Result<()>;
+
+/// A rank's slice of the optimizer state as its checkpoint file ([`partition_state_bytes`]'s
+/// layout): its length, and how its bytes are produced, from memory or tile by tile from a
+/// swap file (ZeRO-Infinity), so that a save never holds an offloaded slice whole.
+pub struct SliceState<'a> {
+    /// The file's length in bytes.
+    pub bytes: u64,
+    write: Box<dyn FnOnce(SliceSink) -> Result<()> + 'a>,
+}
+
+impl<'a> SliceState<'a> {
+    /// A slice already serialized in memory.
+    pub fn held(bytes: Vec<u8>) -> Self {
+        Self::streamed(bytes.len() as u64, move |sink| sink(0, &bytes))
+    }
+
+    /// A slice of `bytes` bytes that `write` hands to its sink piece by piece, in any order;
+    /// together the pieces cover the file once.
+    pub fn streamed(bytes: u64, write: impl FnOnce(SliceSink) -> Result<()> + 'a) -> Self {
+        Self {
+            bytes,
+            write: Box::new(write),
+        }
+    }
+
+    /// Hands every piece to `sink`.
+    pub fn write_to(self, sink: SliceSink) -> Result<()> {
+        (self.write)(sink)
+    }
+
+    /// The whole file in memory (for tests and small slices).
+    pub fn into_bytes(self) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; usize::try_from(self.bytes).unwrap_or(usize::MAX)];
+        self.write_to(&mut |at, piece| {
+            let at = at as usize;
+            let end = at + piece.len();
+            let Some(to) = out.get_mut(at..end) else {
+                return Err(DeepSpeedError::Checkpoint(format!(
+                    "a slice piece at bytes {at}..{end} lies outside its declared length"
+                )));
+            };
+            to.copy_from_slice(piece);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+}
+
+impl std::fmt::Debug for SliceState<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SliceState")
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Parses [`partition_state_bytes`].

@@ -9,7 +9,7 @@ use burn_deepspeed_strategies::swap::SwapSummary;
 use burn_deepspeed_strategies::zero::PartitionState;
 
 use crate::Result;
-use crate::checkpoint::Loaded;
+use crate::checkpoint::{Loaded, SliceState};
 use crate::flat::{ParamLayout, params_to_flat};
 use crate::memory::ModelStateBytes;
 use crate::zero3::GatherStats;
@@ -90,13 +90,13 @@ impl StagedLoad {
 pub type ParamSink<'a> = &'a mut dyn FnMut(&[f32]);
 
 /// The optimizer state a rank contributes to a checkpoint.
-#[derive(Debug, Clone, PartialEq)]
-pub enum SavedState {
+#[derive(Debug)]
+pub enum SavedState<'a> {
     /// The same on every rank: rank 0 writes it as `optim.bin` (`None` on the other ranks,
     /// which need not serialize it).
     Replicated(Option<Vec<u8>>),
     /// This rank's slice: every rank writes its own `zero_pp_rank_R_optim_states.bin`.
-    Slice(Vec<u8>),
+    Slice(SliceState<'a>),
 }
 
 /// One data-parallel gradient regime: accumulate a micro-batch's gradients, reduce them
@@ -226,7 +226,7 @@ pub trait GradSync<M: Module> {
 
     /// This rank's optimizer state for a checkpoint (`root`: this rank writes replicated
     /// state).
-    fn save(&self, root: bool) -> Result<SavedState>;
+    fn save(&self, root: bool) -> Result<SavedState<'_>>;
 
     /// The first phase of an all-or-nothing load: checks a checkpoint read by every rank
     /// against this regime and prepares this rank's optimizer state (cut again for this world

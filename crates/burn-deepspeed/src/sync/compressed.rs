@@ -188,7 +188,7 @@ impl<M: Module, P: ModelPlace> GradSync<M> for CompressedSync<P> {
         self.meter.peak()
     }
 
-    fn save(&self, root: bool) -> Result<SavedState> {
+    fn save(&self, root: bool) -> Result<SavedState<'_>> {
         let state = match root {
             true => Some(one_bit_state_bytes(&self.optim.export(&self.place)?)),
             false => None,

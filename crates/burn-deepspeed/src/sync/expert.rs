@@ -26,7 +26,7 @@ use super::{
     WholeLayout, broadcast_params, module_device,
 };
 use crate::checkpoint::{
-    Loaded, all_gather_bytes, f32_bytes, f32_values, partition_state_bytes,
+    Loaded, SliceState, all_gather_bytes, f32_bytes, f32_values, partition_state_bytes,
     partition_state_from_bytes,
 };
 use crate::config::{DeepSpeedConfig, OffloadDevice};
@@ -317,7 +317,7 @@ impl<M: Module> GradSync<M> for ExpertSync {
     /// The whole model's state, written by rank 0: at stage 0 as `optim.bin`, at stages 1-2
     /// as rank 0's slice with every element (the other ranks' slices hold none), so that a
     /// plain engine of any world size joins them as it joins its own.
-    fn save(&self, root: bool) -> Result<SavedState> {
+    fn save(&self, root: bool) -> Result<SavedState<'_>> {
         let state = GradSync::<M>::whole_moments(self)?.ok_or_else(|| {
             DeepSpeedError::Checkpoint(
                 "this optimizer keeps no flat state; expert-parallel checkpoints need Adam, \
@@ -327,12 +327,14 @@ impl<M: Module> GradSync<M> for ExpertSync {
         })?;
         Ok(match (self.partitioned, root) {
             (false, _) => SavedState::Replicated(root.then(|| partition_state_bytes(&state))),
-            (true, true) => SavedState::Slice(partition_state_bytes(&state)),
-            (true, false) => SavedState::Slice(partition_state_bytes(&PartitionState {
-                steps: state.steps,
-                m: Vec::new(),
-                v: Vec::new(),
-            })),
+            (true, true) => SavedState::Slice(SliceState::held(partition_state_bytes(&state))),
+            (true, false) => {
+                SavedState::Slice(SliceState::held(partition_state_bytes(&PartitionState {
+                    steps: state.steps,
+                    m: Vec::new(),
+                    v: Vec::new(),
+                })))
+            }
         })
     }
 

@@ -18,6 +18,7 @@ use burn_deepspeed_strategies::zero::{
 use super::ModelPlace;
 use super::device_step::{DeviceOptimizer, StepState, device_step};
 use crate::Result;
+use crate::checkpoint::{SliceState, f32_bytes, partition_state_bytes, partition_state_head};
 
 /// Where an offloaded step hands each stepped tile: its range of the slice and its values.
 pub type TileSink<'a> = dyn FnMut(Range<usize>, &[f32]) -> StrategiesResult<()> + 'a;
@@ -47,6 +48,13 @@ pub trait FlatOptimizer<P: ModelPlace>: Send {
 
     /// The slice's state (steps, m and v), read into host memory.
     fn export(&self, place: &P) -> Result<PartitionState>;
+
+    /// The slice's state as its checkpoint file ([`partition_state_bytes`]'s layout).
+    fn export_file(&self, place: &P) -> Result<SliceState<'_>> {
+        Ok(SliceState::held(partition_state_bytes(
+            &self.export(place)?,
+        )))
+    }
 
     /// Restores the slice's state (and, when offloaded, its fp32 `masters`). Fails only as
     /// [`check_restore`](Self::check_restore) says, or writing an offloaded state's swap file
@@ -155,6 +163,21 @@ impl FlatOptimizer<HostPlace> for HostFlatOptimizer {
 
     fn export(&self, _place: &HostPlace) -> Result<PartitionState> {
         Ok(self.inner.export()?.into_owned())
+    }
+
+    /// Written as it is read: an offloaded slice's moments come from the swap file a tile at
+    /// a time (one pass), each tile's m and v written where they belong in the file.
+    fn export_file(&self, _place: &HostPlace) -> Result<SliceState<'_>> {
+        let len = self.inner.own().len();
+        let head = partition_state_head(self.inner.steps(), len);
+        let at = head.len() as u64;
+        Ok(SliceState::streamed(at + 8 * len as u64, move |sink| {
+            sink(0, &head)?;
+            self.inner.export_tiles(|r, m, v| {
+                sink(at + 4 * r.start as u64, &f32_bytes(m))?;
+                sink(at + 4 * (len + r.start) as u64, &f32_bytes(v))
+            })
+        }))
     }
 
     fn restore(
@@ -323,5 +346,63 @@ impl FlatOptimizer<DevicePlace> for DeviceFlatOptimizer {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn_deepspeed_cubecl_kernels::adam::AdamParams;
+    use burn_deepspeed_strategies::comm::{ThreadWorld, ThreadWorldOptions};
+    use burn_deepspeed_strategies::swap::{AioOptions, IoEngine, SwapOptions, SwapStore, TilePlan};
+
+    use super::*;
+
+    #[test]
+    fn an_offloaded_slice_is_saved_tile_by_tile_as_the_same_bytes() {
+        let sizes = [700usize, 3, 1300];
+        let numel: usize = sizes.iter().sum();
+        let kind = PartitionedKind::Adam(AdamParams {
+            lr: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            decoupled: true,
+            bias_correction: true,
+        });
+        let dir = tempfile::tempdir().expect("tempdir");
+        let comm = ThreadWorld::new(1, ThreadWorldOptions::default()).expect("world");
+        let comm: Arc<dyn Communicator> = Arc::new(comm.communicators().remove(0));
+        let part = FlatPartition::new(numel, 2);
+        let place = HostPlace::new(comm.clone());
+        let mut ram = HostFlatOptimizer::new(kind, &part, 1, &sizes, comm.clone());
+        let mut disk = HostFlatOptimizer::new(kind, &part, 1, &sizes, comm);
+        let own = ram.inner.own();
+        let init: Vec<f32> = (0..own.len()).map(|i| (i % 13) as f32 / 7.0).collect();
+        let plan = TilePlan::new(own.len(), 128, 3);
+        let options = SwapOptions {
+            aio: AioOptions::default(),
+            engine: IoEngine::select().expect("an I/O engine"),
+            pipeline_read: true,
+            pipeline_write: true,
+        };
+        let swap = SwapStore::create(&dir.path().join("s.swp"), plan, options);
+        disk.inner
+            .offload(swap.expect("swap"), &init)
+            .expect("offload");
+        let (mut p_ram, mut p_disk) = (init.clone(), init);
+        let grads: Vec<f32> = (0..own.len()).map(|i| (i % 5) as f32 - 2.0).collect();
+        for _ in 0..2 {
+            ram.step(&place, &mut p_ram, &grads, &[1, 1, 1], 0.01)
+                .expect("step");
+            disk.step(&place, &mut p_disk, &grads, &[1, 1, 1], 0.01)
+                .expect("step");
+        }
+        let expected = partition_state_bytes(&ram.export(&place).expect("export"));
+        for optim in [&ram, &disk] {
+            let file = optim.export_file(&place).expect("export");
+            assert_eq!(file.bytes, expected.len() as u64);
+            assert!(file.into_bytes().expect("bytes") == expected);
+        }
     }
 }

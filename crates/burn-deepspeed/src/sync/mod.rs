@@ -29,6 +29,7 @@ mod replicated;
 pub mod scale;
 mod shard_cut;
 mod sharded;
+mod sharded_offload;
 mod shards;
 
 pub use base::*;

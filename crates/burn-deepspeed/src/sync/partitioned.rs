@@ -530,7 +530,7 @@ impl<M: Module, S: GradStore> GradSync<M> for PartitionedSync<S> {
     }
 
     /// Stage 0: rank 0 writes the whole state; stages 1-2: every rank its slice.
-    fn save(&self, root: bool) -> Result<SavedState> {
+    fn save(&self, root: bool) -> Result<SavedState<'_>> {
         let optim = self.optim.as_ref().ok_or_else(no_state_to_restore)?;
         if self.cut == Cut::Nothing {
             let bytes = match root {
@@ -539,9 +539,7 @@ impl<M: Module, S: GradStore> GradSync<M> for PartitionedSync<S> {
             };
             return Ok(SavedState::Replicated(bytes));
         }
-        Ok(SavedState::Slice(partition_state_bytes(
-            &optim.export(&self.place)?,
-        )))
+        Ok(SavedState::Slice(optim.export_file(&self.place)?))
     }
 
     /// Everything fallible (reading and restoring the optimizer state) happens before the

@@ -229,7 +229,7 @@ impl<M: Module, G: GradElem> GradSync<M> for ReplicatedSync<G> {
         self.meter.peak()
     }
 
-    fn save(&self, root: bool) -> Result<SavedState> {
+    fn save(&self, root: bool) -> Result<SavedState<'_>> {
         let optim = self.optim.as_ref().ok_or_else(no_optimizer)?;
         if !root {
             return Ok(SavedState::Replicated(None));

@@ -15,7 +15,6 @@
 //! store ([`shard_offloaded`](ShardedSync::shard_offloaded), `offload_param`).
 
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::slice;
 use std::sync::Arc;
 
@@ -27,20 +26,18 @@ use burn_deepspeed_strategies::place::{DevicePlace, HostPlace, Place};
 use burn_deepspeed_strategies::zero::{PartitionState, PartitionedKind, ShardPlan};
 
 use super::buffer::merge_presence;
-use super::grads::{GradStore, no_optimizer, reduce_and_clip, step_part};
+use super::grads::{GradStore, reduce_and_clip, step_part};
 use super::scale::Scaling;
 use super::{
     DeviceFlatOptimizer, DeviceShards, FlatOptimizer, GradElem, GradSync, HostFlatOptimizer,
-    HostShards, ModelParallelNorm, ModelPlace, NvmeOffload, ParamSink, PieceReader, PieceWriter,
-    Reduced, SavedState, ShardCut, StagedLoad, SyncOptions, caller_optimizer_keeps_no_masters,
+    HostShards, ModelParallelNorm, ModelPlace, ParamSink, Reduced, SavedState, ShardCut,
+    StagedLoad, SyncOptions, caller_optimizer_keeps_no_masters,
 };
-use crate::checkpoint::{Loaded, gather_state, no_state_to_restore, partition_state_bytes};
+use crate::checkpoint::{Loaded, gather_state, no_state_to_restore};
 use crate::flat::{ParamLayout, set_param_ids};
 use crate::memory::{MemoryMeter, ModelStateBytes, param_bytes};
 use crate::precision::cast_module;
-use crate::zero3::{
-    GatherGroup, GatherStats, ParamStore, ParamStoreSummary, shard_module, shard_module_to_store,
-};
+use crate::zero3::{GatherGroup, GatherStats, ParamStore, ParamStoreSummary, shard_module};
 use crate::{DeepSpeedError, Result, agreed};
 
 /// A rank's stage-3 state: the gather group, its gradient in the store `S` (host buffers of
@@ -55,19 +52,19 @@ pub struct ShardedSync<S: GradStore = HostShards<f32>> {
     /// module holds empty placeholders for them).
     pub(super) store: Option<Arc<ParamStore>>,
     pub(super) present: Vec<u8>,
-    micro_steps: u64,
-    options: SyncOptions,
+    pub(super) micro_steps: u64,
+    pub(super) options: SyncOptions,
     /// `None` when the caller steps the pieces with its own optimizer
     /// ([`for_learner`](ShardedSync::for_learner)).
-    optim: Option<<S::Place as ModelPlace>::Optim>,
-    meter: MemoryMeter,
+    pub(super) optim: Option<<S::Place as ModelPlace>::Optim>,
+    pub(super) meter: MemoryMeter,
     /// Mixed precision: the fp32 masters of this rank's pieces (buffer order), which the
     /// optimizer steps; the module's chunks hold them rounded to its 16-bit dtype.
-    master: Option<<S::Place as Place>::Buf>,
+    pub(super) master: Option<<S::Place as Place>::Buf>,
     /// Tensor slicing: the norm's groups.
-    slices: Option<ModelParallelNorm>,
+    pub(super) slices: Option<ModelParallelNorm>,
     /// A failure of the store during a micro-batch, reported by the next step.
-    deferred: Option<DeepSpeedError>,
+    pub(super) deferred: Option<DeepSpeedError>,
 }
 
 /// DeepSpeed's stage-3 cut of the tensors of `layout` over `world` ranks under the
@@ -132,68 +129,6 @@ impl<G: GradElem> ShardedSync<HostShards<G>> {
         let grads = HostShards::new(group.clone(), cut.clone());
         let place = HostPlace::new(comm);
         Self::with(place, grads, layout, group, cut, options, None)
-    }
-
-    /// Moves the optimizer state of this rank's pieces, with their fp32 masters read from the
-    /// sharded `model` (still in f32), to its swap file (ZeRO-Infinity). Collective: the
-    /// ranks agree on every rank's outcome, so that a full disk on one fails them all.
-    /// Under `offload_param` the masters are read from the parameter store tile by tile, so
-    /// that the slice is never whole in memory.
-    pub fn offload_optimizer<M: Module>(&mut self, model: &M, nvme: &NvmeOffload) -> Result<()> {
-        let rank = self.place.rank();
-        let kept = self.module_pieces(model);
-        let masters = match &self.store {
-            Some(_) => Vec::new(),
-            None => self.read_pieces(model)?,
-        };
-        let (segments, params) = (&self.cut.segments, &self.store);
-        let local = match self.optim.as_mut() {
-            Some(optim) => nvme
-                .store(rank, self.cut.own_len)
-                .and_then(|swap| match params {
-                    Some(params) => {
-                        let mut reader = PieceReader::new(segments);
-                        let optim = &mut optim.inner;
-                        optim
-                            .offload_with(swap, |r, out| {
-                                reader.fill(r, out, |t| match params.holds(t) {
-                                    true => params.read(t),
-                                    false => Ok(kept[t].clone().unwrap_or_default()),
-                                })
-                            })
-                            .map_err(DeepSpeedError::from)
-                    }
-                    None => (optim.inner.offload(swap, &masters)).map_err(DeepSpeedError::from),
-                }),
-            None => Err(DeepSpeedError::Data(
-                "this stage-3 state has no optimizer to offload".into(),
-            )),
-        };
-        agreed(self.place.comm(), "optimizer offload", local)
-    }
-
-    /// The length of each tensor's piece on this rank for a parameter store (`None` for the
-    /// persistent tensors, which the module keeps whole).
-    pub fn piece_lens(&self) -> Vec<Option<usize>> {
-        let (plan, rank) = (self.plan(), self.cut.rank);
-        (0..plan.tensors().len())
-            .map(|t| (!plan.tensors()[t].persistent).then(|| plan.own(rank, t).len()))
-            .collect()
-    }
-
-    /// Shards a whole `model` (as [`shard`](Self::shard)) into the parameter store `store`
-    /// (ZeRO-Infinity's `offload_param`): this rank's pieces go to it one tensor at a time,
-    /// and the module keeps empty placeholders. Collective: the ranks agree on creating the
-    /// store and on writing it.
-    pub fn shard_offloaded<M: Module>(&mut self, model: M, store: Result<ParamStore>) -> Result<M> {
-        let store = Arc::new(agreed(self.place.comm(), "parameter offload", store)?);
-        let (model, written) = shard_module_to_store(model, &self.group, &store);
-        let written = written.map_err(DeepSpeedError::from);
-        agreed(self.place.comm(), "parameter offload", written)?;
-        self.group.offload_to(store.clone());
-        self.grads.sum_in_group(store.clone());
-        self.store = Some(store);
-        Ok(model)
     }
 }
 
@@ -267,7 +202,7 @@ impl<S: GradStore> ShardedSync<S> {
     }
 
     /// Whether the optimizer state lives in a swap file.
-    fn offloaded(&self) -> bool {
+    pub(super) fn offloaded(&self) -> bool {
         self.optim.as_ref().is_some_and(|o| o.is_offloaded())
     }
 
@@ -287,59 +222,7 @@ impl<S: GradStore> ShardedSync<S> {
         self.read_pieces_agreed(model).map(Cow::Owned)
     }
 
-    /// The step under `offload_param`: the stepped pieces go to the store (from an offloaded
-    /// optimizer, tile by tile as they are stepped, so that no buffer of the whole slice is
-    /// made), and only the persistent tensors are gathered into the module.
-    fn step_into_store<M: Module>(&mut self, model: M, lr: f64, store: &ParamStore) -> Result<M> {
-        store.forget_read_ahead();
-        let mixed = self.master.is_some();
-        // Without an offloaded optimizer, the step needs the slice's values in memory.
-        let mut params = match (self.master.take(), self.offloaded()) {
-            (Some(master), _) => Some(master),
-            (None, true) => None,
-            (None, false) => Some(self.read_pieces_agreed(&model)?),
-        };
-        let mut kept: HashMap<usize, Vec<f32>> = HashMap::new();
-        let mut done = |t: usize, piece: &[f32]| match store.holds(t) {
-            true => store.write(t, piece),
-            false => {
-                kept.insert(t, piece.to_vec());
-                Ok(())
-            }
-        };
-        let stepped = (|| {
-            let _span = tracing::debug_span!("optimizer_step", rank = self.cut.rank).entered();
-            let grads = self.grads.own()?;
-            let mut writer = PieceWriter::new(&self.cut.segments);
-            let (place, present) = (&self.place, &self.present);
-            match (self.optim.as_mut(), params.as_mut()) {
-                (Some(optim), None) => optim.step_tiles(&grads, present, lr, &mut |r, p| {
-                    writer.push(r, p, &mut done)
-                }),
-                (Some(optim), Some(params)) => {
-                    optim.step(place, params, &grads, present, lr)?;
-                    let values = place.read(params);
-                    Ok(writer.push(0..values.len(), &values, &mut done)?)
-                }
-                (None, _) => Err(no_optimizer()),
-            }
-        })();
-        if mixed {
-            self.master = params;
-        }
-        // A swap file can fail on one rank: all agree before the gather.
-        agreed(self.place.comm(), "offloaded parameter step", stepped)?;
-        let input: Vec<f32> = (self.cut.persistent())
-            .filter(|&t| self.cut.local[t].is_some())
-            .flat_map(|t| kept.remove(&t).unwrap_or_default())
-            .collect();
-        let whole = self.gather_persistent_input(self.place.write(input))?;
-        let model = self.write_persistent(model, &whole);
-        self.clear();
-        Ok(model)
-    }
-
-    fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.grads.reset();
         self.micro_steps = 0;
         self.present.iter_mut().for_each(|p| *p = 0);
@@ -533,10 +416,9 @@ impl<M: Module, S: GradStore> GradSync<M> for ShardedSync<S> {
         Ok(self.unshard(model, &flat))
     }
 
-    fn save(&self, _root: bool) -> Result<SavedState> {
+    fn save(&self, _root: bool) -> Result<SavedState<'_>> {
         let optim = self.optim.as_ref().ok_or_else(no_state_to_restore)?;
-        let state = optim.export(&self.place)?;
-        Ok(SavedState::Slice(partition_state_bytes(&state)))
+        Ok(SavedState::Slice(optim.export_file(&self.place)?))
     }
 
     /// Everything fallible (cutting the state, restoring the optimizer) happens before the

@@ -239,21 +239,40 @@ impl SwapStore {
 
     /// Reads the fields `which` whole, one pass over the file.
     pub fn read_fields(&self, which: &[usize]) -> Result<Vec<Vec<f32>>> {
-        self.check_whole()?;
-        let plan = self.plan;
         let mut out: Vec<Vec<f32>> = which
             .iter()
-            .map(|_| Vec::with_capacity(plan.len()))
+            .map(|_| Vec::with_capacity(self.plan.len()))
             .collect();
+        self.read_tiles(which, |_, fields| {
+            out.iter_mut()
+                .zip(fields)
+                .for_each(|(o, f)| o.extend_from_slice(f));
+            Ok::<(), CommError>(())
+        })?;
+        Ok(out)
+    }
+
+    /// Reads every tile in order, one pass over the file, and hands `visit(elements, fields)`
+    /// the tile's fields `which` (each `elements.len()` long): only one tile is in memory.
+    pub fn read_tiles<E: From<CommError>>(
+        &self,
+        which: &[usize],
+        mut visit: impl FnMut(Range<usize>, &[&[f32]]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        self.check_whole()?;
+        let plan = self.plan;
         let mut buf = AlignedBuf::new(plan.record_bytes());
         for i in 0..plan.count() {
             read(&self.file, &self.counters, plan, i, &mut buf)?;
-            let n = plan.range(i).len();
-            for (o, &f) in out.iter_mut().zip(which) {
-                o.extend_from_slice(&buf.floats()[plan.at(f, 0)..plan.at(f, n)]);
-            }
+            let range = plan.range(i);
+            let n = range.len();
+            let fields: Vec<&[f32]> = which
+                .iter()
+                .map(|&f| &buf.floats()[plan.at(f, 0)..plan.at(f, n)])
+                .collect();
+            visit(range, &fields)?;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Visits every tile in order: `work(i, elements, fields)` gets the tile's fields (each

@@ -350,6 +350,24 @@ impl PartitionedOptimizer {
         })
     }
 
+    /// Each tensor's step count.
+    pub fn steps(&self) -> &[u32] {
+        &self.state.steps
+    }
+
+    /// This rank's moments, to save, without holding them whole: `visit(elements, m, v)` gets
+    /// them a tile at a time in one pass over the swap file when offloaded, and in one call
+    /// otherwise.
+    pub fn export_tiles<E: From<CommError>>(
+        &self,
+        mut visit: impl FnMut(Range<usize>, &[f32], &[f32]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        match &self.swap {
+            Some(swap) => swap.read_tiles(&[M, V], |r, f| visit(r, f[0], f[1])),
+            None => visit(0..self.state.m.len(), &self.state.m, &self.state.v),
+        }
+    }
+
     /// This rank's state, to save (read from the swap file when offloaded).
     pub fn export(&self) -> Result<Cow<'_, PartitionState>> {
         let Some(swap) = &self.swap else {
@@ -620,6 +638,21 @@ mod tests {
                             assert!(same, "{engine:?} tile {tile} step {step}");
                         }
                         assert_eq!(*disk.export().unwrap(), *ram.export().unwrap());
+                        // A save reads the swapped moments a tile at a time, in one pass.
+                        let before = disk.swap_summary().unwrap().stats.bytes_read;
+                        let (mut m, mut v, mut tiles) = (Vec::new(), Vec::new(), 0);
+                        disk.export_tiles(|r, tm, tv| {
+                            assert_eq!((r.start, r.len(), tv.len()), (m.len(), tm.len(), tm.len()));
+                            m.extend_from_slice(tm);
+                            v.extend_from_slice(tv);
+                            tiles += 1;
+                            Ok::<(), CommError>(())
+                        })
+                        .unwrap();
+                        let read = disk.swap_summary().unwrap().stats.bytes_read - before;
+                        assert_eq!((tiles, read), (plan.count(), plan.file_bytes()));
+                        let whole = ram.export().unwrap();
+                        assert!(m == whole.m && v == whole.v, "{engine:?} tile {tile}");
                         assert_eq!(disk.masters().unwrap().unwrap(), p_ram);
                         let s = disk.swap_summary().unwrap().stats;
                         assert!(s.bytes_read > 0 && s.bytes_written > 0);

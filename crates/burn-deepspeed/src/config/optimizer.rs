@@ -17,7 +17,7 @@ pub enum OptimizerKind {
     OneBitAdam,
     /// 1-bit LAMB (arXiv 2104.06069); data parallel at ZeRO stage 0.
     OneBitLamb,
-    /// 0/1 Adam (arXiv 2202.06009). Parsed; the engine does not run it yet.
+    /// 0/1 Adam (arXiv 2202.06009); data parallel at ZeRO stage 0.
     ZeroOneAdam,
 }
 
@@ -90,13 +90,42 @@ pub struct OptimizerParams {
     /// LAMB family: smallest trust ratio.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub min_coeff: Option<f64>,
-    /// 1-bit family: step at which compression starts.
+    /// 1-bit Adam and LAMB: step at which compression starts.
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
         deserialize_with = "super::serde_util::opt_count"
     )]
     pub freeze_step: Option<u64>,
+    /// 0/1 Adam: steps after which the variance is frozen (DeepSpeed default 100000).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "super::serde_util::opt_count"
+    )]
+    pub var_freeze_step: Option<u64>,
+    /// 0/1 Adam: variance updates after which their interval doubles (default 16).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "super::serde_util::opt_count"
+    )]
+    pub var_update_scaler: Option<u64>,
+    /// 0/1 Adam: frozen steps after which the local-step interval doubles (default 32678,
+    /// DeepSpeed's value).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "super::serde_util::opt_count"
+    )]
+    pub local_step_scaler: Option<u64>,
+    /// 0/1 Adam: the largest local-step interval (default 16, at least 1).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "super::serde_util::opt_count"
+    )]
+    pub local_step_clipper: Option<u64>,
     /// 1-bit family (DeepSpeed: CUDA-aware MPI). Accepted, no effect here.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cuda_aware: Option<bool>,
@@ -159,7 +188,17 @@ impl OptimizerConfig {
         refuse("adam_w_mode", p.adam_w_mode.is_some(), kind == Adam)?;
         refuse("max_coeff", p.max_coeff.is_some(), lamb_family)?;
         refuse("min_coeff", p.min_coeff.is_some(), lamb_family)?;
-        refuse("freeze_step", p.freeze_step.is_some(), kind.is_one_bit())?;
+        let one_bit_warm_up = matches!(kind, OneBitAdam | OneBitLamb);
+        refuse("freeze_step", p.freeze_step.is_some(), one_bit_warm_up)?;
+        let zero_one = kind == ZeroOneAdam;
+        refuse("var_freeze_step", p.var_freeze_step.is_some(), zero_one)?;
+        refuse("var_update_scaler", p.var_update_scaler.is_some(), zero_one)?;
+        refuse("local_step_scaler", p.local_step_scaler.is_some(), zero_one)?;
+        refuse(
+            "local_step_clipper",
+            p.local_step_clipper.is_some(),
+            zero_one,
+        )?;
         refuse("cuda_aware", p.cuda_aware.is_some(), kind.is_one_bit())?;
         let onebit_lamb = kind == OneBitLamb;
         refuse("coeff_beta", p.coeff_beta.is_some(), onebit_lamb)?;
@@ -185,8 +224,21 @@ impl OptimizerConfig {
             p.max_coeff.get_or_insert(10.0);
             p.min_coeff.get_or_insert(0.01);
         }
-        if kind.is_one_bit() {
+        if one_bit_warm_up {
             p.freeze_step.get_or_insert(100_000);
+        }
+        if zero_one {
+            p.var_freeze_step.get_or_insert(100_000);
+            p.var_update_scaler.get_or_insert(16);
+            p.local_step_scaler.get_or_insert(32_678);
+            if p.local_step_clipper.get_or_insert(16) == &0 {
+                return Err(DeepSpeedError::InvalidValue {
+                    path: "optimizer.params.local_step_clipper".into(),
+                    message: "the largest local-step interval must be at least 1, found 0".into(),
+                });
+            }
+        }
+        if kind.is_one_bit() {
             p.cuda_aware.get_or_insert(false);
             p.comm_backend_name.get_or_insert_with(|| "nccl".into());
         }

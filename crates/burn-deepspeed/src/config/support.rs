@@ -4,7 +4,7 @@
 //! that merely load with a warning are in `DeepSpeedConfig::load`'s warnings.
 
 use super::offload_support::{check_offload, check_param_offload};
-use super::{DeepSpeedConfig, OptimizerKind, ZeroStage};
+use super::{DeepSpeedConfig, ZeroStage};
 use crate::{DeepSpeedError, Result};
 
 /// Which entry point is about to train.
@@ -145,12 +145,6 @@ fn check_optimizer(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
         return Ok(());
     };
     let kind = optimizer.kind;
-    if kind == OptimizerKind::ZeroOneAdam {
-        return refuse(
-            "optimizer.type",
-            "ZeroOneAdam is not implemented yet; use OneBitAdam, Adam, AdamW or Lamb",
-        );
-    }
     if kind.is_one_bit() {
         return match entry {
             EntryPoint::Engine => Ok(()),

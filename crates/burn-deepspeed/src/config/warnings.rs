@@ -5,7 +5,7 @@ use std::fmt;
 
 use serde_json::{Map, Value};
 
-use super::{DeepSpeedConfig, OptimizerKind};
+use super::DeepSpeedConfig;
 
 /// A note about a config that loaded: a DeepSpeed key that is ignored, or a setting that has
 /// no effect (yet).
@@ -77,11 +77,7 @@ impl DeepSpeedConfig {
                 message: message.into(),
             })
         };
-        let refused = "parsed, but the engine does not implement it yet and refuses to train";
         if let Some(o) = &self.optimizer {
-            if o.kind == OptimizerKind::ZeroOneAdam {
-                add("optimizer.type", refused);
-            }
             if o.kind.is_one_bit() && o.params.bias_correction == Some(true) {
                 add(
                     "optimizer.params.bias_correction",

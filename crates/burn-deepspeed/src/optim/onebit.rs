@@ -1,8 +1,9 @@
-//! The communication-compressed optimizers (`OneBitAdam`, `OneBitLamb`) as the engine runs
-//! them: on the flat parameter and gradient buffers of a [`ParamLayout`].
+//! The communication-compressed optimizers (`OneBitAdam`, `OneBitLamb`, `ZeroOneAdam`) as the
+//! engine runs them: on the flat parameter and gradient buffers of a [`ParamLayout`].
 
 use burn_deepspeed_strategies::onebit::{
-    OneBitAdam, OneBitAdamConfig, OneBitLamb, OneBitLambConfig, OneBitOptimizer,
+    OneBitAdam, OneBitAdamConfig, OneBitLamb, OneBitLambConfig, OneBitOptimizer, ZeroOneAdam,
+    ZeroOneAdamConfig,
 };
 use burn_deepspeed_strategies::place::Place;
 
@@ -19,24 +20,23 @@ use crate::{DeepSpeedError, Result};
 /// [`compressing`](burn_deepspeed_strategies::onebit::OneBitPhase::compressing), it skips
 /// that all-reduce (DeepSpeed's `enable_backward_allreduce = False`) and hands over this
 /// rank's own gradient, and the optimizer exchanges momenta through the 1-bit all-reduce.
-/// 1-bit LAMB's trust ratios are per parameter tensor of the layout.
+/// 1-bit LAMB's trust ratios are per parameter tensor of the layout. 0/1 Adam asks for the
+/// all-reduce only on its variance steps.
 pub fn build_one_bit<P: Place + 'static>(
     cfg: &OptimizerConfig,
     layout: &ParamLayout,
     place: &P,
 ) -> Result<Option<Box<dyn OneBitOptimizer<P>>>> {
-    Ok(
-        one_bit_config(cfg)?.map(|c| -> Box<dyn OneBitOptimizer<P>> {
-            match c {
-                OneBitConfig::Adam(config) => {
-                    Box::new(OneBitAdam::new(place, layout.numel, config))
-                }
-                OneBitConfig::Lamb(config) => {
-                    Box::new(OneBitLamb::new(place, &tensor_lengths(layout), config))
-                }
-            }
-        }),
-    )
+    let Some(config) = one_bit_config(cfg)? else {
+        return Ok(None);
+    };
+    Ok(Some(match config {
+        OneBitConfig::Adam(config) => Box::new(OneBitAdam::new(place, layout.numel, config)),
+        OneBitConfig::Lamb(config) => {
+            Box::new(OneBitLamb::new(place, &tensor_lengths(layout), config))
+        }
+        OneBitConfig::ZeroOne(config) => Box::new(ZeroOneAdam::new(place, layout.numel, config)?),
+    }))
 }
 
 fn tensor_lengths(layout: &ParamLayout) -> Vec<usize> {
@@ -47,14 +47,12 @@ fn tensor_lengths(layout: &ParamLayout) -> Vec<usize> {
 enum OneBitConfig {
     Adam(OneBitAdamConfig),
     Lamb(OneBitLambConfig),
+    ZeroOne(ZeroOneAdamConfig),
 }
 
 /// The hyper-parameters of the 1-bit optimizer a resolved `optimizer` section names.
 fn one_bit_config(cfg: &OptimizerConfig) -> Result<Option<OneBitConfig>> {
-    if !matches!(
-        cfg.kind,
-        OptimizerKind::OneBitAdam | OptimizerKind::OneBitLamb
-    ) {
+    if !cfg.kind.is_one_bit() {
         return Ok(None);
     }
     let p = &cfg.params;
@@ -66,7 +64,19 @@ fn one_bit_config(cfg: &OptimizerConfig) -> Result<Option<OneBitConfig>> {
     let betas = p.betas.ok_or_else(|| missing("betas"))?;
     let eps = get(p.eps, "eps")?;
     let weight_decay = get(p.weight_decay, "weight_decay")?;
-    let freeze_step = p.freeze_step.ok_or_else(|| missing("freeze_step"))?;
+    let count = |v: Option<u64>, key: &str| v.ok_or_else(|| missing(key));
+    if cfg.kind == OptimizerKind::ZeroOneAdam {
+        return Ok(Some(OneBitConfig::ZeroOne(ZeroOneAdamConfig {
+            betas,
+            eps,
+            weight_decay,
+            var_freeze_step: count(p.var_freeze_step, "var_freeze_step")?,
+            var_update_scaler: count(p.var_update_scaler, "var_update_scaler")?,
+            local_step_scaler: count(p.local_step_scaler, "local_step_scaler")?,
+            local_step_clipper: count(p.local_step_clipper, "local_step_clipper")?,
+        })));
+    }
+    let freeze_step = count(p.freeze_step, "freeze_step")?;
     if cfg.kind == OptimizerKind::OneBitAdam {
         return Ok(Some(OneBitConfig::Adam(OneBitAdamConfig {
             betas,

@@ -1,6 +1,6 @@
 //! DeepSpeed's communication-compressed optimizers on flat fp32 buffers: 1-bit Adam
-//! (arXiv 2102.02888) and 1-bit LAMB (arXiv 2104.06069), both over the error-compensated
-//! 1-bit all-reduce of [`crate::compressed`], each written once over a
+//! (arXiv 2102.02888), 1-bit LAMB (arXiv 2104.06069) and 0/1 Adam (arXiv 2202.06009), all over
+//! the error-compensated 1-bit all-reduce of [`crate::compressed`], each written once over a
 //! [`crate::place::Place`]: host buffers or the model's device.
 
 /// Implements [`OneBitPhase`] for a 1-bit optimizer generic over its place, with fields `step`
@@ -22,10 +22,12 @@ macro_rules! one_bit_phase {
 mod adam;
 mod lamb;
 mod state;
+mod zero_one;
 
 pub use adam::*;
 pub use lamb::*;
 pub use state::*;
+pub use zero_one::*;
 
 use crate::place::Place;
 use crate::{CommError, Result};

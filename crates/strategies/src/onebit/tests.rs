@@ -136,6 +136,44 @@ fn one_bit_adam_on_flex_is_the_host_one() {
     }
 }
 
+/// 0/1 Adam in the device place computes what it does in the host place through variance,
+/// 1-bit gradient, local and sync steps, and exports the same state.
+#[test]
+fn zero_one_adam_on_flex_is_the_host_one() {
+    let device = Device::flex();
+    let config = ZeroOneAdamConfig {
+        betas: (0.9, 0.99),
+        weight_decay: 0.01,
+        var_freeze_step: 4,
+        var_update_scaler: 2,
+        local_step_scaler: 2,
+        local_step_clipper: 4,
+        ..ZeroOneAdamConfig::default()
+    };
+    for world in 1..=3 {
+        let out = both(
+            world,
+            &device,
+            11,
+            &staged,
+            |p: &DevicePlace| -> Made<DevicePlace> {
+                Box::new(ZeroOneAdam::new(p, N, config).expect("config"))
+            },
+            |p: &HostPlace| -> Made<HostPlace> {
+                Box::new(ZeroOneAdam::new(p, N, config).expect("config"))
+            },
+        );
+        for (p, q, ds, hs) in out {
+            assert_close(&format!("world {world}: p"), &p, &q, 1e-6);
+            assert_eq!(ds.step, hs.step);
+            for ((dn, dv), (hn, hv)) in ds.buffers.iter().zip(&hs.buffers) {
+                assert_eq!(dn, hn);
+                assert_close(&format!("world {world}: {dn}"), dv, hv, 1e-5);
+            }
+        }
+    }
+}
+
 /// 1-bit LAMB in the device place follows the host one (which sums its norms in f64) through
 /// warm-up and compression, with and without weight decay, and exports the same state.
 #[test]

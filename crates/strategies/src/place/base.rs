@@ -55,6 +55,8 @@ pub trait Place: Send + Sync + Debug {
     fn add(&self, a: Self::Buf, b: &Self::Buf) -> Self::Buf;
     /// `a − b`.
     fn sub(&self, a: Self::Buf, b: &Self::Buf) -> Self::Buf;
+    /// `a · b`, element by element.
+    fn mul(&self, a: Self::Buf, b: &Self::Buf) -> Self::Buf;
     /// `a / b`.
     fn div(&self, a: Self::Buf, b: &Self::Buf) -> Self::Buf;
     /// `a · f` (`a` itself when `f` is 1).

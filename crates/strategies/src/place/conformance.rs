@@ -57,6 +57,12 @@ pub(crate) fn elementwise<P: Place>(place: &P) -> Result<(), String> {
         tol,
     )?;
     close(
+        "mul",
+        &read(place.mul(pa.clone(), &pb))?,
+        &each(&|a, b| a * b),
+        tol,
+    )?;
+    close(
         "div",
         &read(place.div(pa.clone(), &pb))?,
         &each(&|a, b| a / b),

@@ -192,6 +192,10 @@ impl Place for DevicePlace {
         a - b.clone()
     }
 
+    fn mul(&self, a: Tensor<1>, b: &Tensor<1>) -> Tensor<1> {
+        a * b.clone()
+    }
+
     fn div(&self, a: Tensor<1>, b: &Tensor<1>) -> Tensor<1> {
         a / b.clone()
     }

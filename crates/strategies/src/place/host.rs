@@ -130,6 +130,10 @@ impl Place for HostPlace {
         zip(a, b, |a, b| a - b)
     }
 
+    fn mul(&self, a: Vec<f32>, b: &Vec<f32>) -> Vec<f32> {
+        zip(a, b, |a, b| a * b)
+    }
+
     fn div(&self, a: Vec<f32>, b: &Vec<f32>) -> Vec<f32> {
         zip(a, b, |a, b| a / b)
     }

@@ -705,6 +705,12 @@ fn pipeline_and_one_bit_optimizers_on_wgpu_match_flex() {
             r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
                 "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": 4}}}"#,
         ),
+        (
+            "0/1 Adam",
+            r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+                "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3,
+                    "var_freeze_step": 4, "local_step_scaler": 2, "local_step_clipper": 4}}}"#,
+        ),
     ];
     for (what, text) in cases {
         let runs: Vec<RunReport> = [ModelDevice::Flex, ModelDevice::Wgpu]
@@ -745,6 +751,17 @@ fn pipeline_and_one_bit_optimizers_on_wgpu_match_flex() {
         );
         if what == "pipeline" {
             assert!(bytes.iter().all(|&b| b > 0), "{what}");
+            continue;
+        }
+        if what == "0/1 Adam" {
+            // Steps 0-3 all-reduce their gradients (host-staged on wgpu); the syncs of steps
+            // 4-6 move 1-bit words; steps 7-9 are local: only the loss's 4 bytes cross.
+            let staged = bytes[4..7].iter().all(|&b| b > 4 && b < bytes[0] / 10);
+            let local = bytes[7..].iter().all(|&b| b == 4);
+            assert!(
+                staged && local,
+                "{what}: host/device bytes per step {bytes:?}"
+            );
             continue;
         }
         // Device-resident 1-bit: parameters, gradients and optimizer state never cross.

@@ -34,6 +34,19 @@ fn adam() -> OneBitAdamConfig {
     }
 }
 
+/// A 0/1 Adam schedule that takes every kind of step within 11 steps.
+fn zero_one() -> ZeroOneAdamConfig {
+    ZeroOneAdamConfig {
+        betas: (0.9, 0.99),
+        weight_decay: 0.01,
+        var_freeze_step: 4,
+        var_update_scaler: 2,
+        local_step_scaler: 2,
+        local_step_clipper: 4,
+        ..ZeroOneAdamConfig::default()
+    }
+}
+
 fn lamb(weight_decay: f64) -> OneBitLambConfig {
     OneBitLambConfig {
         betas: (0.9, 0.99),
@@ -141,15 +154,7 @@ fn one_bit_adam_on_flex_is_the_host_one() {
 #[test]
 fn zero_one_adam_on_flex_is_the_host_one() {
     let device = Device::flex();
-    let config = ZeroOneAdamConfig {
-        betas: (0.9, 0.99),
-        weight_decay: 0.01,
-        var_freeze_step: 4,
-        var_update_scaler: 2,
-        local_step_scaler: 2,
-        local_step_clipper: 4,
-        ..ZeroOneAdamConfig::default()
-    };
+    let config = zero_one();
     for world in 1..=3 {
         let out = both(
             world,
@@ -258,6 +263,17 @@ fn one_bit_optimizers_on_wgpu_follow_the_host_ones() {
     );
     for (p, q, _, _) in out {
         assert_close("1-bit LAMB on wgpu", &p, &q, 1e-5);
+    }
+    let out = both(
+        2,
+        &device,
+        11,
+        &staged,
+        |p| Box::new(ZeroOneAdam::new(p, N, zero_one()).expect("config")),
+        |p| Box::new(ZeroOneAdam::new(p, N, zero_one()).expect("config")),
+    );
+    for (p, q, _, _) in out {
+        assert_close("0/1 Adam on wgpu", &p, &q, 1e-5);
     }
 }
 

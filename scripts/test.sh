@@ -600,7 +600,7 @@ group "mpi conformance" mpi_conformance
 group "mpi conformance 64-byte messages" mpi_conformance_small
 group "mpi faults" mpi_faults
 group "launcher and mpi gpt parity" mpi_gpt
-group "launch --hostfile over 2 network namespaces" bash scripts/netns-cluster.sh "$cli" "$gpt"
+group "emulated cluster: launch --hostfile, 2 nodes x 2 ranks" bash scripts/netns-cluster.sh "$cli" "$gpt"
 group "mpi overlap_comm" mpi_overlap2
 group "mpi stage 3 overlap_comm" mpi_overlap3
 group "checkpoint consolidate" mpi_consolidate

@@ -799,3 +799,18 @@ fn device_resident_stage_1_refuses_unused_parameters_when_asked() {
         "the key is named: {err}"
     );
 }
+
+/// ZeRO++'s quantized weights quantize gathers of chunks held in host memory; with the model
+/// on wgpu, stage 3 refuses the key by name rather than gathering unquantized.
+#[test]
+fn device_stage_3_refuses_quantized_weights_by_name() {
+    let mut s = spec(3, ModelDevice::Wgpu, 1, GPT_MINI);
+    s.config.zero_optimization.zero_quantized_weights = true;
+    let err = launch(2, Duration::from_secs(60), |comm| run_rank(&s, comm))
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        err.contains("zero_optimization.zero_quantized_weights"),
+        "{err}"
+    );
+}

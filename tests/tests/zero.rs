@@ -361,8 +361,39 @@ fn stage_3_gathers_ahead_on_the_communication_thread() {
     }
 }
 
-/// Parameter offload to NVMe without a folder, partial optimizer offload and ZeRO++ settings
-/// are refused with the key and the reason.
+/// ZeRO++'s qwZ (`zero_quantized_weights`): stage 3's gathers move int8 codes with one step
+/// per group, forward and backward. At 2 and 4 ranks the gathers send under a quarter of the
+/// f32 bytes, every step's loss stays within 1% of plain stage 3's, and the run learns. At
+/// stages 1-2 the key is refused by name.
+#[test]
+fn quantized_weights_gather_a_quarter_of_the_bytes_and_learn_alike() {
+    const STEPS: u64 = 12;
+    // Every tensor is cut and gathered (none is small enough to be kept whole).
+    let cut = r#", "stage3_param_persistence_threshold": 0"#;
+    let qwz = format!(r#"{cut}, "zero_quantized_weights": true"#);
+    for ranks in [2, 4] {
+        let plain = train(ranks, config(3, "AdamW", 1, cut), STEPS);
+        let quantized = train(ranks, config(3, "AdamW", 1, &qwz), STEPS);
+        let bytes = |r: &RunReport| r.gather_stats.as_ref().expect("stage 3").gather_bytes_sent;
+        let ratio = bytes(&plain) as f64 / bytes(&quantized) as f64;
+        let diff = max_rel_diff(&plain.losses, &quantized.losses);
+        println!("qwZ at {ranks} ranks: gathers send {ratio:.2}x less; losses within {diff:.2e}");
+        assert!(ratio >= 3.5, "{ranks} ranks: {ratio}");
+        assert!(diff <= 1e-2, "{ranks} ranks: {diff}");
+        assert_learns(&quantized.losses, "qwZ");
+    }
+    let spec = common::spec(config(2, "AdamW", 1, &qwz), SHAPE, 1, 5, 9);
+    let err = burn_deepspeed::launch::launch(1, std::time::Duration::from_secs(30), |comm| {
+        burn_deepspeed_example_gpt::run::run_rank(&spec, comm)
+    })
+    .expect_err("refused")
+    .to_string();
+    let named = err.contains("zero_quantized_weights") && err.contains("stage 3");
+    assert!(named, "{err}");
+}
+
+/// Parameter offload to NVMe without a folder, partial optimizer offload and the parts of
+/// ZeRO++ not built (quantized gradients) are refused with the key and the reason.
 #[test]
 fn unsupported_zero_settings_are_refused() {
     for (extra, key) in [
@@ -371,8 +402,8 @@ fn unsupported_zero_settings_are_refused() {
             "zero_optimization.offload_param.nvme_path",
         ),
         (
-            r#", "zero_quantized_weights": true"#,
-            "zero_optimization.zero_quantized_weights",
+            r#", "zero_quantized_gradients": true"#,
+            "zero_optimization.zero_quantized_gradients",
         ),
         (
             r#", "offload_optimizer": {"device": "cpu", "ratio": 0.5}"#,

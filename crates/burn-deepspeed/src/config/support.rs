@@ -184,8 +184,14 @@ fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
             "ZeRO++ hierarchical partitioning is not implemented; set it to 1",
         );
     }
+    if z.zero_quantized_weights && z.stage != ZeroStage::Parameters {
+        return refuse(
+            "zero_optimization.zero_quantized_weights",
+            "ZeRO++'s quantized weights apply to ZeRO stage 3's parameter gathers; set stage 3, \
+             or set it to false",
+        );
+    }
     for (key, on) in [
-        ("zero_quantized_weights", z.zero_quantized_weights),
         (
             "zero_quantized_nontrainable_weights",
             z.zero_quantized_nontrainable_weights,
@@ -195,7 +201,8 @@ fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
         if on {
             return refuse(
                 &format!("zero_optimization.{key}"),
-                "ZeRO++ quantized collectives are not implemented; set it to false",
+                "this part of ZeRO++ is not implemented (its quantized weights, \
+                 `zero_quantized_weights`, are); set it to false",
             );
         }
     }

@@ -126,6 +126,15 @@ fn build_with<M: Module, G: GradElem>(
             }
             (model, Box::new(sync))
         }
+        (None, Some(_)) if options.quantized_weights => {
+            return Err(DeepSpeedError::Unsupported {
+                key: "zero_optimization.zero_quantized_weights".into(),
+                reason: "qwZ quantizes the gathers of parameters held in host memory; with the \
+                         model on a device (wgpu, CUDA) the gathers stay in the working dtype: \
+                         set it to false"
+                    .into(),
+            });
+        }
         (None, Some((coll, device, kind))) => {
             let gather_ahead = gathers_ahead(config, comm.world_size(), &options);
             let host_staged = coll.kind() == "host";

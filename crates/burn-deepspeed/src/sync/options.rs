@@ -34,6 +34,8 @@ pub struct SyncOptions {
     pub model_persistence: usize,
     /// `stage3_use_all_reduce_for_fetch_params`.
     pub fetch_by_all_reduce: bool,
+    /// `zero_quantized_weights` (ZeRO++'s qwZ): stage 3 gathers int8 codes.
+    pub quantized_weights: bool,
     /// The dtype the accumulated gradient is held in: f16 under fp16 (the paper's 2Ψ), f32
     /// otherwise (bf16 accumulates in f32, as DeepSpeed's bf16 optimizer does).
     pub grad_dtype: DType,
@@ -58,6 +60,7 @@ impl SyncOptions {
             param_persistence: z.param_persistence_threshold as usize,
             model_persistence: usize::try_from(z.model_persistence_threshold).unwrap_or(usize::MAX),
             fetch_by_all_reduce: z.stage3_use_all_reduce_for_fetch_params,
+            quantized_weights: z.zero_quantized_weights,
             grad_dtype: match config.fp16.enabled {
                 true => DType::F16,
                 false => DType::F32,

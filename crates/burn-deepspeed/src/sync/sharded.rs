@@ -80,14 +80,14 @@ pub fn shard_plan(layout: &ParamLayout, options: &SyncOptions, world: usize) -> 
 }
 
 /// The stage-3 gather group of a model of `layout` on `comm`: DeepSpeed's cut
-/// ([`shard_plan`]) and the prefetch, live-parameter, pre-division and fetch options.
+/// ([`shard_plan`]) and the prefetch, live-parameter, pre-division, fetch and qwZ options.
 fn gather_group(
     layout: &ParamLayout,
     comm: Arc<dyn Communicator>,
     options: &SyncOptions,
 ) -> Arc<GatherGroup> {
     let plan = shard_plan(layout, options, comm.world_size());
-    GatherGroup::new(
+    let group = GatherGroup::new(
         comm,
         plan,
         layout.slots.iter().map(|s| s.shape.clone()).collect(),
@@ -95,7 +95,9 @@ fn gather_group(
         options.max_live,
         options.pre_factor(),
         options.fetch_by_all_reduce,
-    )
+    );
+    group.set_quantized_weights(options.quantized_weights);
+    group
 }
 
 impl<G: GradElem> ShardedSync<HostShards<G>> {

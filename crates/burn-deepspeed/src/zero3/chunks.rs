@@ -15,7 +15,7 @@ use burn::tensor::{Tensor, TensorData};
 use burn_deepspeed_strategies::comm::{CommunicatorExt, ReduceOp};
 
 use super::group::{GatherGroup, State, label};
-use super::wire::fetch;
+use super::wire::{fetch, fetch_quantized};
 use crate::transfer;
 
 /// One kind of buffer the gather group gathers and reduce-scatters (see the module docs).
@@ -123,13 +123,16 @@ impl Chunks for Vec<f32> {
             group.comm.label_next(label("gather", bundle));
             let before = group.comm.stats().total_sent();
             let by_all_reduce = group.fetch_by_all_reduce;
-            let result = fetch(
-                group.comm.as_ref(),
-                st.wire,
-                by_all_reduce,
-                &input,
-                &mut out,
-            );
+            let result = match st.quantized {
+                true => fetch_quantized(group.comm.as_ref(), &input, &mut out),
+                false => fetch(
+                    group.comm.as_ref(),
+                    st.wire,
+                    by_all_reduce,
+                    &input,
+                    &mut out,
+                ),
+            };
             st.stats.gather_bytes_sent += group.comm.stats().total_sent() - before;
             if let Err(e) = result {
                 group.fail(st, e);

@@ -91,6 +91,9 @@ pub(crate) struct State {
     /// The dtype the chunks travel in: the module's working dtype, so that a 16-bit model's
     /// gathers move 2 bytes per element (its values are 16-bit already, so nothing rounds).
     pub(super) wire: Option<FloatDType>,
+    /// ZeRO++'s qwZ: the chunks travel as int8 codes with one step per group, whatever
+    /// `wire` says.
+    pub(super) quantized: bool,
     /// With a 16-bit module: the f32 sums the reduce-scatters produced since the last
     /// [`take_chunk_grad`](GatherGroup::take_chunk_grad), per tensor. The op's gradient has the
     /// parameter's dtype and would round them; the sync reads these instead.
@@ -198,6 +201,7 @@ impl GatherGroup {
                 device_cache: HashMap::new(),
                 cache_elems: 0,
                 wire: None,
+                quantized: false,
                 chunk_grads: HashMap::new(),
                 keep_chunk_grads: true,
                 offload: None,
@@ -435,6 +439,13 @@ impl GatherGroup {
             w.truncate(tensors[j].numel);
         }
         wholes
+    }
+
+    /// Sends the chunks as int8 codes from now on (ZeRO++'s qwZ,
+    /// `zero_optimization.zero_quantized_weights`), or as [`set_wire`](Self::set_wire) says.
+    /// Host chunks only: the device regime refuses the key.
+    pub fn set_quantized_weights(&self, on: bool) {
+        self.state().quantized = on;
     }
 
     /// Sends the chunks in `dtype` from now on (`None`: f32).

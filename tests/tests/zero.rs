@@ -392,6 +392,55 @@ fn quantized_weights_gather_a_quarter_of_the_bytes_and_learn_alike() {
     assert!(named, "{err}");
 }
 
+/// ZeRO++'s hpZ (`zero_hpz_partition_size`): with nodes of 2 ranks in a world of 4, every
+/// backward gather is served by the node's secondary slices, so the world-wide gathers carry
+/// the forward's alone (their bytes fall to the forward gathers' share of all gathers), and
+/// the trajectory is plain stage 3's bit for bit (the slices hold
+/// the gathered values exactly). With qwZ too, the losses stay within 1%. A node size that
+/// does not divide the world is refused by name.
+#[test]
+fn secondary_partition_keeps_backward_gathers_inside_the_node() {
+    const STEPS: u64 = 6;
+    let cut = r#", "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0"#;
+    let hpz = format!(r#"{cut}, "zero_hpz_partition_size": 2"#);
+    let plain = train(4, config(3, "AdamW", 2, cut), STEPS);
+    let nodes = train(4, config(3, "AdamW", 2, &hpz), STEPS);
+    let stats = |r: &RunReport| r.gather_stats.expect("stage 3");
+    let (p, n) = (stats(&plain), stats(&nodes));
+    println!(
+        "hpZ: backward gathers {} (secondary {}); world gather bytes {} -> {}, node bytes {}",
+        n.backward_gathers,
+        n.secondary_gathers,
+        p.gather_bytes_sent,
+        n.gather_bytes_sent,
+        n.secondary_bytes_sent
+    );
+    assert_eq!(nodes.losses, plain.losses);
+    assert_eq!(nodes.final_params, plain.final_params);
+    assert_eq!(n.secondary_gathers, n.backward_gathers);
+    assert!(n.backward_gathers > 0);
+    // The world's gathers now carry the forward's tensors alone.
+    let share = n.gather_bytes_sent as f64 / p.gather_bytes_sent as f64;
+    let forward = n.forward_gathers as f64 / (n.forward_gathers + n.backward_gathers) as f64;
+    println!("world gather bytes: {share:.3} of plain; forward gathers: {forward:.3} of all");
+    assert!((share - forward).abs() < 0.05, "{share} vs {forward}");
+    assert!(n.secondary_bytes_sent > 0);
+
+    let both = format!(r#"{hpz}, "zero_quantized_weights": true"#);
+    let quantized = train(4, config(3, "AdamW", 2, &both), STEPS);
+    let diff = max_rel_diff(&plain.losses, &quantized.losses);
+    assert!(diff <= 1e-2, "qwZ + hpZ: {diff}");
+
+    let odd = format!(r#"{cut}, "zero_hpz_partition_size": 3"#);
+    let spec = common::spec(config(3, "AdamW", 1, &odd), SHAPE, 1, 5, 9);
+    let err = burn_deepspeed::launch::launch(4, std::time::Duration::from_secs(30), |comm| {
+        burn_deepspeed_example_gpt::run::run_rank(&spec, comm)
+    })
+    .expect_err("refused")
+    .to_string();
+    assert!(err.contains("zero_hpz_partition_size"), "{err}");
+}
+
 /// Parameter offload to NVMe without a folder, partial optimizer offload and the parts of
 /// ZeRO++ not built (quantized gradients) are refused with the key and the reason.
 #[test]

@@ -178,18 +178,17 @@ fn check_optimizer(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()> {
 /// the book's ZeRO chapter for what each key does here).
 fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
     let z = &config.zero_optimization;
-    if z.zero_hpz_partition_size > 1 {
-        return refuse(
-            "zero_optimization.zero_hpz_partition_size",
-            "ZeRO++ hierarchical partitioning is not implemented; set it to 1",
-        );
-    }
-    if z.zero_quantized_weights && z.stage != ZeroStage::Parameters {
-        return refuse(
-            "zero_optimization.zero_quantized_weights",
-            "ZeRO++'s quantized weights apply to ZeRO stage 3's parameter gathers; set stage 3, \
-             or set it to false",
-        );
+    for (key, on) in [
+        ("zero_quantized_weights", z.zero_quantized_weights),
+        ("zero_hpz_partition_size", z.zero_hpz_partition_size > 1),
+    ] {
+        if on && z.stage != ZeroStage::Parameters {
+            return refuse(
+                &format!("zero_optimization.{key}"),
+                "ZeRO++'s quantized weights and secondary partition apply to ZeRO stage 3's \
+                 parameter gathers; set stage 3, or leave it at its default",
+            );
+        }
     }
     for (key, on) in [
         (
@@ -201,8 +200,8 @@ fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
         if on {
             return refuse(
                 &format!("zero_optimization.{key}"),
-                "this part of ZeRO++ is not implemented (its quantized weights, \
-                 `zero_quantized_weights`, are); set it to false",
+                "this part of ZeRO++ is not implemented (its quantized weights and \
+                 secondary partition are); set it to false",
             );
         }
     }

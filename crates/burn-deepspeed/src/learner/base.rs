@@ -210,6 +210,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
             )
         })?;
         let sync = ShardedSync::for_learner(prepared.layout.clone(), self.comm.clone(), options);
+        sync.secondary_partition(options.hpz)?;
         sync.group().answer_on_this_thread(prepared.id);
         let answering = Answering(prepared.id);
         let mut flat = prepared.flat.clone();

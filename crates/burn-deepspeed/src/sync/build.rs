@@ -126,12 +126,16 @@ fn build_with<M: Module, G: GradElem>(
             }
             (model, Box::new(sync))
         }
-        (None, Some(_)) if options.quantized_weights => {
+        (None, Some(_)) if options.quantized_weights || options.hpz > 1 => {
+            let key = match options.quantized_weights {
+                true => "zero_quantized_weights",
+                false => "zero_hpz_partition_size",
+            };
             return Err(DeepSpeedError::Unsupported {
-                key: "zero_optimization.zero_quantized_weights".into(),
-                reason: "qwZ quantizes the gathers of parameters held in host memory; with the \
-                         model on a device (wgpu, CUDA) the gathers stay in the working dtype: \
-                         set it to false"
+                key: format!("zero_optimization.{key}"),
+                reason: "ZeRO++ changes the gathers of parameters held in host memory; with the \
+                         model on a device (wgpu, CUDA) the gathers run through the device's \
+                         collectives: leave it at its default"
                     .into(),
             });
         }
@@ -154,6 +158,7 @@ fn build_with<M: Module, G: GradElem>(
             let rank = comm.rank();
             let gather_ahead = gathers_ahead(config, comm.world_size(), &options);
             let mut sync = ShardedSync::<HostShards<G>>::new(layout, comm.clone(), &options, kind);
+            sync.secondary_partition(options.hpz)?;
             // Starting the communication thread can fail on one rank alone: the ranks agree
             // before the next collective.
             if gather_ahead {

@@ -36,6 +36,9 @@ pub struct SyncOptions {
     pub fetch_by_all_reduce: bool,
     /// `zero_quantized_weights` (ZeRO++'s qwZ): stage 3 gathers int8 codes.
     pub quantized_weights: bool,
+    /// `zero_hpz_partition_size` (ZeRO++'s hpZ): ranks per node keeping secondary slices
+    /// (1: off).
+    pub hpz: usize,
     /// The dtype the accumulated gradient is held in: f16 under fp16 (the paper's 2Ψ), f32
     /// otherwise (bf16 accumulates in f32, as DeepSpeed's bf16 optimizer does).
     pub grad_dtype: DType,
@@ -61,6 +64,7 @@ impl SyncOptions {
             model_persistence: usize::try_from(z.model_persistence_threshold).unwrap_or(usize::MAX),
             fetch_by_all_reduce: z.stage3_use_all_reduce_for_fetch_params,
             quantized_weights: z.zero_quantized_weights,
+            hpz: z.zero_hpz_partition_size.max(1) as usize,
             grad_dtype: match config.fp16.enabled {
                 true => DType::F16,
                 false => DType::F32,

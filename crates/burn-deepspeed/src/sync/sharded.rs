@@ -183,6 +183,29 @@ impl<S: GradStore> ShardedSync<S> {
         }
     }
 
+    /// ZeRO++'s hpZ with nodes of `size` consecutive ranks: the gather group keeps secondary
+    /// slices inside the node and serves the backward's gathers from them. Collective (it
+    /// splits the world into nodes); a world that `size` does not divide is refused by name.
+    pub fn secondary_partition(&self, size: usize) -> Result<()> {
+        let comm = self.place.comm();
+        if size <= 1 {
+            return Ok(());
+        }
+        if !comm.world_size().is_multiple_of(size) {
+            return Err(DeepSpeedError::Unsupported {
+                key: "zero_optimization.zero_hpz_partition_size".into(),
+                reason: format!(
+                    "{size} ranks per node do not divide the world of {}; give the number of \
+                     ranks on each node",
+                    comm.world_size()
+                ),
+            });
+        }
+        let node = comm.split(comm.rank() / size)?;
+        self.group.set_secondary(node);
+        Ok(())
+    }
+
     /// Shards a model whose parameters are whole (and identical on every rank).
     pub fn shard<M: Module>(&self, model: M) -> M {
         shard_module(model, &self.group)
@@ -347,8 +370,10 @@ impl<M: Module, S: GradStore> GradSync<M> for ShardedSync<S> {
     fn held(&self, model: &M) -> ModelStateBytes {
         let masters = self.master.as_ref().map_or(0, |m| self.place.len(m));
         let store = self.store.as_deref();
+        // hpZ's secondary slices are parameters held too.
+        let secondary = 4 * self.group.secondary_elems() as u64;
         ModelStateBytes {
-            params: param_bytes(model) + store.map_or(0, ParamStore::host_bytes),
+            params: param_bytes(model) + store.map_or(0, ParamStore::host_bytes) + secondary,
             grads: self.grads.bytes(),
             optimizer: self.optim.as_ref().map_or(0, |o| o.state_bytes()) + 4 * masters as u64,
             offloaded: self.optim.as_ref().map_or(0, |o| o.disk_bytes())

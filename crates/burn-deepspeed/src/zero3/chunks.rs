@@ -61,6 +61,19 @@ pub(crate) trait Chunks: Sized {
         chunk: usize,
     ) -> Self;
 
+    /// Tensor `t` whole from the node's secondary slices (ZeRO++'s hpZ), where this kind keeps
+    /// them and holds one for `t`.
+    fn from_secondary(group: &GatherGroup, st: &mut State, t: usize) -> Option<Self> {
+        let _ = (group, st, t);
+        None
+    }
+
+    /// Keeps this rank's secondary slices of the gathered `wholes` of `fetched`, where this
+    /// kind keeps them.
+    fn keep_secondary(group: &GatherGroup, st: &mut State, fetched: &[usize], wholes: &[Self]) {
+        let _ = (group, st, fetched, wholes);
+    }
+
     /// What the op's backward gets for tensor `t`'s reduced `chunk`.
     fn keep(group: &GatherGroup, st: &mut State, t: usize, chunk: Self) -> Self {
         let _ = (group, st, t);
@@ -140,6 +153,33 @@ impl Chunks for Vec<f32> {
             }
         }
         group.split_wholes(bundle, &out)
+    }
+
+    fn from_secondary(group: &GatherGroup, st: &mut State, t: usize) -> Option<Self> {
+        let numel = group.plan.tensors()[t].numel;
+        let (quantized, wire) = (st.quantized, st.wire);
+        let gathered = st.secondary.as_ref()?.gather(t, numel, quantized, wire)?;
+        st.stats.secondary_gathers += 1;
+        match gathered {
+            Ok((whole, sent)) => {
+                st.stats.secondary_bytes_sent += sent;
+                Some(whole)
+            }
+            Err(e) => {
+                group.fail(st, e);
+                Some(vec![0.0; numel])
+            }
+        }
+    }
+
+    fn keep_secondary(group: &GatherGroup, st: &mut State, fetched: &[usize], wholes: &[Self]) {
+        let tensors = group.plan.tensors();
+        let world = group.comm.world_size();
+        if let Some(secondary) = st.secondary.as_mut() {
+            for (&j, whole) in fetched.iter().zip(wholes) {
+                secondary.keep(j, whole, tensors[j].chunk * world);
+            }
+        }
     }
 
     fn padded(mut self, n: usize, factor: f32) -> Self {

@@ -37,6 +37,7 @@ use burn_deepspeed_strategies::zero::ShardPlan;
 
 use super::chunks::Chunks;
 use super::registry::{ALIASES, Entry, NEXT_ID, registry};
+use super::secondary::Secondary;
 use super::store::ParamStore;
 
 /// Why a tensor is fetched.
@@ -68,6 +69,11 @@ pub struct GatherStats {
     /// Bytes this rank's transport sent for the parameter fetches (measured around each
     /// collective; half as many for a 16-bit model as for an f32 one).
     pub gather_bytes_sent: u64,
+    /// Backward gathers served from the node's secondary slices (ZeRO++'s hpZ), and the
+    /// bytes this rank sent for them (inside its node).
+    pub secondary_gathers: u64,
+    /// See `secondary_gathers`.
+    pub secondary_bytes_sent: u64,
     /// Most elements held by the prefetch cache at once.
     pub peak_prefetched: usize,
     /// Most elements one gather or reduce-scatter had allocated at once, the prefetch cache
@@ -94,6 +100,8 @@ pub(crate) struct State {
     /// ZeRO++'s qwZ: the chunks travel as int8 codes with one step per group, whatever
     /// `wire` says.
     pub(super) quantized: bool,
+    /// ZeRO++'s hpZ: the slices kept for the backward's gathers inside the node.
+    pub(super) secondary: Option<Secondary>,
     /// With a 16-bit module: the f32 sums the reduce-scatters produced since the last
     /// [`take_chunk_grad`](GatherGroup::take_chunk_grad), per tensor. The op's gradient has the
     /// parameter's dtype and would round them; the sync reads these instead.
@@ -202,6 +210,7 @@ impl GatherGroup {
                 cache_elems: 0,
                 wire: None,
                 quantized: false,
+                secondary: None,
                 chunk_grads: HashMap::new(),
                 keep_chunk_grads: true,
                 offload: None,
@@ -354,6 +363,11 @@ impl GatherGroup {
     pub(crate) fn gather<C: Chunks>(&self, t: usize, shard: C, phase: Phase) -> C {
         let mut st = self.state();
         self.note_gather(&mut st, t, phase);
+        if phase == Phase::Backward
+            && let Some(whole) = C::from_secondary(self, &mut st, t)
+        {
+            return whole;
+        }
         if phase == Phase::Forward {
             let coming = st.inflight.as_ref().is_some_and(|f| f.bundle.contains(&t));
             if coming {
@@ -385,6 +399,9 @@ impl GatherGroup {
             }
         }
         let mut wholes = C::all_gather(self, &mut st, &fetched, shards);
+        if phase == Phase::Forward {
+            C::keep_secondary(self, &mut st, &fetched, &wholes);
+        }
         let first = wholes.remove(0);
         for (&j, values) in fetched[1..].iter().zip(wholes) {
             st.cache_elems += values.len();
@@ -446,6 +463,18 @@ impl GatherGroup {
     /// Host chunks only: the device regime refuses the key.
     pub fn set_quantized_weights(&self, on: bool) {
         self.state().quantized = on;
+    }
+
+    /// Keeps secondary slices over `node`, the communicator of this rank's node, from the
+    /// next forward on, and serves the backward's gathers from them (ZeRO++'s hpZ,
+    /// `zero_optimization.zero_hpz_partition_size`). Host chunks only.
+    pub fn set_secondary(&self, node: Arc<dyn Communicator>) {
+        self.state().secondary = Some(Secondary::new(node));
+    }
+
+    /// Elements this rank holds in secondary slices.
+    pub fn secondary_elems(&self) -> usize {
+        self.state().secondary.as_ref().map_or(0, Secondary::elems)
     }
 
     /// Sends the chunks in `dtype` from now on (`None`: f32).

@@ -10,6 +10,7 @@ mod group;
 mod op;
 mod registry;
 mod reparam;
+mod secondary;
 mod store;
 mod wire;
 

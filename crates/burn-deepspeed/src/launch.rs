@@ -69,6 +69,14 @@ pub fn mpirun_world_size() -> Option<usize> {
         .find_map(|k| std::env::var(k).ok()?.parse().ok())
 }
 
+/// The number of processes `mpirun` started on this process's node, when it is one of them
+/// (OpenMPI's `OMPI_COMM_WORLD_LOCAL_SIZE`, MPICH's `MPI_LOCALNRANKS`).
+pub fn mpirun_local_size() -> Option<usize> {
+    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.parse().ok())
+}
+
 /// Runs `f` on every rank of this process and returns their results in rank order.
 ///
 /// Under `mpirun` (and with the `mpi` feature) this process is one rank: `f` runs once with

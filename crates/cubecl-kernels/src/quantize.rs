@@ -336,6 +336,49 @@ impl Quantized {
         }
     }
 
+    /// The wire form a collective sends: the codes, then each group's step, then each
+    /// group's offset (asymmetric only), the floats little-endian. [`bytes`](Self::bytes)
+    /// long.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let floats = self.steps.iter().chain(&self.offsets);
+        let mut out = Vec::with_capacity(self.bytes());
+        out.extend_from_slice(&self.codes);
+        out.extend(floats.flat_map(|f| f.to_le_bytes()));
+        out
+    }
+
+    /// Reads [`to_bytes`](Self::to_bytes) back: `len` values quantized by `quantizer`.
+    ///
+    /// # Errors
+    /// When `bytes` is not the length that wire form has.
+    pub fn from_bytes(quantizer: Quantizer, len: usize, bytes: &[u8]) -> Result<Self, KernelError> {
+        let groups = len.div_ceil(quantizer.group);
+        let codes = quantizer.bits.bytes_for(len);
+        let per_group = match quantizer.scheme {
+            Scheme::Symmetric => 1,
+            Scheme::Asymmetric => 2,
+        };
+        let want = codes + 4 * per_group * groups;
+        if bytes.len() != want {
+            return Err(KernelError::Arguments {
+                op: "Quantized::from_bytes",
+                detail: format!("{} bytes where {len} values need {want}", bytes.len()),
+            });
+        }
+        let (code_bytes, floats) = bytes.split_at(codes);
+        let mut floats = floats
+            .chunks_exact(4)
+            .map(|f| f32::from_le_bytes([f[0], f[1], f[2], f[3]]));
+        let steps = floats.by_ref().take(groups).collect();
+        Ok(Self {
+            quantizer,
+            len,
+            codes: code_bytes.to_vec(),
+            steps,
+            offsets: floats.collect(),
+        })
+    }
+
     /// Bytes of the codes, steps and offsets.
     pub fn bytes(&self) -> usize {
         self.codes.len() + 4 * (self.steps.len() + self.offsets.len())
@@ -489,6 +532,24 @@ mod tests {
                 let mut out = vec![f32::NAN; len];
                 q.dequantize_range_into(start, &mut out);
                 assert_eq!(out, whole[start..start + len], "{bits:?} {start}+{len}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_wire_form_reads_back_and_checks_its_length() {
+        let x: Vec<f32> = (0..101).map(|i| (i as f32 * 0.37).sin()).collect();
+        for bits in [Bits::Int8, Bits::Int4] {
+            for scheme in [Scheme::Symmetric, Scheme::Asymmetric] {
+                let q = Quantizer::new(bits, scheme, 10)
+                    .expect("group")
+                    .quantize(&x);
+                let bytes = q.to_bytes();
+                assert_eq!(bytes.len(), q.bytes());
+                let back = Quantized::from_bytes(q.quantizer, x.len(), &bytes).expect("reads");
+                assert_eq!(back, q);
+                let short = Quantized::from_bytes(q.quantizer, x.len(), &bytes[1..]);
+                assert!(short.is_err(), "{bits:?} {scheme:?}");
             }
         }
     }

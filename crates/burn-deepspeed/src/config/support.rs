@@ -181,29 +181,21 @@ fn check_zero_keys(config: &DeepSpeedConfig) -> Result<()> {
     for (key, on) in [
         ("zero_quantized_weights", z.zero_quantized_weights),
         ("zero_hpz_partition_size", z.zero_hpz_partition_size > 1),
+        ("zero_quantized_gradients", z.zero_quantized_gradients),
     ] {
         if on && z.stage != ZeroStage::Parameters {
             return refuse(
                 &format!("zero_optimization.{key}"),
-                "ZeRO++'s quantized weights and secondary partition apply to ZeRO stage 3's \
-                 parameter gathers; set stage 3, or leave it at its default",
+                "ZeRO++ changes ZeRO stage 3's gathers and gradient reduction; set stage 3, or \
+                 leave it at its default",
             );
         }
     }
-    for (key, on) in [
-        (
-            "zero_quantized_nontrainable_weights",
-            z.zero_quantized_nontrainable_weights,
-        ),
-        ("zero_quantized_gradients", z.zero_quantized_gradients),
-    ] {
-        if on {
-            return refuse(
-                &format!("zero_optimization.{key}"),
-                "this part of ZeRO++ is not implemented (its quantized weights and \
-                 secondary partition are); set it to false",
-            );
-        }
+    if z.zero_quantized_nontrainable_weights {
+        return refuse(
+            "zero_optimization.zero_quantized_nontrainable_weights",
+            "keeping frozen parameters quantized is not implemented; set it to false",
+        );
     }
     if z.mics_shard_size > 0 {
         return refuse(

@@ -211,6 +211,9 @@ impl<M: LearnerModel> RankRun<'_, M> {
         })?;
         let sync = ShardedSync::for_learner(prepared.layout.clone(), self.comm.clone(), options);
         sync.secondary_partition(options.hpz)?;
+        if options.quantized_gradients {
+            sync.quantized_gradients(options.ranks_per_node(self.comm.world_size()))?;
+        }
         sync.group().answer_on_this_thread(prepared.id);
         let answering = Answering(prepared.id);
         let mut flat = prepared.flat.clone();

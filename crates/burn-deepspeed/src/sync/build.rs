@@ -126,10 +126,13 @@ fn build_with<M: Module, G: GradElem>(
             }
             (model, Box::new(sync))
         }
-        (None, Some(_)) if options.quantized_weights || options.hpz > 1 => {
-            let key = match options.quantized_weights {
-                true => "zero_quantized_weights",
-                false => "zero_hpz_partition_size",
+        (None, Some(_))
+            if options.quantized_weights || options.hpz > 1 || options.quantized_gradients =>
+        {
+            let key = match (options.quantized_weights, options.hpz > 1) {
+                (true, _) => "zero_quantized_weights",
+                (false, true) => "zero_hpz_partition_size",
+                (false, false) => "zero_quantized_gradients",
             };
             return Err(DeepSpeedError::Unsupported {
                 key: format!("zero_optimization.{key}"),
@@ -159,6 +162,9 @@ fn build_with<M: Module, G: GradElem>(
             let gather_ahead = gathers_ahead(config, comm.world_size(), &options);
             let mut sync = ShardedSync::<HostShards<G>>::new(layout, comm.clone(), &options, kind);
             sync.secondary_partition(options.hpz)?;
+            if options.quantized_gradients {
+                sync.quantized_gradients(options.ranks_per_node(comm.world_size()))?;
+            }
             // Starting the communication thread can fail on one rank alone: the ranks agree
             // before the next collective.
             if gather_ahead {

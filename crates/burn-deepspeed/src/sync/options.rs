@@ -39,6 +39,9 @@ pub struct SyncOptions {
     /// `zero_hpz_partition_size` (ZeRO++'s hpZ): ranks per node keeping secondary slices
     /// (1: off).
     pub hpz: usize,
+    /// `zero_quantized_gradients` (ZeRO++'s qgZ): stage 3 reduces gradients by quantized
+    /// all-to-alls inside and across nodes.
+    pub quantized_gradients: bool,
     /// The dtype the accumulated gradient is held in: f16 under fp16 (the paper's 2Ψ), f32
     /// otherwise (bf16 accumulates in f32, as DeepSpeed's bf16 optimizer does).
     pub grad_dtype: DType,
@@ -65,10 +68,21 @@ impl SyncOptions {
             fetch_by_all_reduce: z.stage3_use_all_reduce_for_fetch_params,
             quantized_weights: z.zero_quantized_weights,
             hpz: z.zero_hpz_partition_size.max(1) as usize,
+            quantized_gradients: z.zero_quantized_gradients,
             grad_dtype: match config.fp16.enabled {
                 true => DType::F16,
                 false => DType::F32,
             },
+        }
+    }
+
+    /// Ranks per node, for ZeRO++: `zero_hpz_partition_size` when set above 1 (DeepSpeed's
+    /// node for hpZ), else the ranks `mpirun` started on this node, else `world` (thread ranks
+    /// share one process).
+    pub fn ranks_per_node(&self, world: usize) -> usize {
+        match self.hpz {
+            1 => crate::launch::mpirun_local_size().unwrap_or(world),
+            g => g,
         }
     }
 

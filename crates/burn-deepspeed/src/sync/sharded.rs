@@ -37,7 +37,9 @@ use crate::checkpoint::{Loaded, gather_state, no_state_to_restore};
 use crate::flat::{ParamLayout, set_param_ids};
 use crate::memory::{MemoryMeter, ModelStateBytes, param_bytes};
 use crate::precision::cast_module;
-use crate::zero3::{GatherGroup, GatherStats, ParamStore, ParamStoreSummary, shard_module};
+use crate::zero3::{
+    GatherGroup, GatherStats, Hierarchy, ParamStore, ParamStoreSummary, shard_module,
+};
 use crate::{DeepSpeedError, Result, agreed};
 
 /// A rank's stage-3 state: the gather group, its gradient in the store `S` (host buffers of
@@ -203,6 +205,33 @@ impl<S: GradStore> ShardedSync<S> {
         }
         let node = comm.split(comm.rank() / size)?;
         self.group.set_secondary(node);
+        Ok(())
+    }
+
+    /// ZeRO++'s qgZ with nodes of `per_node` consecutive ranks: the gradients are reduced by
+    /// quantized all-to-alls inside and across nodes. With one node there is no slow link to
+    /// spare, and the reduce-scatter stays, as in DeepSpeed. Collective (it splits the world).
+    pub fn quantized_gradients(&self, per_node: usize) -> Result<()> {
+        let comm = self.place.comm();
+        let world = comm.world_size();
+        if per_node == 0 || !world.is_multiple_of(per_node) {
+            return Err(DeepSpeedError::Unsupported {
+                key: "zero_optimization.zero_quantized_gradients".into(),
+                reason: format!(
+                    "nodes of {per_node} ranks do not divide the world of {world}; start the \
+                     same number of ranks on every node"
+                ),
+            });
+        }
+        if per_node == world {
+            tracing::warn!(
+                "zero_quantized_gradients: all {world} ranks share one node, so gradients are \
+                 reduce-scattered as without it"
+            );
+            return Ok(());
+        }
+        let hierarchy = Hierarchy::new(comm, per_node)?;
+        self.group.set_quantized_gradients(hierarchy);
         Ok(())
     }
 

@@ -201,11 +201,23 @@ impl Chunks for Vec<f32> {
         if st.error.is_none() {
             let _span =
                 tracing::trace_span!("zero3_reduce_scatter", elems = padded.len()).entered();
-            group.comm.label_next(label("reduce", &[t]));
-            let comm = &group.comm;
-            if let Err(e) = comm.reduce_scatter_equal(&padded, &mut out, ReduceOp::Sum) {
+            let reduced = match &st.hierarchy {
+                Some(h) => h
+                    .reduce_scatter(&padded, chunk)
+                    .map(|(sum, (inside, across))| {
+                        out = sum;
+                        st.stats.quantized_reductions += 1;
+                        st.stats.grad_bytes_in_node += inside;
+                        st.stats.grad_bytes_across_nodes += across;
+                    }),
+                None => {
+                    group.comm.label_next(label("reduce", &[t]));
+                    (group.comm).reduce_scatter_equal(&padded, &mut out, ReduceOp::Sum)
+                }
+            };
+            if let Err(e) = reduced {
                 group.fail(st, e);
-                out.iter_mut().for_each(|x| *x = 0.0);
+                out = vec![0.0; chunk];
             }
         }
         out

@@ -36,6 +36,7 @@ use burn_deepspeed_strategies::device::DeviceCollectives;
 use burn_deepspeed_strategies::zero::ShardPlan;
 
 use super::chunks::Chunks;
+use super::quantized_grads::Hierarchy;
 use super::registry::{ALIASES, Entry, NEXT_ID, registry};
 use super::secondary::Secondary;
 use super::store::ParamStore;
@@ -74,6 +75,13 @@ pub struct GatherStats {
     pub secondary_gathers: u64,
     /// See `secondary_gathers`.
     pub secondary_bytes_sent: u64,
+    /// Gradients reduced by ZeRO++'s quantized all-to-alls (qgZ) instead of a reduce-scatter,
+    /// and the bytes this rank sent for them inside its node and across nodes.
+    pub quantized_reductions: u64,
+    /// See `quantized_reductions`.
+    pub grad_bytes_in_node: u64,
+    /// See `quantized_reductions`.
+    pub grad_bytes_across_nodes: u64,
     /// Most elements held by the prefetch cache at once.
     pub peak_prefetched: usize,
     /// Most elements one gather or reduce-scatter had allocated at once, the prefetch cache
@@ -102,6 +110,9 @@ pub(crate) struct State {
     pub(super) quantized: bool,
     /// ZeRO++'s hpZ: the slices kept for the backward's gathers inside the node.
     pub(super) secondary: Option<Secondary>,
+    /// ZeRO++'s qgZ: the node and cross-node communicators the gradients' quantized
+    /// all-to-alls run on, replacing the reduce-scatter.
+    pub(super) hierarchy: Option<Hierarchy>,
     /// With a 16-bit module: the f32 sums the reduce-scatters produced since the last
     /// [`take_chunk_grad`](GatherGroup::take_chunk_grad), per tensor. The op's gradient has the
     /// parameter's dtype and would round them; the sync reads these instead.
@@ -211,6 +222,7 @@ impl GatherGroup {
                 wire: None,
                 quantized: false,
                 secondary: None,
+                hierarchy: None,
                 chunk_grads: HashMap::new(),
                 keep_chunk_grads: true,
                 offload: None,
@@ -470,6 +482,12 @@ impl GatherGroup {
     /// `zero_optimization.zero_hpz_partition_size`). Host chunks only.
     pub fn set_secondary(&self, node: Arc<dyn Communicator>) {
         self.state().secondary = Some(Secondary::new(node));
+    }
+
+    /// Reduces gradients by quantized all-to-alls over `hierarchy` from now on (ZeRO++'s qgZ,
+    /// `zero_optimization.zero_quantized_gradients`). Host chunks only.
+    pub(crate) fn set_quantized_gradients(&self, hierarchy: Hierarchy) {
+        self.state().hierarchy = Some(hierarchy);
     }
 
     /// Elements this rank holds in secondary slices.

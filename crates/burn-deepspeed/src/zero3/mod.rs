@@ -8,6 +8,7 @@ mod chunks;
 mod coordinator;
 mod group;
 mod op;
+mod quantized_grads;
 mod registry;
 mod reparam;
 mod secondary;
@@ -16,6 +17,7 @@ mod wire;
 
 pub use group::*;
 pub use op::*;
+pub(crate) use quantized_grads::Hierarchy;
 pub use registry::*;
 pub use reparam::*;
 pub use store::*;

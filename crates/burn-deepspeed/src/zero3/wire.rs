@@ -41,25 +41,12 @@ pub(super) fn fetch_quantized(
     }
     let quantizer = Quantizer::new(Bits::Int8, Scheme::Symmetric, weight_group(n))
         .expect("weight_group is at least 1");
-    let packed = quantizer.quantize(input);
-    let mut mine = packed.codes;
-    mine.extend(packed.steps.iter().flat_map(|s| s.to_le_bytes()));
+    let mine = quantizer.quantize(input).to_bytes();
     let block = mine.len();
     let mut all = vec![0u8; block * comm.world_size()];
     comm.all_gather_equal(&mine, &mut all)?;
     for (bytes, out) in all.chunks_exact(block).zip(out.chunks_mut(n)) {
-        let (codes, steps) = bytes.split_at(n);
-        let steps = steps
-            .chunks_exact(4)
-            .map(|s| f32::from_le_bytes(s.try_into().expect("4 bytes")))
-            .collect();
-        let part = Quantized {
-            quantizer,
-            len: n,
-            codes: codes.to_vec(),
-            steps,
-            offsets: Vec::new(),
-        };
+        let part = Quantized::from_bytes(quantizer, n, bytes).expect("every rank's part");
         part.dequantize_into(out);
     }
     Ok(())

@@ -14,6 +14,7 @@
 #   cluster_mpirun CMD ...        # `mpirun` with the cluster's hostfile and settings
 #   cluster_launch CLI CMD ...    # the same through `burn-deepspeed launch --mpi N --hostfile`
 #   cluster_link_bytes            # bytes the nodes received so far (the links' transmit side)
+#   cluster_node_bytes            # bytes sent inside the nodes so far (their loopbacks)
 #
 # Latency: this kernel kind has no `netem` qdisc, so `cluster_up` cannot add delay; it says so
 # when CLUSTER_DELAY is set and netem is missing (see `cluster_delay_supported`).
@@ -167,6 +168,17 @@ cluster_link_bytes() {
     echo "$total"
 }
 
+# Bytes sent inside the nodes so far: the loopback counters of every node, which carry the
+# traffic between two ranks of one node (and between a node's daemon and its ranks).
+cluster_node_bytes() {
+    local i total=0 b
+    for i in $(seq 1 "$CLUSTER_NODES"); do
+        b=$(ip netns exec "bd-node$i" cat /sys/class/net/lo/statistics/tx_bytes)
+        total=$((total + b))
+    done
+    echo "$total"
+}
+
 # The ranks started in the nodes whose command lines contain $1.
 cluster_ranks_running() {
     local i pid
@@ -204,7 +216,8 @@ cluster_retrying() {
             sleep 0.5
             waited=$((waited + 1))
         done
-        wait "$job" || rc=$?
+        # (A job ended by the kill above is reported by the shell; that line is noise.)
+        wait "$job" 2> /dev/null || rc=$?
         if [ -n "$stuck" ]; then
             echo "cluster: attempt $attempt: mpirun never started its ranks in 60 s; retrying" >&2
             local i

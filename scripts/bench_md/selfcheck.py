@@ -141,6 +141,7 @@ SECTIONS = {
     "offload": ("offload", [FAKE, "2"]),
     "resume": ("resume", [FAKE, "2"]),
     "recorder": ("recorder", [FAKE, "2"]),
+    "slow_links": ("slow_links", [FAKE, "2"]),
     "moonshot": ("moonshot", [FAKE, "2", "1"]),
     "device_flex": ("device_flex", [FAKE, "2", "rev", "2"]),
     "redesign_flex": ("device_flex", [FAKE, "2", "rev", "2", "redesign-flex"]),

@@ -401,7 +401,10 @@ fn quantized_weights_gather_a_quarter_of_the_bytes_and_learn_alike() {
 #[test]
 fn secondary_partition_keeps_backward_gathers_inside_the_node() {
     const STEPS: u64 = 6;
-    let cut = r#", "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0"#;
+    // Prefetching in small bundles, gathered ahead on the communication thread from the second
+    // step on: the slices of tensors served from there must be refreshed too, or the backward
+    // would gather the previous step's parameters.
+    let cut = r#", "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 2000"#;
     let hpz = format!(r#"{cut}, "zero_hpz_partition_size": 2"#);
     let plain = train(4, config(3, "AdamW", 2, cut), STEPS);
     let nodes = train(4, config(3, "AdamW", 2, &hpz), STEPS);
@@ -418,6 +421,10 @@ fn secondary_partition_keeps_backward_gathers_inside_the_node() {
     assert_eq!(nodes.losses, plain.losses);
     assert_eq!(nodes.final_params, plain.final_params);
     assert_eq!(n.secondary_gathers, n.backward_gathers);
+    assert!(
+        n.peak_prefetched > 0,
+        "the prefetch cache served some forward gathers"
+    );
     assert!(n.backward_gathers > 0);
     // The world's gathers now carry the forward's tensors alone.
     let share = n.gather_bytes_sent as f64 / p.gather_bytes_sent as f64;

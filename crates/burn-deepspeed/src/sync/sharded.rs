@@ -277,6 +277,8 @@ impl<S: GradStore> ShardedSync<S> {
     }
 
     pub(super) fn clear(&mut self) {
+        // hpZ's slices hold the parameters of the micro-batches just ended.
+        self.group.forget_secondary();
         self.grads.reset();
         self.micro_steps = 0;
         self.present.iter_mut().for_each(|p| *p = 0);

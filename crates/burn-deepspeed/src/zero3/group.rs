@@ -387,6 +387,7 @@ impl GatherGroup {
             }
             if let Some(values) = C::cached(&mut st, t, &shard) {
                 st.cache_elems -= values.len();
+                C::keep_secondary(self, &mut st, &[t], std::slice::from_ref(&values));
                 self.read_ahead(&st, t, phase);
                 if C::gathers_ahead(self) {
                     self.gather_ahead(&mut st, t);
@@ -488,6 +489,13 @@ impl GatherGroup {
     /// `zero_optimization.zero_quantized_gradients`). Host chunks only.
     pub(crate) fn set_quantized_gradients(&self, hierarchy: Hierarchy) {
         self.state().hierarchy = Some(hierarchy);
+    }
+
+    /// Drops the secondary slices (hpZ): the parameters changed.
+    pub fn forget_secondary(&self) {
+        if let Some(secondary) = self.state().secondary.as_mut() {
+            secondary.forget();
+        }
     }
 
     /// Elements this rank holds in secondary slices.

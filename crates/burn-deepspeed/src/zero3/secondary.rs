@@ -5,8 +5,9 @@
 //!
 //! The node is a block of `zero_hpz_partition_size` consecutive ranks, as in DeepSpeed (not
 //! detected from the topology: the launcher's `--map-by slot` numbers a node's ranks
-//! consecutively). A forward gather always refreshes the slices, so a backward never sees
-//! parameters older than its own micro-batch's forward.
+//! consecutively). A forward gather refreshes the slices (from the prefetch cache too), and
+//! the regime drops them whenever the parameters change, so a backward never sees parameters
+//! older than its own micro-batch's forward; a tensor without a slice is gathered world-wide.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -84,6 +85,12 @@ impl Secondary {
             whole.truncate(numel);
             (whole, sent)
         }))
+    }
+
+    /// Drops every slice: the parameters changed (a step, a load), and a backward must not
+    /// gather older values.
+    pub(crate) fn forget(&mut self) {
+        self.slices.clear();
     }
 
     /// Elements held in slices.

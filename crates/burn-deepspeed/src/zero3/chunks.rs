@@ -15,7 +15,7 @@ use burn::tensor::{Tensor, TensorData};
 use burn_deepspeed_strategies::comm::{CommunicatorExt, ReduceOp};
 
 use super::group::{GatherGroup, State, label};
-use super::wire::{fetch, fetch_quantized};
+use super::wire::fetch_as_set;
 use crate::transfer;
 
 /// One kind of buffer the gather group gathers and reduce-scatters (see the module docs).
@@ -136,16 +136,14 @@ impl Chunks for Vec<f32> {
             group.comm.label_next(label("gather", bundle));
             let before = group.comm.stats().total_sent();
             let by_all_reduce = group.fetch_by_all_reduce;
-            let result = match st.quantized {
-                true => fetch_quantized(group.comm.as_ref(), &input, &mut out),
-                false => fetch(
-                    group.comm.as_ref(),
-                    st.wire,
-                    by_all_reduce,
-                    &input,
-                    &mut out,
-                ),
-            };
+            let result = fetch_as_set(
+                group.comm.as_ref(),
+                st.quantized,
+                st.wire,
+                by_all_reduce,
+                &input,
+                &mut out,
+            );
             st.stats.gather_bytes_sent += group.comm.stats().total_sent() - before;
             if let Err(e) = result {
                 group.fail(st, e);

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use burn_deepspeed_strategies::CommError;
 use burn_deepspeed_strategies::comm::Communicator;
 
-use super::wire::{fetch, fetch_quantized};
+use super::wire::fetch_as_set;
 use burn::tensor::FloatDType;
 
 /// One rank's secondary slices and the communicator of its node.
@@ -76,10 +76,14 @@ impl Secondary {
         let slice = self.slices.get(&t)?;
         let mut whole = vec![0.0f32; slice.len() * self.node.world_size()];
         let before = self.node.stats().total_sent();
-        let result = match quantized {
-            true => fetch_quantized(self.node.as_ref(), slice, &mut whole),
-            false => fetch(self.node.as_ref(), wire, false, slice, &mut whole),
-        };
+        let result = fetch_as_set(
+            self.node.as_ref(),
+            quantized,
+            wire,
+            false,
+            slice,
+            &mut whole,
+        );
         let sent = self.node.stats().total_sent() - before;
         Some(result.map(|()| {
             whole.truncate(numel);

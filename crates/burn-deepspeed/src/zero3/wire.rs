@@ -73,6 +73,22 @@ pub(crate) fn weight_group(numel: usize) -> usize {
     numel / groups
 }
 
+/// A gather as the group is set: int8 codes under qwZ (`quantized`, which gathers by
+/// all-gather whatever `by_all_reduce` says), else [`fetch`] in `wire`.
+pub(super) fn fetch_as_set(
+    comm: &dyn Communicator,
+    quantized: bool,
+    wire: Option<FloatDType>,
+    by_all_reduce: bool,
+    input: &[f32],
+    out: &mut [f32],
+) -> Result<(), CommError> {
+    match quantized {
+        true => fetch_quantized(comm, input, out),
+        false => fetch(comm, wire, by_all_reduce, input, out),
+    }
+}
+
 /// [`fetch`] travelling as `T`.
 fn fetch_as<T: Wire>(
     comm: &dyn Communicator,

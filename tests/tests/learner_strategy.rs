@@ -7,7 +7,9 @@ use std::time::Duration;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder, DataLoaderIterator, Progress};
 use burn::data::dataset::{DatasetError, InMemDataset};
+use burn::module::Module;
 use burn::optim::AdamWConfig;
+use burn::store::ModuleRecord;
 use burn::tensor::Device;
 use burn::train::{Learner, SupervisedTraining, TrainingError, TrainingStrategy};
 use burn_deepspeed::flat::{ParamLayout, params_to_flat};
@@ -338,21 +340,6 @@ fn supervised_training_with_two_ranks_learns() {
     assert!(after < before - 0.3, "loss {before} -> {after}");
 }
 
-/// At stage 3 the Learner's model holds chunks, into which Burn's resume cannot load a whole
-/// model: refused, with the engine's checkpoints named instead.
-#[test]
-fn learner_checkpoints_at_stage_3_are_refused() {
-    let config = r#"{"zero_optimization": {"stage": 3}}"#;
-    let e = launch_with(config, true, 4, 16, None, |strategy, model| {
-        Ok(Learner::new(
-            strategy.prepare_model(model),
-            AdamWConfig::new().init(),
-            3e-3,
-        ))
-    });
-    assert_refused(e, "DeepSpeedEngine::save_checkpoint");
-}
-
 /// Trains the GPT on 2 ranks on `device` with Burn's default checkpointers in `dir` until
 /// epoch `epochs`, resuming from the checkpoint of epoch `resume` when given.
 fn train_checkpointed_on(
@@ -370,8 +357,19 @@ fn train_checkpointed_on(
             .build(InMemDataset::new(items.to_vec()))
     };
     let (config, _) = DeepSpeedConfig::from_json_str(config).expect("valid config");
+    let from_config = config.optimizer.is_some();
     let strategy = DeepSpeedStrategy::new(config, 2);
     let model = Gpt::new(SHAPE, 5, &device.clone().autodiff());
+    // The config's optimizer and schedule, or the Learner's own; at stage 3 the model is
+    // sharded before the Learner is built (a no-op below).
+    let learner = match from_config {
+        true => strategy.learner(model).expect("a Learner from the config"),
+        false => Learner::new(
+            strategy.prepare_model(model),
+            AdamWConfig::new().init(),
+            3e-3,
+        ),
+    };
     let mut training = SupervisedTraining::new(dir, loader(&data[..24]), loader(&data[24..]))
         .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
         .with_default_checkpointers()
@@ -379,25 +377,32 @@ fn train_checkpointed_on(
     if let Some(epoch) = resume {
         training = training.checkpoint(epoch);
     }
-    let result = training.launch(Learner::new(model, AdamWConfig::new().init(), 3e-3));
+    let result = training.launch(learner);
     assert!(result.error.is_none(), "{:?}", result.error);
     result.model
 }
 
-/// Burn's checkpointer at ZeRO stages 1 and 2, in fp32 and bf16, and with the optimizer
+/// Burn's checkpointer at ZeRO stages 1-3, in fp32 and bf16, and with the optimizer
 /// offloaded to host memory: a run checkpointed after its first epoch, stopped and resumed
 /// for the second ends with the parameters of the run that was not stopped (the checkpoint
-/// holds every rank's optimizer state and the fp32 masters).
+/// holds every rank's optimizer state and the whole fp32 parameters; at stage 3 the ranks'
+/// chunks joined).
 #[test]
-fn learner_checkpoints_resume_at_stages_1_and_2() {
+fn learner_checkpoints_resume_at_stages_1_to_3() {
     let flat = |m: &Gpt| params_to_flat(m, &ParamLayout::of(m));
     let bf16 = r#", "bf16": {"enabled": true}"#;
+    let from_config = r#", "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 3e-3}}"#;
     let offload = r#", "offload_optimizer": {"device": "cpu"}"#;
     let mut runs = vec![
         (Device::flex(), 1, "", ""),
         (Device::flex(), 2, "", ""),
         (Device::flex(), 1, bf16, ""),
         (Device::flex(), 2, bf16, ""),
+        (Device::flex(), 3, "", ""),
+        (Device::flex(), 3, bf16, ""),
+        // The config's optimizer and schedule (a Learner from `DeepSpeedStrategy::learner`).
+        (Device::flex(), 3, from_config, ""),
     ];
     // The optimizer offloaded from a device to host memory (wgpu has no bf16): its state is
     // saved and resumed from there.
@@ -407,9 +412,16 @@ fn learner_checkpoints_resume_at_stages_1_and_2() {
         runs.push((wgpu, 2, "", offload));
     }
     runs.push((Device::flex(), 2, bf16, offload));
+    runs.push((Device::flex(), 3, bf16, offload));
     for (device, stage, precision, offload) in runs {
+        // At stage 3 every tensor over 100 elements is partitioned (the default threshold
+        // would keep this model's tensors whole).
+        let persist = match stage {
+            3 => r#", "stage3_param_persistence_threshold": 100"#,
+            _ => "",
+        };
         let config = format!(
-            r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": {stage}{offload}}}{precision}}}"#
+            r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": {stage}{persist}{offload}}}{precision}}}"#
         );
         let (straight, stopped) = (
             tempfile::tempdir().expect("dir"),
@@ -426,8 +438,18 @@ fn learner_checkpoints_resume_at_stages_1_and_2() {
         };
         let whole = run(&straight, 2, None);
         let first = run(&stopped, 1, None);
-        let resumed = run(&stopped, 2, Some(1));
         let name = format!("stage {stage}{precision}{offload} on {device:?}");
+        // The saved model is the whole fp32 model, as an unpartitioned run saves it: it loads
+        // into a plain GPT, with the values the first run ended with.
+        let file = stopped.path().join("checkpoint").join("model-1.bpk");
+        let record = ModuleRecord::load(&file).expect("the checkpoint's model record");
+        let plain = Gpt::new(SHAPE, 6, &Device::flex()).load_record(record);
+        assert_eq!(
+            flat(&plain),
+            first,
+            "{name}: the checkpoint holds the whole model"
+        );
+        let resumed = run(&stopped, 2, Some(1));
         assert!(
             max_difference(&first, &whole) > 1e-4,
             "{name}: the second epoch trained"

@@ -115,6 +115,20 @@ impl ParamLayout {
     pub fn slot_of(&self, id: ParamId) -> Option<usize> {
         self.index.get(&id).copied()
     }
+
+    /// This layout with the parameter ids of `other`, slot for slot (a record loaded into a
+    /// module restores the ids it was saved with); `None` when the slot counts differ.
+    pub fn with_ids_of(&self, other: &ParamLayout) -> Option<ParamLayout> {
+        if self.slots.len() != other.slots.len() {
+            return None;
+        }
+        let mut layout = self.clone();
+        for (slot, theirs) in layout.slots.iter_mut().zip(&other.slots) {
+            slot.id = theirs.id;
+        }
+        layout.reindex();
+        Some(layout)
+    }
 }
 
 /// The tensor's values as f32 on the host (a counted host/device copy off Flex).

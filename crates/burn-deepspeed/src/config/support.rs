@@ -109,22 +109,12 @@ pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()
             }
             Ok(())
         }
-        EntryPoint::Strategy { checkpointer } => {
+        EntryPoint::Strategy { .. } => {
             if config.tp_size() > 1 {
                 return refuse(
                     "tensor_parallel.tp_size",
                     "the Learner strategy trains data-parallel replicas of the Learner's \
                      model; train a sliced model with `DeepSpeedEngine::with_grid`",
-                );
-            }
-            if checkpointer && stage == ZeroStage::Parameters {
-                return refuse(
-                    "zero_optimization.stage",
-                    "at stage 3 the Learner's model holds chunk-shaped parameters, and Burn's \
-                     SupervisedTraining loads a checkpoint's whole model into it before the \
-                     strategy starts, which cannot work; checkpoint stage 3 with \
-                     `DeepSpeedEngine::save_checkpoint`, or train at stage 1 or 2 with the \
-                     checkpointer",
                 );
             }
             if config.progressive_layer_drop.enabled {
@@ -365,19 +355,20 @@ mod tests {
             refused_key(&onebit, strategy).as_deref(),
             Some("optimizer.type")
         );
-        // Burn's checkpointer: stages 0-2, not 3.
-        for (zero, refused) in [(1, None), (2, None), (3, Some("zero_optimization.stage"))] {
+        // Burn's checkpointer: every stage.
+        for zero in 0..=3 {
             let staged = config(&format!(
                 r#"{{{base}, "zero_optimization": {{"stage": {zero}}}}}"#
             ));
             let got = refused_key(&staged, EntryPoint::Strategy { checkpointer: true });
-            assert_eq!(got.as_deref(), refused, "stage {zero}");
+            assert_eq!(got, None, "stage {zero}");
         }
         // 16-bit in the Learner strategy: stages 0-3; with Burn's checkpointer bf16 only.
         for (precision, zero, checkpointer, refused) in [
             ("bf16", 2, false, false),
             ("bf16", 3, false, false),
             ("bf16", 2, true, false),
+            ("bf16", 3, true, false),
             ("fp16", 0, true, true),
             ("fp16", 1, false, false),
         ] {

@@ -33,12 +33,12 @@
 //! optimizer state live in host memory and the optimizer steps there (ZeRO-Offload, arXiv
 //! 2101.06840); the device keeps the working copy and the gradients.
 //!
-//! Burn's checkpointer works at stages 0-2 and in bf16 (see [`checkpoint`](super::checkpoint)):
-//! the ranks join their optimizer partitions into one record, and rank 0 saves it with the
-//! fp32 masters, so the files are those of an unpartitioned fp32 run; on resume each rank
-//! keeps its own partition of the record Burn loaded. It is refused at stage 3, whose model
-//! holds chunk-shaped parameters that Burn's resume cannot load a whole record into, and in
-//! fp16, whose loss scale Burn's checkpoint has no place for; checkpoint those with
+//! Burn's checkpointer works at every stage and in bf16 (see [`checkpoint`](super::checkpoint)
+//! and [`chunked`](super::chunked)): the ranks join their optimizer partitions (at stage 3
+//! their chunks) into one record, and rank 0 saves it with the whole fp32 parameters, so the
+//! files are those of an unpartitioned fp32 run; on resume each rank keeps its own
+//! partition of the record Burn loaded. It is refused in fp16, whose loss scale Burn's
+//! checkpoint has no place for; checkpoint fp16 runs with
 //! [`DeepSpeedEngine`](crate::DeepSpeedEngine).
 
 use super::reader::{Read, StepReader};
@@ -56,10 +56,12 @@ use burn::train::{
 };
 use burn_deepspeed_strategies::comm::{Communicator, CommunicatorExt, ReduceOp, agree};
 
+use super::checkpoint::built_from_config;
 use super::checkpoint::owned_ids;
+use super::chunked::ChunkPlan;
 use super::leader::{EpochEvent, LeaderEvents};
 use super::masters::Masters;
-use super::prepare::{Prepared, take_built, take_prepared};
+use super::prepare::{Prepared, materialize, take_prepared};
 use super::settings::{Settings, Surroundings, resolve_settings};
 use crate::DeepSpeedConfig;
 use crate::activation::{take_stats, with_config_options};
@@ -160,6 +162,8 @@ pub(super) struct RankRun<'a, M: LearnerModel> {
     device: Option<Device>,
     /// At stages 1-2, the parameters whose optimizer state this rank holds.
     pub(super) owned: Option<HashSet<u64>>,
+    /// At stage 3, the partitioned parameters (for Burn's checkpointer).
+    pub(super) chunks: Option<ChunkPlan>,
     /// Burn's event store (the checkpointer's strategy reads it).
     pub(super) store: Arc<EventStoreClient>,
 }
@@ -216,12 +220,16 @@ impl<M: LearnerModel> RankRun<'_, M> {
         }
         sync.group().answer_on_this_thread(prepared.id);
         let answering = Answering(prepared.id);
-        let mut flat = prepared.flat.clone();
+        let mut flat = prepared.flat();
+        let chunks = ChunkPlan::new(prepared.id, &prepared.layout, sync.group().plan());
         drop(prepared);
         self.comm.broadcast(&mut flat, 0)?;
+        materialize(&self.learner.model());
         let model = sync.load_flat(self.learner.model(), &flat)?;
         drop(flat);
         self.learner.load_model(model.into_record());
+        self.chunks = Some(chunks);
+        self.cut_optimizer_state()?;
         Ok((sync, answering))
     }
 
@@ -297,7 +305,7 @@ impl<M: LearnerModel> RankRun<'_, M> {
             }
             // Validation runs the working copy, as training does.
             let whole = sync.whole_model(&self.learner.model())?;
-            let saved = self.learner_to_save(mixed.as_ref())?;
+            let (saved, _saving) = self.learner_to_save(sync.as_mut(), mixed.as_ref())?;
             let learner = saved.as_ref().unwrap_or(&self.learner);
             if !on_epoch(EpochEvent::End(epoch, learner, whole)) {
                 break;
@@ -448,16 +456,18 @@ impl DeepSpeedStrategy {
             valid,
         };
         let world = mpirun_world_size().unwrap_or(self.ranks);
-        let settings = resolve_settings(
-            &self.config,
-            Surroundings {
-                world,
-                learner_accumulation: components.grad_accumulation,
-                checkpointer: leader_events.checkpointer.is_some(),
-                learner_from_config: take_built(&learner.model()),
-            },
-        )
-        .and_then(|settings| {
+        let settings = built_from_config(&learner, &store).and_then(|learner_from_config| {
+            resolve_settings(
+                &self.config,
+                Surroundings {
+                    world,
+                    learner_accumulation: components.grad_accumulation,
+                    checkpointer: leader_events.checkpointer.is_some(),
+                    learner_from_config,
+                },
+            )
+        });
+        let settings = settings.and_then(|settings| {
             if train.num_items() < world {
                 return Err(crate::DeepSpeedError::Data(format!(
                     "the training set has {} items for {world} ranks: each rank needs at least \
@@ -510,6 +520,7 @@ impl DeepSpeedStrategy {
                 loader_error,
                 device: given,
                 owned: None,
+                chunks: None,
                 store: store.clone(),
             })
         };

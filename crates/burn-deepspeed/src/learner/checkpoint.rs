@@ -1,4 +1,5 @@
-//! Burn's checkpointer in the Learner strategy at ZeRO stages 1-2 and in 16-bit.
+//! Burn's checkpointer in the Learner strategy at ZeRO stages 1-2 and in 16-bit (stage 3's
+//! chunks: [`chunked`](super::chunked)).
 //!
 //! Burn's `LearningCheckpointer` saves one `Learner`: its model's record, its optimizer's
 //! record and its schedule's. At stages 1 and 2 each rank's optimizer holds the state of its
@@ -22,7 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use burn::optim::OptimizerRecord;
 use burn::optim::lr_scheduler::LrSchedulerRecord;
 use burn::store::ModuleRecord;
-use burn::tensor::Bytes;
+use burn::tensor::{Bytes, FloatDType};
 use burn::train::checkpoint::{
     AsyncCheckpointer, Checkpoint, Checkpointer, CheckpointerError, CheckpointingAction,
     CheckpointingStrategy,
@@ -31,10 +32,13 @@ use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel, LearningCheckpointer};
 
 use super::base::RankRun;
+use super::chunked::{cut_chunks, join_chunks};
 use super::masters::Masters;
+use super::prepare::SavingWholes;
+use super::schedule::is_config_schedule;
 use crate::checkpoint::gather_bytes;
 use crate::flat::ParamLayout;
-use crate::sync::{Cut, Part};
+use crate::sync::{Cut, GradSync, Part};
 use crate::{DeepSpeedError, Result};
 
 /// The parameters whose optimizer state this rank holds at ZeRO stages 1 and 2 (the whole
@@ -62,7 +66,7 @@ pub(super) fn owned_ids(
     )
 }
 
-fn record_error(what: &str, e: impl std::fmt::Display) -> DeepSpeedError {
+pub(super) fn record_error(what: &str, e: impl std::fmt::Display) -> DeepSpeedError {
     DeepSpeedError::LearnerStrategy(format!("the Learner's optimizer record: {what}: {e}"))
 }
 
@@ -110,24 +114,50 @@ impl<M: LearnerModel> RankRun<'_, M> {
         Ok(())
     }
 
+    /// At stage 3, this rank's chunk of the optimizer state: a `Learner` resumed by Burn's
+    /// checkpointer holds the whole record.
+    pub(super) fn cut_optimizer_state(&mut self) -> Result<()> {
+        let Some(plan) = &self.chunks else {
+            return Ok(());
+        };
+        let record = optimizer_record(&self.learner, &self.store)?;
+        if !record.is_empty() {
+            let own = cut_chunks(&record_bytes(record)?, self.comm.rank(), plan)?;
+            self.learner.load_optim(own);
+        }
+        Ok(())
+    }
+
     /// What Burn's checkpointer saves at the end of an epoch, on rank 0 (`None` elsewhere, or
     /// where the `Learner` itself is it): the `Learner` with the fp32 masters in 16-bit, and
-    /// at stages 1-2 with every rank's optimizer state. A collective at stages 1-2 when
-    /// checkpointing.
-    pub(super) fn learner_to_save(&self, mixed: Option<&Masters<M>>) -> Result<Option<Learner<M>>> {
+    /// at stages 1-3 with every rank's optimizer state. At stage 3 the guard holds the whole
+    /// parameters that rank 0's save records in place of its chunks until it drops. A
+    /// collective at stages 1-3 when checkpointing.
+    pub(super) fn learner_to_save(
+        &self,
+        sync: &mut dyn GradSync<M>,
+        mixed: Option<&Masters<M>>,
+    ) -> Result<(Option<Learner<M>>, Option<SavingWholes>)> {
         if !self.settings.checkpointer {
-            return Ok(None);
+            return Ok((None, None));
         }
-        let record = match &self.owned {
-            None => None,
-            Some(_) => {
+        let parts = match (&self.owned, &self.chunks) {
+            (None, None) => None,
+            _ => {
                 let mine = record_bytes(optimizer_record(&self.learner, &self.store)?)?;
-                let parts = gather_bytes(self.comm.as_ref(), &mine)?;
-                parts.map(|p| join_records(&p, |_| true)).transpose()?
+                gather_bytes(self.comm.as_ref(), &mine)?
             }
         };
+        let record = match &self.chunks {
+            Some(plan) => parts.map(|p| join_chunks(&p, plan)).transpose()?,
+            None => parts.map(|p| join_records(&p, |_| true)).transpose()?,
+        };
+        let flat = match &self.chunks {
+            Some(_) => self.whole_values(sync, mixed)?,
+            None => None,
+        };
         if self.comm.rank() != 0 || (record.is_none() && mixed.is_none()) {
-            return Ok(None);
+            return Ok((None, None));
         }
         let mut saved = self.learner.clone();
         if let Some(mixed) = mixed {
@@ -136,27 +166,71 @@ impl<M: LearnerModel> RankRun<'_, M> {
         if let Some(record) = record {
             saved.load_optim(record);
         }
-        Ok(Some(saved))
+        // From here on a record of the chunks on this thread holds the whole values.
+        let wholes = (self.chunks.as_ref().zip(flat))
+            .map(|(plan, flat)| SavingWholes::new(plan.id, plan.wholes(&flat)));
+        Ok((Some(saved), wholes))
+    }
+
+    /// Stage 3: the whole parameters on rank 0 (the fp32 masters when they are apart), flat
+    /// in layout order. A collective.
+    fn whole_values(
+        &self,
+        sync: &mut dyn GradSync<M>,
+        mixed: Option<&Masters<M>>,
+    ) -> Result<Option<Vec<f32>>> {
+        let rank0 = self.comm.rank() == 0;
+        let Some(mixed) = mixed else {
+            return sync.whole_params(&self.learner.model(), rank0);
+        };
+        sync.track_working_copy(&mixed.masters, FloatDType::F32);
+        let flat = sync.whole_params(&mixed.masters, rank0);
+        sync.track_working_copy(&self.learner.model(), mixed.dtype);
+        flat
     }
 }
 
-/// `learner`'s optimizer record (a `Learner` hands it only to a checkpointer).
+/// `learner`'s optimizer and schedule records (a `Learner` hands them only to a
+/// checkpointer).
+fn learner_records<M: LearnerModel>(
+    learner: &Learner<M>,
+    store: &EventStoreClient,
+) -> Result<(OptimizerRecord, LrSchedulerRecord)> {
+    let (optim, schedule) = (Arc::new(Mutex::new(None)), Arc::new(Mutex::new(None)));
+    let mut reader = LearningCheckpointer::<M>::new(
+        AsyncCheckpointer::new(Keep::<ModuleRecord>(Arc::default())),
+        AsyncCheckpointer::new(Keep(optim.clone())),
+        AsyncCheckpointer::new(Keep(schedule.clone())),
+        Box::new(Always),
+    );
+    reader.checkpoint(learner, 0, store);
+    // Dropping the checkpointer waits for its threads, so the records are in the slots.
+    drop(reader);
+    let missing = || record_error("read", "the checkpointer kept none");
+    let optim = take(&optim).ok_or_else(missing)?;
+    Ok((optim, take(&schedule).ok_or_else(missing)?))
+}
+
+/// `learner`'s optimizer record.
 pub(super) fn optimizer_record<M: LearnerModel>(
     learner: &Learner<M>,
     store: &EventStoreClient,
 ) -> Result<OptimizerRecord> {
-    let slot = Arc::new(Mutex::new(None));
-    let mut reader = LearningCheckpointer::<M>::new(
-        AsyncCheckpointer::new(Keep::<ModuleRecord>(Arc::default())),
-        AsyncCheckpointer::new(Keep(slot.clone())),
-        AsyncCheckpointer::new(Keep::<LrSchedulerRecord>(Arc::default())),
-        Box::new(Always),
-    );
-    reader.checkpoint(learner, 0, store);
-    // Dropping the checkpointer waits for its threads, so the record is in the slot.
-    drop(reader);
-    let record = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
-    record.ok_or_else(|| record_error("read", "the checkpointer kept none"))
+    Ok(learner_records(learner, store)?.0)
+}
+
+/// Whether [`DeepSpeedStrategy::learner`](super::DeepSpeedStrategy::learner) built `learner`
+/// (its schedule is the config's), also after Burn's checkpointer resumed it.
+pub(super) fn built_from_config<M: LearnerModel>(
+    learner: &Learner<M>,
+    store: &EventStoreClient,
+) -> Result<bool> {
+    Ok(is_config_schedule(learner_records(learner, store)?.1))
+}
+
+/// What a slot holds, taken.
+fn take<R>(slot: &Mutex<Option<R>>) -> Option<R> {
+    slot.lock().unwrap_or_else(PoisonError::into_inner).take()
 }
 
 /// The record's bytes (burnpack).
@@ -170,6 +244,77 @@ fn entry_id(name: &str) -> Option<u64> {
     name.split('.').next()?.parse().ok()
 }
 
+/// One state tensor of a record.
+pub(super) struct StateTensor {
+    pub name: String,
+    pub dtype: burn::tensor::DType,
+    pub shape: Vec<usize>,
+    pub id: Option<u64>,
+    pub bytes: Vec<u8>,
+}
+
+/// A record's entries: its state tensors, scalars and metadata (the parameters' paths).
+#[derive(Default)]
+pub(super) struct Entries {
+    pub tensors: Vec<StateTensor>,
+    pub scalars: BTreeMap<String, burn_pack::Scalar>,
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl Entries {
+    /// The entries of a record's bytes (burnpack).
+    pub(super) fn read(bytes: &[u8]) -> Result<Self> {
+        let reader = burn_pack::Reader::from_bytes(Bytes::from_bytes_vec(bytes.to_vec()))
+            .map_err(|e| record_error("read", e))?;
+        let scalars = reader.scalars().clone();
+        let metadata = reader.metadata().clone();
+        let mut tensors = Vec::new();
+        for tensor in reader.into_tensors().map_err(|e| record_error("read", e))? {
+            let (name, dtype, shape, id, bytes) =
+                tensor.into_parts().map_err(|e| record_error("read", e))?;
+            tensors.push(StateTensor {
+                name,
+                dtype,
+                shape: shape.to_vec(),
+                id,
+                bytes: bytes.to_vec(),
+            });
+        }
+        Ok(Self {
+            tensors,
+            scalars,
+            metadata,
+        })
+    }
+
+    /// Adds the entries of `other` whose names `wanted` accepts.
+    fn take_from(&mut self, other: Entries, wanted: impl Fn(&str) -> bool) {
+        self.tensors
+            .extend(other.tensors.into_iter().filter(|t| wanted(&t.name)));
+        self.scalars
+            .extend(other.scalars.into_iter().filter(|(k, _)| wanted(k)));
+        self.metadata
+            .extend(other.metadata.into_iter().filter(|(k, _)| wanted(k)));
+    }
+
+    /// The record holding these entries.
+    pub(super) fn into_record(self) -> Result<OptimizerRecord> {
+        let tensors = self.tensors.into_iter().map(|t| {
+            let bytes = Bytes::from_bytes_vec(t.bytes);
+            burn_pack::Tensor::new(t.name, t.dtype, t.shape, t.id, bytes)
+        });
+        let mut writer = burn_pack::Writer::new(tensors.collect());
+        for (name, value) in &self.scalars {
+            writer = writer.with_scalar(name, *value);
+        }
+        for (name, value) in &self.metadata {
+            writer = writer.with_metadata(name, value);
+        }
+        let bytes = writer.into_bytes().map_err(|e| record_error("write", e))?;
+        OptimizerRecord::from_bytes(bytes).map_err(|e| record_error("read", e))
+    }
+}
+
 /// One record from the records of several ranks (burnpack bytes, in rank order): every
 /// parameter's entries (its state tensors, scalars and path) come from the first record that
 /// has the parameter, and only parameters that `keep` accepts are kept. Entries of no
@@ -179,47 +324,23 @@ pub(super) fn join_records(
     keep: impl Fn(u64) -> bool,
 ) -> Result<OptimizerRecord> {
     let mut taken: HashSet<u64> = HashSet::new();
-    let mut tensors = Vec::new();
-    let mut scalars = BTreeMap::new();
-    let mut metadata = BTreeMap::new();
+    let mut joined = Entries::default();
     for (at, part) in parts.iter().enumerate() {
-        let reader = burn_pack::Reader::from_bytes(Bytes::from_bytes_vec(part.clone()))
-            .map_err(|e| record_error("read", e))?;
-        let names = reader.tensor_names().into_iter().map(str::to_owned);
-        let here: HashSet<u64> = (names.chain(reader.scalars().keys().cloned()))
-            .chain(reader.metadata().keys().cloned())
-            .filter_map(|name| entry_id(&name))
+        let entries = Entries::read(part)?;
+        let names = entries.tensors.iter().map(|t| t.name.as_str());
+        let names = names
+            .chain(entries.scalars.keys().map(String::as_str))
+            .chain(entries.metadata.keys().map(String::as_str));
+        let here: HashSet<u64> = names
+            .filter_map(entry_id)
             .filter(|id| keep(*id) && !taken.contains(id))
             .collect();
-        let wanted = |name: &str| entry_id(name).map_or(at == 0, |id| here.contains(&id));
-        for (name, value) in reader.scalars() {
-            if wanted(name) {
-                scalars.insert(name.clone(), *value);
-            }
-        }
-        for (name, value) in reader.metadata() {
-            if wanted(name) {
-                metadata.insert(name.clone(), value.clone());
-            }
-        }
-        for tensor in reader.into_tensors().map_err(|e| record_error("read", e))? {
-            let (name, dtype, shape, id, bytes) =
-                tensor.into_parts().map_err(|e| record_error("read", e))?;
-            if wanted(&name) {
-                tensors.push(burn_pack::Tensor::new(name, dtype, shape, id, bytes));
-            }
-        }
+        joined.take_from(entries, |name| {
+            entry_id(name).map_or(at == 0, |id| here.contains(&id))
+        });
         taken.extend(here);
     }
-    let mut writer = burn_pack::Writer::new(tensors);
-    for (name, value) in &scalars {
-        writer = writer.with_scalar(name, *value);
-    }
-    for (name, value) in &metadata {
-        writer = writer.with_metadata(name, value);
-    }
-    let bytes = writer.into_bytes().map_err(|e| record_error("write", e))?;
-    OptimizerRecord::from_bytes(bytes).map_err(|e| record_error("read", e))
+    joined.into_record()
 }
 
 #[cfg(test)]

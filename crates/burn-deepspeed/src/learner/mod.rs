@@ -2,6 +2,7 @@
 
 mod base;
 mod checkpoint;
+mod chunked;
 mod leader;
 mod masters;
 mod prepare;

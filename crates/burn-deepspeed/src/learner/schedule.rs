@@ -27,15 +27,40 @@ struct Position {
     steps: u64,
 }
 
+/// The scalar that marks a record as a [`ConfigSchedule`]'s.
+const MARK: &str = "burn_deepspeed_config_schedule";
+
 impl RecordState for Position {
     fn state_flatten(&self, prefix: &str, out: &mut StateSink) {
         out.push_scalar(prefix, "steps", self.steps.into());
+        out.push_scalar(prefix, MARK, 1u64.into());
     }
 
     fn state_unflatten(prefix: &str, src: &mut StateSource, _device: &Device) -> Option<Self> {
         let steps = u64::try_from(src.take_scalar(prefix, "steps")?).ok()?;
         Some(Self { steps })
     }
+}
+
+/// The mark alone, to recognise a record.
+struct Mark;
+
+impl RecordState for Mark {
+    fn state_flatten(&self, prefix: &str, out: &mut StateSink) {
+        out.push_scalar(prefix, MARK, 1u64.into());
+    }
+
+    fn state_unflatten(prefix: &str, src: &mut StateSource, _device: &Device) -> Option<Self> {
+        src.take_scalar(prefix, MARK).map(|_| Self)
+    }
+}
+
+/// Whether a `Learner`'s schedule record (a `ModuleLrScheduler`'s, one group) is a
+/// [`ConfigSchedule`]'s: then [`DeepSpeedStrategy::learner`](super::DeepSpeedStrategy::learner)
+/// built the `Learner` from the config. The mark survives a checkpoint, so a resumed `Learner`
+/// is recognised too.
+pub(super) fn is_config_schedule(record: LrSchedulerRecord) -> bool {
+    record.record("0").into_state::<Mark>().is_some()
 }
 
 impl LrScheduler for ConfigSchedule {
@@ -76,5 +101,10 @@ mod tests {
         let mut resumed = ConfigSchedule::new(config.clone());
         resumed.load_record(schedule.to_record());
         assert_eq!(resumed.step(), config.lr_at(6));
+        // A Learner's schedule of one group is recognised as the config's, and no other.
+        let record = |s: &dyn LrScheduler| LrSchedulerRecord::new().with_record("0", s.to_record());
+        assert!(is_config_schedule(record(&resumed)));
+        let constant = burn::lr_scheduler::constant::ConstantLr::new(0.1);
+        assert!(!is_config_schedule(record(&constant)));
     }
 }

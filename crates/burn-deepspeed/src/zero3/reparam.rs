@@ -6,10 +6,10 @@
 
 use burn::module::{Module, Param, Reparameterization, Reparameterizer};
 use burn::tensor::{Device, Tensor, TensorData};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use burn_deepspeed_strategies::CommError;
-use burn_deepspeed_strategies::zero::ShardPlan;
+use burn_deepspeed_strategies::zero::{ShardPlan, TensorShard};
 
 use super::group::GatherGroup;
 use super::op::zero3_gather;
@@ -46,6 +46,18 @@ pub fn chunk_of(values: &[f32], chunk: usize, rank: usize) -> Vec<f32> {
     out
 }
 
+/// What a module sharded ahead of its ranks ([`shard_module_ahead`]) does with the whole
+/// tensors a Burn record carries: Burn's checkpointer saves and loads whole tensors, while
+/// the module stores chunks.
+pub trait AheadRecords: Send + Sync {
+    /// A record loaded tensor `t` whole into the module (a resume): keep its values for the
+    /// ranks, which take their chunks of them.
+    fn loaded(&self, t: usize, whole: TensorData);
+    /// While a save is under way on this thread: the whole values to record in place of
+    /// tensor `t`'s chunk.
+    fn saving(&self, t: usize) -> Option<TensorData>;
+}
+
 /// Replaces the partitioned parameters of a module by one rank's chunks (in layout order)
 /// and attaches [`ShardGather`] with the keys of group `id`; persistent ones stay whole.
 /// Every parameter moves to the [`checkpointing`] form of its device.
@@ -61,6 +73,8 @@ struct Sharder<'a> {
     /// Under `offload_param`: the store the pieces go to (the module keeps empty
     /// placeholders), and the first failed write.
     store: Option<(&'a ParamStore, &'a Mutex<Option<CommError>>)>,
+    /// Sharding ahead of the ranks: where whole tensors of records go and come from.
+    ahead: Option<Arc<dyn AheadRecords>>,
 }
 
 impl Reparameterizer for Sharder<'_> {
@@ -75,6 +89,12 @@ impl Reparameterizer for Sharder<'_> {
         self.next += 1;
         let s = self.plan.tensors()[t];
         let (rank, group, whole_shape) = (self.rank, self.group, &self.shapes[t]);
+        let reparam = (!s.persistent).then(|| ShardGather {
+            key: key_of(self.id, t),
+        });
+        if let Some(records) = &self.ahead {
+            return (ahead(param, t, whole_shape, s, records.clone()), reparam);
+        }
         let param = param.map(|tensor| {
             let require_grad = tensor.is_require_grad();
             let device = checkpointing(tensor.device());
@@ -111,11 +131,73 @@ impl Reparameterizer for Sharder<'_> {
             crate::transfer::write_default::<D>(TensorData::new(values, shape), &device)
                 .set_require_grad(require_grad)
         });
-        let reparam = (!s.persistent).then(|| ShardGather {
-            key: key_of(self.id, t),
-        });
         (param, reparam)
     }
+}
+
+/// A parameter of a module sharded ahead of its ranks. A partitioned one is declared with
+/// its whole shape and materializes as a zero chunk (each rank loads its own values), so
+/// that Burn's record loading, which checks the declared shape, accepts a whole tensor: it
+/// goes to `records`, and the parameter keeps a chunk. A save records the whole values
+/// `records` has for it, if any. A persistent one stays whole; a whole tensor loaded into
+/// it goes to `records` too.
+fn ahead<const D: usize>(
+    param: Param<Tensor<D>>,
+    t: usize,
+    whole_shape: &[usize],
+    s: TensorShard,
+    records: Arc<dyn AheadRecords>,
+) -> Param<Tensor<D>> {
+    let value = param.val();
+    let (device, require_grad) = (checkpointing(value.device()), value.is_require_grad());
+    let whole = whole_shape.to_vec();
+    let chunk = if s.persistent {
+        whole.clone()
+    } else {
+        chunk_shape(s.chunk, D)
+    };
+    let placeholder = {
+        let chunk = chunk.clone();
+        move |device: &Device, require_grad: bool| {
+            let zeros = TensorData::new(vec![0f32; chunk.iter().product()], chunk.clone());
+            crate::transfer::write_default::<D>(zeros, device).set_require_grad(require_grad)
+        }
+    };
+    let param = if s.persistent {
+        let values = TensorData::new(crate::transfer::read_f32(value), whole.clone());
+        Param::initialized(
+            param.id,
+            crate::transfer::write_default::<D>(values, &device).set_require_grad(require_grad),
+        )
+    } else {
+        drop(value);
+        Param::uninitialized(
+            param.id,
+            placeholder.clone(),
+            device,
+            require_grad,
+            whole.clone().into(),
+        )
+    };
+    let loading = records.clone();
+    let param = param.load_mapper(move |tensor: Tensor<D>| {
+        if tensor.dims().as_slice() != whole.as_slice() {
+            return tensor;
+        }
+        loading.loaded(t, crate::transfer::read(tensor.clone()));
+        if whole == chunk {
+            tensor
+        } else {
+            placeholder(&tensor.device(), tensor.is_require_grad())
+        }
+    });
+    if s.persistent {
+        return param;
+    }
+    param.save_mapper(move |tensor: Tensor<D>| match records.saving(t) {
+        Some(whole) => crate::transfer::write_default::<D>(whole, &tensor.device()),
+        None => tensor,
+    })
 }
 
 /// `device` with Burn's gradient checkpointing when it is an autodiff device: the consumers
@@ -137,6 +219,7 @@ pub fn shard_module<M: Module>(module: M, group: &GatherGroup) -> M {
         group: Some(group),
         next: 0,
         store: None,
+        ahead: None,
     })
 }
 
@@ -157,19 +240,22 @@ pub fn shard_module_to_store<M: Module>(
         group: None,
         next: 0,
         store: Some((store, &failed)),
+        ahead: None,
     });
     let failed = failed.into_inner().unwrap_or_else(|e| e.into_inner());
     (module, failed.map_or(Ok(()), Err))
 }
 
 /// Shards `module` for ranks that do not exist yet: the partitioned parameters become
-/// rank 0's chunks (placeholders of the right shape, overwritten by each rank) with the keys
-/// of the prepared id `id` (see [`prepared_id`](super::prepared_id)).
+/// zero chunks (placeholders, overwritten by each rank, declared with their whole shape:
+/// see [`AheadRecords`]) with the keys of the prepared id `id` (see
+/// [`prepared_id`](super::prepared_id)).
 pub fn shard_module_ahead<M: Module>(
     module: M,
     plan: &ShardPlan,
     shapes: &[Vec<usize>],
     id: u64,
+    records: Arc<dyn AheadRecords>,
 ) -> M {
     module.apply_reparameterization(Sharder {
         plan,
@@ -179,6 +265,7 @@ pub fn shard_module_ahead<M: Module>(
         group: None,
         next: 0,
         store: None,
+        ahead: Some(records),
     })
 }
 

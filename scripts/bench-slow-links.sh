@@ -19,9 +19,14 @@ LOSS_STEPS="${LOSS_STEPS:-200}"
 RATES="${RATES:-1gbit 10gbit}"
 PROFILE="${PROFILE:-release}"
 target="${CARGO_TARGET_DIR:-target}"
-out="$target/bench-slow-links"
+out="${OUT:-$target/bench-slow-links}"
 # FEATURES (default: MPI) must name the example's and the CLI's `mpi`; a wider set (the test
 # suite's) reuses its build.
+# Extra runs beside the section: NAMES (a subset of the configurations) and OUT (a folder
+# other than the section's) run only those, RATES="" skips the timed runs and LOSS_STEPS=0
+# the loss runs; the section's generator reads two such folders when they exist:
+#   MODEL=small NAMES="s3 s3-fp16 s3-zeropp" RATES=1gbit LOSS_STEPS=0 OUT=<target>/bench-slow-links-small
+#   NAMES="s3 s3-zeropp" RATES="" LOSS_STEPS=200 OUT=<target>/bench-slow-links-long
 features="${FEATURES:-burn-deepspeed-example-gpt/mpi,burn-deepspeed-cli/mpi}"
 if [ "$PROFILE" = release ]; then
     cargo build --release --example gpt --bin burn-deepspeed --features "$features"
@@ -82,7 +87,8 @@ for name in ("onebit_adam", "onebit_lamb", "zero_one_adam"):
         p["var_freeze_step"], p["var_update_scaler"], p["local_step_scaler"] = 1, 1, 2
     json.dump(c, open(f"{out}/{name}-timed.json", "w"), indent=1)
 PY
-names="s3 s3-fp16 s3-qwz s3-hpz s3-qgz s3-zeropp adam onebit_adam zero_one_adam lamb onebit_lamb"
+all="s3 s3-fp16 s3-qwz s3-hpz s3-qgz s3-zeropp adam onebit_adam zero_one_adam lamb onebit_lamb"
+names="${NAMES:-$all}"
 echo "{\"profile\": \"$PROFILE\", \"model\": \"$MODEL\", \"steps\": $STEPS, \"loss_steps\": $LOSS_STEPS, \"rates\": \"$RATES\", \"freeze\": $freeze}" \
     > "$out/setup.json"
 # run NAME STEPS TAG: the configuration on the cluster as it is shaped now, its JSON summary
@@ -114,8 +120,16 @@ for rate in $RATES; do
 done
 # Bytes per step: the timed run's less a one-step run's at the same shaping (the last rate's),
 # which share a run's start (rank 0's parameters broadcast to every rank) and end.
-for name in $names; do run "$name" 1 one; done
+if [ -n "$RATES" ]; then
+    for name in $names; do run "$name" 1 one; done
+else
+    cluster_up 2 2 10gbit
+fi
 # The losses at the last rate's shaping (they do not depend on it).
-for name in $names; do run "$name" "$LOSS_STEPS" loss; done
+if [ "$LOSS_STEPS" != 0 ]; then
+    for name in $names; do run "$name" "$LOSS_STEPS" loss; done
+fi
 cluster_down
-python3 scripts/benchmarks_md.py slow-links "$out" "$(nproc)"
+if [ "$names" = "$all" ] && [ -z "${OUT:-}" ]; then
+    python3 scripts/benchmarks_md.py slow-links "$out" "$(nproc)"
+fi

@@ -27,11 +27,11 @@ import sys
 
 from bench_md.common import write_section
 from bench_md.pipeline import pipeline
-from bench_md.onebit import onebit
+from bench_md.onebit import onebit, onebit_plot
 from bench_md.zero import zero, zero_plot
 from bench_md.learner import learner
 from bench_md.kernels import kernels
-from bench_md.precision import precision
+from bench_md.precision import precision, precision_plot
 from bench_md.offload import offload
 from bench_md.resume import resume
 from bench_md.recorder import recorder
@@ -53,6 +53,7 @@ if __name__ == "__main__":
         write_section("pipeline", pipeline(*sys.argv[2:6]))
     elif kind == "onebit":
         write_section("onebit", onebit(*sys.argv[2:5]))
+        onebit_plot(*sys.argv[2:4])
     elif kind == "zero":
         write_section("zero", zero(*sys.argv[2:4]))
         zero_plot(sys.argv[2])
@@ -62,6 +63,7 @@ if __name__ == "__main__":
         write_section("learner", learner(*sys.argv[2:4]))
     elif kind == "precision":
         write_section("precision", precision(*sys.argv[2:4]))
+        precision_plot(sys.argv[2])
     elif kind == "offload":
         write_section("offload", offload(*sys.argv[2:4]))
     elif kind == "recorder":

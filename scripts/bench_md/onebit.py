@@ -3,6 +3,9 @@ import json
 from pathlib import Path
 
 from .common import last20, render
+from .svg import lines, running_mean
+
+PLOT = Path(__file__).resolve().parents[2] / "docs" / "plots" / "onebit-loss.svg"
 
 
 def onebit(directory, freeze, cores):
@@ -33,3 +36,15 @@ def onebit(directory, freeze, cores):
                 f"{b['comm_bytes_per_rank'][0] / total:.2f}x |"
             )
     return render("onebit", base=base, pld=pld, cores=cores, freeze=freeze, rows="\n".join(rows))
+
+
+def onebit_plot(directory, freeze):
+    """The loss curves of the four optimizer runs (a running mean of 10 steps), as
+    `docs/plots/onebit-loss.svg`."""
+    d = Path(directory)
+    names = [("default", "Adam"), ("onebit_adam", "1-bit Adam"), ("lamb", "LAMB"),
+             ("onebit_lamb", "1-bit LAMB")]
+    series = [(label, running_mean(json.load(open(d / f"{n}.json"))["losses"], 10))
+              for n, label in names]
+    lines(PLOT, f"Training loss, GPT tiny, 2 ranks, compression from step {freeze} "
+          "(mean of 10 steps)", series, "step", "loss")

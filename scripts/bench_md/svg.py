@@ -17,6 +17,29 @@ def _ticks(top):
     return [round(i * step, 10) for i in range(math.ceil(top / step - 1e-9) + 1)]
 
 
+def _open(title):
+    """The start of a chart: the canvas and its title."""
+    return [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+        f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
+        f'<text x="{WIDTH / 2:.0f}" y="22" text-anchor="middle" font-size="15">{title}</text>',
+    ]
+
+
+def _close(path, out, names, spacing):
+    """Adds the legend (one colour per name, `spacing` apart) and writes the chart to `path`."""
+    for s, name in enumerate(names):
+        lx = LEFT + 10 + s * spacing
+        out.append(f'<rect x="{lx}" y="{HEIGHT - 22}" width="12" height="12" '
+                   f'fill="{COLORS[s % len(COLORS)]}"/>')
+        out.append(f'<text x="{lx + 18}" y="{HEIGHT - 12}">{name}</text>')
+    out.append("</svg>")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(out) + "\n")
+    print(f"wrote {path}")
+
+
 def grouped_bars(path, title, groups, series, unit, scale=1.0):
     """Writes a grouped bar chart to `path`: one group of bars per label in `groups`, one bar per
     `(name, values)` in `series`; the axis shows `value / scale` in `unit`."""
@@ -27,12 +50,7 @@ def grouped_bars(path, title, groups, series, unit, scale=1.0):
     group_w = plot_w / len(groups)
     bar_w = group_w * 0.7 / len(series)
     y = lambda v: TOP + plot_h * (1 - v / top)
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
-        f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">',
-        f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
-        f'<text x="{WIDTH / 2:.0f}" y="22" text-anchor="middle" font-size="15">{title}</text>',
-    ]
+    out = _open(title)
     for t in ticks:
         out.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y(t):.1f}" y2="{y(t):.1f}" '
                    f'stroke="#ddd"/>')
@@ -50,12 +68,57 @@ def grouped_bars(path, title, groups, series, unit, scale=1.0):
                        f'y="{TOP + plot_h + 18 + 14 * line}" text-anchor="middle">{text}</text>')
     out.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{TOP + plot_h}" '
                f'y2="{TOP + plot_h}" stroke="black"/>')
-    for s, (name, _) in enumerate(series):
-        lx = LEFT + 10 + s * 200
-        out.append(f'<rect x="{lx}" y="{HEIGHT - 22}" width="12" height="12" '
-                   f'fill="{COLORS[s % len(COLORS)]}"/>')
-        out.append(f'<text x="{lx + 18}" y="{HEIGHT - 12}">{name}</text>')
-    out.append("</svg>")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text("\n".join(out) + "\n")
-    print(f"wrote {path}")
+    _close(path, out, [name for name, _ in series], 200)
+
+
+def _span_ticks(lo, hi):
+    """Round tick values covering `lo`..`hi`, about five of them."""
+    raw = (hi - lo) / 5 or abs(hi) or 1.0
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(f * magnitude for f in (1, 2, 5, 10) if raw <= f * magnitude)
+    first = math.floor(lo / step + 1e-9)
+    last = math.ceil(hi / step - 1e-9)
+    return [round(i * step, 10) for i in range(first, last + 1)]
+
+
+def running_mean(values, window):
+    """Each value replaced by the mean of the `window` values up to it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def lines(path, title, series, x_label, y_label):
+    """Writes a line chart to `path`: one line per `(name, values)` in `series`, the x axis the
+    value's index plus one (a step)."""
+    values = [v for _, vs in series for v in vs]
+    ticks = _span_ticks(min(values), max(values))
+    lo, hi = ticks[0], max(ticks[-1], ticks[0] + 1e-9)
+    steps = max(len(vs) for _, vs in series)
+    xticks = _ticks(steps)
+    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    x = lambda i: LEFT + plot_w * i / xticks[-1]
+    y = lambda v: TOP + plot_h * (1 - (v - lo) / (hi - lo))
+    out = _open(title)
+    for t in ticks:
+        out.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y(t):.1f}" y2="{y(t):.1f}" '
+                   f'stroke="#ddd"/>')
+        out.append(f'<text x="{LEFT - 6}" y="{y(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
+    for t in xticks:
+        out.append(f'<text x="{x(t):.1f}" y="{TOP + plot_h + 16}" text-anchor="middle">{t:g}'
+                   f'</text>')
+    out.append(f'<text x="{LEFT + plot_w / 2:.0f}" y="{TOP + plot_h + 32}" '
+               f'text-anchor="middle">{x_label}</text>')
+    out.append(f'<text x="18" y="{TOP + plot_h / 2:.0f}" text-anchor="middle" '
+               f'transform="rotate(-90 18 {TOP + plot_h / 2:.0f})">{y_label}</text>')
+    for s, (_, vs) in enumerate(series):
+        points = " ".join(f"{x(i + 1):.1f},{y(v):.1f}" for i, v in enumerate(vs))
+        out.append(f'<polyline points="{points}" fill="none" stroke-width="1.5" '
+                   f'stroke="{COLORS[s % len(COLORS)]}"/>')
+    out.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{TOP + plot_h}" '
+               f'y2="{TOP + plot_h}" stroke="black"/>')
+    _close(path, out, [name for name, _ in series], 160)

@@ -160,6 +160,7 @@ fn precision_part(args: &Args, shape: GptShape) -> Result<Value, String> {
                 "model_state_bytes_formula": r.model_state_bytes_formula,
                 "gather_bytes_sent": r.gather_stats.as_ref().map(|g| g.gather_bytes_sent),
                 "peak_activation_bytes": r.peak_activation_bytes,
+                "losses": r.losses,
                 "tail_loss": tail_loss(r),
                 "tail_loss_rel_to_fp32": (tail_loss(r) - tail_loss(fp32)).abs() / tail_loss(fp32),
                 "skipped_steps": r.skipped_steps,

@@ -30,6 +30,7 @@ mod pipeline;
 mod precision;
 mod profiler;
 mod resume_cgroup;
+mod sequence;
 mod soak;
 mod tensor_parallel;
 mod tensor_parallel_user_model;

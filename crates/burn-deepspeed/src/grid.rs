@@ -12,6 +12,7 @@ use burn_deepspeed_strategies::device::device_collectives;
 use burn_deepspeed_strategies::pipe::{GridAxis, GridCoord, GridTopology};
 
 use crate::moe::ExpertParallel;
+use crate::sequence::{SEQUENCE_PARALLEL_KEY, SequenceParallel};
 use crate::tensor_parallel::TensorParallel;
 use crate::{DeepSpeedConfig, DeepSpeedError, Result};
 
@@ -45,6 +46,7 @@ pub struct Grid {
     tensor: Arc<dyn Communicator>,
     tp: TensorParallel,
     experts: ExpertParallel,
+    sequence: SequenceParallel,
 }
 
 impl std::fmt::Debug for Grid {
@@ -104,11 +106,13 @@ impl Grid {
             tensor,
             tp,
             experts: ExpertParallel::none(),
+            sequence: SequenceParallel::none(),
         })
     }
 
     /// The grid a config names: `tensor_parallel.tp_size` slices and `pipeline.stages`
-    /// stages. With `comms_logger` enabled, `world` is wrapped in a
+    /// stages, and the sequence-parallel groups of `sequence_parallel_size` (see
+    /// [`with_sequence_parallel`](Self::with_sequence_parallel)). With `comms_logger` enabled, `world` is wrapped in a
     /// [`burn_deepspeed_strategies::comm::CommsLogger`] first, so that every
     /// group's traffic is logged ([`Communicator::comms_log`] on any of them). A collective.
     pub fn from_config(
@@ -120,7 +124,11 @@ impl Grid {
             true => CommsLogger::wrap(world, config.comms_logger.options()?),
             false => world,
         };
-        Self::new(world, config.pipeline_stages(), config.tp_size(), device)
+        let grid = Self::new(world, config.pipeline_stages(), config.tp_size(), device)?;
+        match config.sp_size() {
+            1 => Ok(grid),
+            sp => grid.with_sequence_parallel(sp, device),
+        }
     }
 
     /// Data parallelism alone: every rank a replica (the pipe and tensor groups are this
@@ -199,8 +207,49 @@ impl Grid {
     /// model's MoE layers with [`expert_parallel`](Self::expert_parallel), and the engine
     /// reduces their experts in their own groups. A collective.
     pub fn with_expert_parallel(mut self, ep_size: usize, device: &Device) -> Result<Self> {
+        if ep_size > 1 && self.sequence.size() > 1 {
+            return Err(not_with_sequence_parallel(
+                "moe.ep_size",
+                "expert parallelism",
+            ));
+        }
         self.experts = ExpertParallel::new(&self.data, ep_size, device)?;
         Ok(self)
+    }
+
+    /// The grid with DeepSpeed-Ulysses sequence parallelism of `sp_size` over its
+    /// data-parallel group (see [`SequenceParallel::new`]): groups of `sp_size` consecutive
+    /// data-parallel ranks share each sequence. The model's attention exchanges through
+    /// [`sequence_parallel`](Self::sequence_parallel), and the engine averages gradients over
+    /// the whole data group (the replicas and the sequence blocks together), its batch sizes
+    /// counting `data / sp_size` replicas. This version runs it beside data parallelism
+    /// only. A collective.
+    pub fn with_sequence_parallel(mut self, sp_size: usize, device: &Device) -> Result<Self> {
+        if sp_size > 1 {
+            if self.topology.tensor > 1 {
+                return Err(not_with_sequence_parallel(
+                    "tensor_parallel.tp_size",
+                    "tensor slicing",
+                ));
+            }
+            if self.topology.pipe > 1 {
+                return Err(not_with_sequence_parallel("pipeline.stages", "a pipeline"));
+            }
+            if self.experts.size() > 1 {
+                return Err(not_with_sequence_parallel(
+                    "moe.ep_size",
+                    "expert parallelism",
+                ));
+            }
+        }
+        self.sequence = SequenceParallel::new(&self.data, sp_size, device)?;
+        Ok(self)
+    }
+
+    /// The sequence-parallel group ([`SequenceParallel::none`] unless
+    /// [`with_sequence_parallel`](Self::with_sequence_parallel) asked for more than one rank).
+    pub fn sequence_parallel(&self) -> &SequenceParallel {
+        &self.sequence
     }
 
     /// The expert-parallel groups of the MoE layers ([`ExpertParallel::none`] unless
@@ -213,6 +262,17 @@ impl Grid {
     /// ([`TensorParallel::none`] when `tp` is 1).
     pub fn tensor_parallel(&self) -> &TensorParallel {
         &self.tp
+    }
+}
+
+/// The refusal of `what` (at `key`) beside sequence parallelism.
+fn not_with_sequence_parallel(key: &str, what: &str) -> DeepSpeedError {
+    DeepSpeedError::Unsupported {
+        key: key.into(),
+        reason: format!(
+            "{what} with {SEQUENCE_PARALLEL_KEY} above 1 is not built: sequence parallelism \
+             runs beside data parallelism (ZeRO stages 0-3)"
+        ),
     }
 }
 

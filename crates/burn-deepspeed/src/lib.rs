@@ -50,6 +50,7 @@ pub mod prelude;
 pub mod primitive;
 pub mod profiler;
 pub mod progress;
+pub mod sequence;
 pub mod step;
 pub mod sync;
 pub mod tensor_parallel;

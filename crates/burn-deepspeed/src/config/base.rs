@@ -93,6 +93,9 @@ pub struct DeepSpeedConfig {
     pub pipeline: Option<PipelineConfig>,
     /// Tensor slicing.
     pub tensor_parallel: TensorParallelConfig,
+    /// DeepSpeed-Ulysses sequence parallelism: ranks that share each sequence (1: none).
+    #[serde(deserialize_with = "count")]
+    pub sequence_parallel_size: u64,
     /// Progressive layer dropping.
     pub progressive_layer_drop: PldConfig,
     /// Flops profiler.
@@ -137,6 +140,7 @@ impl Default for DeepSpeedConfig {
             zero_optimization: ZeroConfig::default(),
             pipeline: None,
             tensor_parallel: TensorParallelConfig::default(),
+            sequence_parallel_size: 1,
             progressive_layer_drop: PldConfig::default(),
             flops_profiler: FlopsProfilerConfig::default(),
             activation_checkpointing: None,
@@ -182,6 +186,11 @@ impl DeepSpeedConfig {
     /// Ranks per tensor-parallel group (`tensor_parallel.tp_size`; 1 without slicing).
     pub fn tp_size(&self) -> usize {
         usize::try_from(self.tensor_parallel.tp_size).unwrap_or(usize::MAX)
+    }
+
+    /// Ranks per sequence-parallel group (`sequence_parallel_size`; 1 without).
+    pub fn sp_size(&self) -> usize {
+        usize::try_from(self.sequence_parallel_size).unwrap_or(usize::MAX)
     }
 
     /// Pipeline stages (`pipeline.stages`; 1 without a pipeline or with `"auto"`).
@@ -288,6 +297,12 @@ impl DeepSpeedConfig {
                     "must be a number > 0 that it and its inverse fit an f32 (from about \
                      3e-38 to 3e38), found {f}"
                 ),
+            });
+        }
+        if self.sequence_parallel_size == 0 {
+            return Err(DeepSpeedError::InvalidValue {
+                path: "sequence_parallel_size".into(),
+                message: "must be at least 1".into(),
             });
         }
         if self.tensor_parallel.tp_size == 0 {

@@ -78,6 +78,13 @@ pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()
         ),
         EntryPoint::Engine => Ok(()),
         EntryPoint::Pipeline => {
+            if config.sp_size() > 1 {
+                return refuse(
+                    "sequence_parallel_size",
+                    "sequence parallelism runs beside data parallelism in DeepSpeedEngine, \
+                     not in a pipeline",
+                );
+            }
             if config
                 .pipeline
                 .as_ref()
@@ -110,6 +117,14 @@ pub fn check_supported(config: &DeepSpeedConfig, entry: EntryPoint) -> Result<()
             Ok(())
         }
         EntryPoint::Strategy { .. } => {
+            if config.sp_size() > 1 {
+                return refuse(
+                    "sequence_parallel_size",
+                    "sequence parallelism needs the model's attention to exchange heads with \
+                     its group, which the Learner strategy cannot arrange; train with \
+                     `DeepSpeedEngine::with_grid` and the grid's `sequence_parallel()` group",
+                );
+            }
             if config.tp_size() > 1 {
                 return refuse(
                     "tensor_parallel.tp_size",

@@ -38,6 +38,17 @@ where
                 ),
             });
         }
+        if config.sp_size() > 1 {
+            return Err(DeepSpeedError::Unsupported {
+                key: crate::sequence::SEQUENCE_PARALLEL_KEY.into(),
+                reason: format!(
+                    "sequence_parallel_size is {}: build a `grid::Grid` from the config, give \
+                     the model's attention its `sequence_parallel()` group, and create the \
+                     engine with `DeepSpeedEngine::with_grid`",
+                    config.sp_size()
+                ),
+            });
+        }
         let comm = match config.comms_logger.enabled {
             true => CommsLogger::wrap(comm, config.comms_logger.options()?),
             false => comm,
@@ -60,12 +71,26 @@ where
     /// (a pipeline of one stage loads them on any grid).
     pub fn with_grid(model: M, mut config: DeepSpeedConfig, grid: &Grid) -> Result<Self> {
         let comm = grid.data().clone();
-        let batch = config.resolve(comm.world_size())?;
+        let sp = grid.sequence_parallel().size();
+        if sp != config.sp_size() {
+            return Err(DeepSpeedError::Unsupported {
+                key: crate::sequence::SEQUENCE_PARALLEL_KEY.into(),
+                reason: format!(
+                    "the config asks for {} but the grid has {sp} sequence-parallel ranks; \
+                     build the grid with `Grid::from_config`",
+                    config.sp_size()
+                ),
+            });
+        }
+        // The ranks of a sequence-parallel group train one replica between them.
+        let batch = config.resolve(comm.world_size() / sp)?;
         // Tensor slices and experts communicate during every micro-batch, beside the reductions
         // that `overlap_comm` would run on a second thread (under MPI, every call of a process
         // is serialized, and the two could wait on each other): it runs with data
         // parallelism alone.
-        let sliced = grid.topology().tensor > 1 || grid.expert_parallel().size() > 1;
+        let sliced = grid.topology().tensor > 1
+            || grid.expert_parallel().size() > 1
+            || grid.sequence_parallel().size() > 1;
         let zero = &config.zero_optimization;
         let overlapping =
             crate::sync::ZeroPlan::of(&config).reduces_during_backward() && zero.overlap_comm();

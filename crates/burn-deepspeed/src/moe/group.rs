@@ -13,7 +13,6 @@ use burn_deepspeed_strategies::CommError;
 use burn_deepspeed_strategies::comm::Communicator;
 use burn_deepspeed_strategies::device::device_collectives;
 
-use super::op;
 use crate::grid::alone;
 use crate::tensor_parallel::TensorParallel;
 use crate::{DeepSpeedError, Result};
@@ -154,10 +153,7 @@ impl ExpertParallel {
     /// `x`'s equal chunks exchanged over the expert-parallel group (chunk `j` to rank `j`);
     /// its backward is the reverse exchange. The identity at `ep_size` 1.
     pub fn all_to_all<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        match self.exchange.key() {
-            Some(id) => op::ep_all_to_all(x, id),
-            None => x,
-        }
+        self.exchange.exchange(x)
     }
 
     /// The elementwise maximum of `x` over the expert-parallel group, outside autodiff.

@@ -18,4 +18,5 @@ pub(crate) use group::is_expert_anywhere;
 pub use group::{ExpertLayer, ExpertParallel};
 pub use layer::*;
 pub use op::ExpertParallelOps;
+pub(crate) use op::ep_all_to_all;
 pub use routing::{RouteOptions, Routing, capacity};

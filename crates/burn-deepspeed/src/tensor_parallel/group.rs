@@ -177,6 +177,16 @@ impl TensorParallel {
         }
     }
 
+    /// `x`'s equal chunks (along its flat order: its first axis) exchanged over the group,
+    /// chunk `j` to rank `j`, chunk `j` of the result from rank `j`; its backward sends each
+    /// gradient chunk back where its values came from. The identity in a group of one.
+    pub fn exchange<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        match self.key() {
+            Some(id) => crate::moe::ep_all_to_all(x, id),
+            None => x,
+        }
+    }
+
     /// The elementwise maximum of `x` over the group, outside autodiff (a constant for the
     /// graph: vocabulary-parallel softmax subtracts it for stability only).
     pub fn max<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {

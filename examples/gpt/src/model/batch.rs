@@ -6,6 +6,7 @@ use std::sync::Arc;
 use burn::tensor::{FloatDType, Int, Tensor};
 use burn_deepspeed::distill::DistillationConfig;
 use burn_deepspeed::pipe::PipeBatch;
+use burn_deepspeed::sequence::SequenceParallel;
 use burn_deepspeed::tensor_parallel::{TensorParallel, vocab_parallel_cross_entropy};
 
 /// A batch of token sequences and their next-token targets, each `[batch, seq]`.
@@ -54,6 +55,19 @@ impl GptBatch {
     /// The batch whose pipelined loss is the vocabulary-parallel cross-entropy over `tp`.
     pub fn with_vocab_group(mut self, tp: TensorParallel) -> Self {
         self.vocab_group = tp;
+        self
+    }
+
+    /// This rank's block of positions of every sequence under sequence parallelism (the
+    /// batch itself for a group of one). The sequence length must split over the group, as
+    /// [`Gpt::with_sequence_parallel`](super::Gpt::with_sequence_parallel) checks of the context.
+    pub fn sequence_block(mut self, sp: &SequenceParallel) -> Self {
+        if sp.size() > 1 {
+            let block =
+                |t: Tensor<2, Int>| sp.shard(t, 1).expect("the context splits over the group");
+            self.inputs = block(self.inputs);
+            self.targets = block(self.targets);
+        }
         self
     }
 

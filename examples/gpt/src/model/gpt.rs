@@ -16,6 +16,7 @@ use burn_deepspeed::moe::ExpertParallel;
 use burn_deepspeed::pipe::{LayerInput, PipeLayer};
 use burn_deepspeed::pld::ProgressiveLayerDrop;
 use burn_deepspeed::profiler::scope;
+use burn_deepspeed::sequence::SequenceParallel;
 use burn_deepspeed::tensor_parallel::{
     ColumnParallelLinear, TensorParallel, VocabParallelEmbedding,
 };
@@ -52,6 +53,7 @@ impl Gpt {
                 )
                 .expect("a whole table is not cut"),
                 seq_len: shape.seq_len,
+                sp: SequenceParallel::none(),
             },
             // GPT-MoE: the second, fourth, ... blocks are MoE blocks (MoE layer l / 2 of
             // layers / 2, which a pyramid gives more experts near the end).
@@ -162,6 +164,7 @@ impl Gpt {
                     false => self.embed.pos_emb,
                 },
                 seq_len: self.embed.seq_len,
+                sp: self.embed.sp,
             },
             blocks: (self.blocks.iter())
                 .map(|b| b.sliced(tp))
@@ -173,6 +176,44 @@ impl Gpt {
             checkpoint_blocks: self.checkpoint_blocks,
             moe_log: self.moe_log,
         })
+    }
+
+    /// The model for DeepSpeed-Ulysses sequence parallelism over `sp` (arXiv 2309.14509):
+    /// each rank then takes its block of every sequence's positions (see
+    /// [`SequenceParallel::shard`]), and each block's attention exchanges heads with the
+    /// group. The identity for a group of one.
+    ///
+    /// # Errors
+    /// When the heads or the context do not split over the group, naming
+    /// `sequence_parallel_size`.
+    pub fn with_sequence_parallel(mut self, sp: &SequenceParallel) -> burn_deepspeed::Result<Self> {
+        if sp.size() == 1 {
+            return Ok(self);
+        }
+        if let Some(block) = self.blocks.first() {
+            sp.check_heads(block.heads)?;
+        }
+        if !self.embed.seq_len.is_multiple_of(sp.size()) {
+            return Err(burn_deepspeed::DeepSpeedError::Unsupported {
+                key: burn_deepspeed::sequence::SEQUENCE_PARALLEL_KEY.into(),
+                reason: format!(
+                    "a context of {} positions does not split over {} ranks",
+                    self.embed.seq_len,
+                    sp.size()
+                ),
+            });
+        }
+        self.embed.sp = sp.clone();
+        for block in &mut self.blocks {
+            block.sp = sp.clone();
+        }
+        Ok(self)
+    }
+
+    /// The sequence-parallel group the model was given ([`SequenceParallel::none`] by
+    /// default).
+    pub fn sequence_parallel(&self) -> &SequenceParallel {
+        &self.embed.sp
     }
 
     /// The model (whole or this rank's slice) for inference with its weights quantized under
@@ -193,6 +234,7 @@ impl Gpt {
                 tok_emb: self.embed.tok_emb.quantized(how)?,
                 pos_emb: self.embed.pos_emb.quantized(how)?,
                 seq_len: self.embed.seq_len,
+                sp: self.embed.sp.clone(),
             },
             blocks,
             head: GptHead {
@@ -290,8 +332,10 @@ impl Gpt {
         let device = inputs.device();
         // Each layer's forward in a profiler scope: a profile times them (no cost otherwise).
         let mut x = scope("embed", &device, || self.embed.forward(inputs));
-        // In the parameters' dtype: one op may not mix f32 with f16 or bf16.
-        let causal = causal_mask(x.dims()[1], &x.device()).cast(x.dtype());
+        // In the parameters' dtype: one op may not mix f32 with f16 or bf16. Attention runs
+        // over whole sequences (under sequence parallelism, after the heads' exchange).
+        let whole = x.dims()[1] * self.embed.sp.size();
+        let causal = causal_mask(whole, &x.device()).cast(x.dtype());
         // ANCHOR: pld_forward
         let keep = layer_drop.map(|d| {
             (

@@ -11,6 +11,7 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_deepspeed::inference::{KvCache, WeightQuantization};
 use burn_deepspeed::moe::{ExpertMlp, MoE, MoeConfig, MoeStats};
 use burn_deepspeed::profiler::scope;
+use burn_deepspeed::sequence::SequenceParallel;
 use burn_deepspeed::tensor_parallel::{
     ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
 };
@@ -50,6 +51,10 @@ pub struct Block {
     pub(crate) moe: Option<MoE<ExpertMlp>>,
     /// Attention heads of the whole block.
     pub(crate) heads: usize,
+    /// The sequence-parallel group its attention exchanges heads with (none: whole
+    /// sequences).
+    #[module(skip)]
+    pub(crate) sp: SequenceParallel,
 }
 
 impl Block {
@@ -79,6 +84,7 @@ impl Block {
             mlp_out: dense.then(|| row(4 * d, d, device)),
             moe,
             heads,
+            sp: SequenceParallel::none(),
         }
     }
 
@@ -115,6 +121,7 @@ impl Block {
             // The experts stay whole on every slice.
             moe: self.moe.clone(),
             heads: self.heads,
+            sp: self.sp.clone(),
         })
     }
 
@@ -135,6 +142,7 @@ impl Block {
             mlp_out: Some(mlp_out.quantized(how)?),
             moe: None,
             heads: self.heads,
+            sp: self.sp.clone(),
         })
     }
 
@@ -179,9 +187,12 @@ impl Block {
         v: Tensor<4>,
         mask: Tensor<4>,
     ) -> Tensor<3> {
-        let [b, h, t, dh] = q.dims();
-        let scores = q.matmul(k.transpose()).div_scalar((dh as f64).sqrt()) + mask;
-        let att = attention_softmax(scores).matmul(v);
+        self.project(attention(q, k, v, mask))
+    }
+
+    /// Each head's attention output `[b, heads, t, d_head]` through the output projection.
+    fn project(&self, att: Tensor<4>) -> Tensor<3> {
+        let [b, h, t, dh] = att.dims();
         let device = att.device();
         scope("attn_out", &device, || {
             self.attn_out
@@ -220,11 +231,24 @@ impl Block {
         scale: f64,
     ) -> (Tensor<3>, Option<(Tensor<1>, MoeStats)>) {
         let branch = |y: Tensor<3>| if scale == 1.0 { y } else { y.mul_scalar(scale) };
-        let [q, k, v] = self.heads(&x);
-        let x = x + branch(self.attend(q, k, v, causal));
+        // ANCHOR: ulysses
+        // Sequence parallel (DeepSpeed-Ulysses): this rank's positions of every head become
+        // every position of its heads for attention, and back for the projection.
+        let [q, k, v] = self.heads(&x).map(|t| self.sp.heads_from_sequence(t));
+        let att = self.sp.sequence_from_heads(attention(q, k, v, causal));
+        let x = x + branch(self.project(att));
+        // ANCHOR_END: ulysses
         let (y, aux) = self.mlp(x.clone());
         (x + branch(y), aux)
     }
+}
+
+/// Scaled dot-product attention of `q` over `k` and `v` `[b, heads, t, d_head]` under the
+/// additive `mask`.
+fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: Tensor<4>) -> Tensor<4> {
+    let dh = q.dims()[3];
+    let scores = q.matmul(k.transpose()).div_scalar((dh as f64).sqrt()) + mask;
+    attention_softmax(scores).matmul(v)
 }
 
 /// Token and position embeddings: the first layer of the GPT.
@@ -233,6 +257,9 @@ pub struct GptEmbed {
     pub(crate) tok_emb: VocabParallelEmbedding,
     pub(crate) pos_emb: VocabParallelEmbedding,
     pub(crate) seq_len: usize,
+    /// The sequence-parallel group (its rank sets the first position).
+    #[module(skip)]
+    pub(crate) sp: SequenceParallel,
 }
 
 impl GptEmbed {
@@ -249,16 +276,20 @@ impl GptEmbed {
         }
     }
 
-    /// Hidden states `[batch, seq, d]` of token ids `[batch, seq]`.
+    /// Hidden states `[batch, seq, d]` of token ids `[batch, seq]` (under sequence
+    /// parallelism, this rank's block of every sequence: its positions start at
+    /// [`first_position`](SequenceParallel::first_position)).
     pub fn forward(&self, inputs: Tensor<2, Int>) -> Tensor<3> {
         let [b, t] = inputs.dims();
         let device = inputs.device();
+        let first = self.sp.first_position(t);
         assert!(
-            t <= self.seq_len,
-            "sequence of {t} exceeds the context of {}",
+            first + t <= self.seq_len,
+            "sequence of {} exceeds the context of {}",
+            first + t,
             self.seq_len
         );
-        let positions = Tensor::<1, Int>::arange(0..t as i64, &device)
+        let positions = Tensor::<1, Int>::arange(first as i64..(first + t) as i64, &device)
             .reshape([1, t])
             .repeat_dim(0, b);
         self.forward_at(inputs, positions)

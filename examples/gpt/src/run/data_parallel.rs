@@ -37,6 +37,14 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         .with_expert_parallel(spec.ep_size, &device)?;
     // A GPT-MoE keeps its experts of the expert-parallel group; each data-parallel rank
     // routes with its own draws.
+    if spec.teacher.is_some() && grid.sequence_parallel().size() > 1 {
+        return Err(DeepSpeedError::Unsupported {
+            key: "sequence_parallel_size".into(),
+            reason: "a student learns from its teacher's logits over whole sequences: train \
+                     it without sequence parallelism"
+                .into(),
+        });
+    }
     if spec.teacher.is_some() && grid.topology().tensor > 1 {
         return Err(DeepSpeedError::Unsupported {
             key: "tensor_parallel.tp_size".into(),
@@ -48,7 +56,8 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let model = Gpt::new(spec.shape, spec.seed, &device)
         .with_activation_checkpointing(spec.config.activation_checkpointing.is_some())
         .sliced(grid.tensor_parallel())?
-        .with_experts(grid.expert_parallel(), moe_seed(spec, rank))?;
+        .with_experts(grid.expert_parallel(), moe_seed(spec, rank))?
+        .with_sequence_parallel(grid.sequence_parallel())?;
     let moe_log = model.moe_log().clone();
     let mut engine = DeepSpeedEngine::with_grid(model, spec.config.clone(), &grid)?;
     if let Some(dir) = &spec.resume_from {
@@ -254,6 +263,10 @@ pub fn train_step(
         engine.comm().rank() as u64,
         engine.comm().world_size() as u64,
     );
+    // Under sequence parallelism the ranks of a group share their sequences, each taking its
+    // block of positions: the sequences are those of the group's replica.
+    let sp = engine.model().sequence_parallel().clone();
+    let (rank, world) = (rank / sp.size() as u64, world / sp.size() as u64);
     let batch = engine.batch();
     let micro = batch.train_micro_batch_size_per_gpu;
     // Progressive layer dropping: θ(t) travels in the batch, as DeepSpeed passes it to the
@@ -277,6 +290,7 @@ pub fn train_step(
         let batch = spec
             .corpus
             .batch(step, first, micro as usize, spec.shape.seq_len, device)
+            .sequence_block(&sp)
             .with_layer_drop(layer_drop);
         // Mixture-of-Students: the teacher's logits for this micro-batch while it teaches.
         let soft = spec

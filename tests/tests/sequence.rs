@@ -1,0 +1,124 @@
+//! DeepSpeed-Ulysses sequence parallelism (arXiv 2309.14509) in the engine: the GPT with each
+//! sequence cut over 2 and 4 ranks follows the run that holds whole sequences (losses,
+//! gradient norms and final parameters), alone and beside data parallelism at ZeRO stages
+//! 0-3; what it does not run beside is refused by key.
+//!
+//! The gradient convention, pinned here: each rank's loss is the mean over its own block of
+//! positions, and the engine averages gradients over every rank of the data group (the
+//! replicas and the blocks of a sequence together). With equal blocks that average is the
+//! gradient of the mean over whole sequences, so the run equals the unsplit one; DeepSpeed
+//! sums over the sequence ranks instead and scales the loss to match.
+
+use crate::common;
+
+use std::time::Duration;
+
+use crate::common::{assert_learns, max_abs_diff, max_rel_diff};
+use burn::tensor::Device;
+use burn_deepspeed::grid::Grid;
+use burn_deepspeed::launch::launch;
+use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
+use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
+use burn_deepspeed_example_gpt::run::RunReport;
+
+/// 8 sequences per step in micro-batches of 4 at ZeRO `stage`, sequences cut over `sp`.
+fn config(sp: usize, stage: u8) -> DeepSpeedConfig {
+    let text = format!(
+        r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+            "gradient_clipping": 0.5,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 2e-3, "weight_decay": 0.01}}}},
+            "sequence_parallel_size": {sp},
+            "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 20000,
+              "stage3_param_persistence_threshold": 0}}}}"#
+    );
+    DeepSpeedConfig::from_json_str(&text)
+        .expect("valid config")
+        .0
+}
+
+fn train(ranks: usize, config: DeepSpeedConfig, steps: u64) -> RunReport {
+    common::train(ranks, &common::spec(config, GptShape::TINY, steps, 3, 11))
+}
+
+/// The run with cut sequences against the one with whole sequences: losses and gradient
+/// norms within 1e-4 relative at every step, the final parameters within 1e-4.
+fn assert_follows(base: &RunReport, cut: &RunReport, what: &str) {
+    let loss = max_rel_diff(&base.losses, &cut.losses);
+    let norm = max_rel_diff(&base.grad_norms, &cut.grad_norms);
+    let params = max_abs_diff(&base.final_params, &cut.final_params);
+    println!("{what}: max rel loss diff {loss:.2e}, grad norm {norm:.2e}, param {params:.2e}");
+    assert!(loss <= 1e-4, "{what}: losses differ by {loss}");
+    assert!(norm <= 1e-4, "{what}: gradient norms differ by {norm}");
+    assert!(params <= 1e-4, "{what}: parameters differ by {params}");
+    assert_learns(&cut.losses, what);
+}
+
+/// GPT `tiny` (4 heads, context 128): sequences cut over 2 and 4 ranks follow one rank with
+/// whole sequences; cut over 2 ranks beside 2 replicas follow 2 replicas with whole
+/// sequences, at ZeRO stages 0, 2 and 3.
+#[test]
+fn cut_sequences_follow_whole_ones() {
+    const STEPS: u64 = 8;
+    let whole = train(1, config(1, 0), STEPS);
+    for sp in [2, 4] {
+        let cut = train(sp, config(sp, 0), STEPS);
+        assert_follows(&whole, &cut, &format!("sp {sp}, one replica"));
+    }
+    for stage in [0, 2, 3] {
+        let replicas = train(2, config(1, stage), STEPS);
+        let cut = train(4, config(2, stage), STEPS);
+        assert_follows(&replicas, &cut, &format!("sp 2 x dp 2, stage {stage}"));
+    }
+}
+
+/// What sequence parallelism does not run beside is refused by key: without a grid, beside
+/// tensor slicing, with heads or a world it does not divide; and in the Learner strategy
+/// and the pipeline engine (`config::support`).
+#[test]
+fn what_it_does_not_run_beside_is_refused_by_key() {
+    let refused = |ranks: usize, sp: usize, extra: &str, tiny_heads: usize| {
+        let text = format!(r#"{{"train_batch_size": 8, "sequence_parallel_size": {sp} {extra}}}"#);
+        let (config, _) = DeepSpeedConfig::from_json_str(&text).expect("valid config");
+        let result = launch(ranks, Duration::from_secs(60), |comm| {
+            let device = Device::flex().autodiff();
+            let shape = GptShape {
+                heads: tiny_heads,
+                ..GptShape::TINY
+            };
+            let grid = Grid::from_config(&config, comm.clone(), &device)?;
+            let model =
+                Gpt::new(shape, 1, &device).with_sequence_parallel(grid.sequence_parallel())?;
+            DeepSpeedEngine::with_grid(model, config.clone(), &grid).map(|_| ())
+        });
+        result.expect_err("refused").to_string()
+    };
+    let e = refused(4, 3, "", 4);
+    assert!(e.contains("sequence_parallel_size"), "{e}");
+    let e = refused(2, 2, "", 3);
+    assert!(e.contains("3 attention heads"), "{e}");
+    let e = refused(4, 2, r#", "tensor_parallel": {"tp_size": 2}"#, 4);
+    assert!(e.contains("tensor_parallel.tp_size"), "{e}");
+    // Without a grid, the engine names the way.
+    let (config, _) =
+        DeepSpeedConfig::from_json_str(r#"{"train_batch_size": 8, "sequence_parallel_size": 2}"#)
+            .expect("valid config");
+    let result = launch(2, Duration::from_secs(60), |comm| {
+        let model = Gpt::new(GptShape::TINY, 1, &Device::flex().autodiff());
+        DeepSpeedEngine::new(model, config.clone(), comm).map(|_| ())
+    });
+    let e = result.expect_err("refused").to_string();
+    assert!(e.contains("with_grid"), "{e}");
+    use burn_deepspeed::config::{EntryPoint, check_supported};
+    for entry in [
+        EntryPoint::Pipeline,
+        EntryPoint::Strategy {
+            checkpointer: false,
+        },
+    ] {
+        let e = check_supported(&config, entry).expect_err("refused");
+        assert!(
+            e.to_string().contains("sequence_parallel_size"),
+            "{entry:?}: {e}"
+        );
+    }
+}

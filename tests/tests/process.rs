@@ -25,6 +25,7 @@ fn alone() -> MutexGuard<'static, ()> {
 mod common;
 
 mod activation;
+mod attention_memory;
 mod offload_pread;
 // The trace installs the process's global `tracing` subscriber, which only one caller may
 // (Burn's Learner installs its application logger there too).

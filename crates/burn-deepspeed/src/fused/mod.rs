@@ -8,12 +8,16 @@
 //! backend's fused forward and a hand-written backward instead. Without autodiff (inference,
 //! evaluation, the flops profiler's capture) they are Burn's own ops. The GELU is one op under
 //! autodiff already, but Flex evaluates its `erf` and `exp` one scalar libm call at a time:
-//! [`gelu`] brings vectorized passes for its forward and backward on the CPU.
+//! [`gelu`] brings vectorized passes for its forward and backward on the CPU. [`blockwise_attention`]
+//! keeps memory linear in the sequence by computing the scores one block of queries at a
+//! time, in the forward and again in the backward.
 
+mod attention;
 mod gelu;
 mod layer_norm;
 mod softmax;
 
+pub use attention::*;
 pub use gelu::*;
 pub use layer_norm::*;
 pub use softmax::*;

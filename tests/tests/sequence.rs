@@ -40,14 +40,14 @@ fn train(ranks: usize, config: DeepSpeedConfig, steps: u64) -> RunReport {
     common::train(ranks, &common::spec(config, GptShape::TINY, steps, 3, 11))
 }
 
-/// The run with cut sequences against the one with whole sequences: losses and gradient
-/// norms within 1e-4 relative at every step, the final parameters within 1e-4.
+/// The run with cut sequences against the one with whole sequences: losses within 1e-5 and
+/// gradient norms within 1e-4 relative at every step, the final parameters within 1e-4.
 fn assert_follows(base: &RunReport, cut: &RunReport, what: &str) {
     let loss = max_rel_diff(&base.losses, &cut.losses);
     let norm = max_rel_diff(&base.grad_norms, &cut.grad_norms);
     let params = max_abs_diff(&base.final_params, &cut.final_params);
     println!("{what}: max rel loss diff {loss:.2e}, grad norm {norm:.2e}, param {params:.2e}");
-    assert!(loss <= 1e-4, "{what}: losses differ by {loss}");
+    assert!(loss <= 1e-5, "{what}: losses differ by {loss}");
     assert!(norm <= 1e-4, "{what}: gradient norms differ by {norm}");
     assert!(params <= 1e-4, "{what}: parameters differ by {params}");
     assert_learns(&cut.losses, what);
@@ -55,7 +55,7 @@ fn assert_follows(base: &RunReport, cut: &RunReport, what: &str) {
 
 /// GPT `tiny` (4 heads, context 128): sequences cut over 2 and 4 ranks follow one rank with
 /// whole sequences; cut over 2 ranks beside 2 replicas follow 2 replicas with whole
-/// sequences, at ZeRO stages 0, 2 and 3.
+/// sequences, at ZeRO stages 0-3.
 #[test]
 fn cut_sequences_follow_whole_ones() {
     const STEPS: u64 = 8;
@@ -64,7 +64,7 @@ fn cut_sequences_follow_whole_ones() {
         let cut = train(sp, config(sp, 0), STEPS);
         assert_follows(&whole, &cut, &format!("sp {sp}, one replica"));
     }
-    for stage in [0, 2, 3] {
+    for stage in 0..=3 {
         let replicas = train(2, config(1, stage), STEPS);
         let cut = train(4, config(2, stage), STEPS);
         assert_follows(&replicas, &cut, &format!("sp 2 x dp 2, stage {stage}"));

@@ -21,10 +21,21 @@ pub const SEQUENCE_PARALLEL_KEY: &str = "sequence_parallel_size";
 /// over the data-parallel and sequence-parallel ranks together. Cloning shares the group;
 /// [`SequenceParallel::none`] (`sp` 1) keeps every sequence whole and its exchanges are the
 /// identity.
-#[derive(Clone, Default, Debug)]
+#[derive(Clone, Default)]
 pub struct SequenceParallel {
     /// The ranks that share a sequence (the all-to-alls' group).
     exchange: TensorParallel,
+    /// The same group as a host communicator (its traffic counts the exchanges).
+    group: Option<Arc<dyn Communicator>>,
+}
+
+impl std::fmt::Debug for SequenceParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SequenceParallel")
+            .field("rank", &self.rank())
+            .field("size", &self.size())
+            .finish()
+    }
 }
 
 impl SequenceParallel {
@@ -50,7 +61,8 @@ impl SequenceParallel {
         }
         let group = data.split(data.rank() / sp_size)?;
         Ok(Self {
-            exchange: TensorParallel::new(device_collectives(group, device)?),
+            exchange: TensorParallel::new(device_collectives(group.clone(), device)?),
+            group: Some(group),
         })
     }
 
@@ -67,6 +79,12 @@ impl SequenceParallel {
     /// Ranks that share a sequence.
     pub fn size(&self) -> usize {
         self.exchange.size()
+    }
+
+    /// The group as a host communicator, whose traffic counts the exchanges (`None` at `sp`
+    /// 1).
+    pub fn group(&self) -> Option<&Arc<dyn Communicator>> {
+        self.group.as_ref()
     }
 
     /// The position of this rank's first token, when each rank holds `local` positions.
@@ -241,6 +259,35 @@ mod tests {
             })
             .expect("every rank");
             assert_eq!(ranks.len(), p);
+        }
+    }
+
+    /// What one exchange sends, as the group's communicator counts an all-to-all (its whole
+    /// input, the block that stays included): the rank's whole tensor, so an attention's four
+    /// exchanges (q, k, v before it, the output after) count `4 · b · (s/p) · d_model` values
+    /// per rank each way, Ulysses' `4 · b · s · d_model / p` (arXiv 2309.14509 §3.2); the
+    /// `1/p` of it that stays on the rank never leaves it.
+    #[test]
+    fn an_exchange_counts_ulysses_volume() {
+        for p in [2, 4] {
+            let (_, sent) = launch(p, Duration::from_secs(60), |comm| {
+                let device = Device::flex();
+                let sp = SequenceParallel::new(&comm, p, &device)?;
+                let group = sp.group().expect("a group of p ranks").clone();
+                let x = Tensor::<4>::ones([B, H, S / p, D], &device);
+                let before = group.stats().total_sent();
+                let heads = sp.heads_from_sequence(x);
+                let middle = group.stats().total_sent();
+                drop(sp.sequence_from_heads(heads));
+                let after = group.stats().total_sent();
+                Ok((middle - before, after - middle))
+            })
+            .expect("every rank");
+            // One of the four tensors of an attention: b · (s/p) · d_model f32 values.
+            let want = (B * (S / p) * H * D * 4) as u64;
+            for (to_heads, to_sequence) in sent {
+                assert_eq!((to_heads, to_sequence), (want, want), "{p} ranks");
+            }
         }
     }
 

@@ -290,6 +290,32 @@ pub struct AxisBytes {
 }
 
 /// A world of this rank alone.
+/// The group of `size` consecutive ranks of `data` that holds this rank, as a host
+/// communicator and as the tensor ops' group on `device`'s collectives (`None` at `size` 1).
+/// A `size` of 0 or one that does not divide the ranks is refused at `key`, with `why` (given
+/// the data-parallel world size) as the reason. A collective: every rank of `data` calls it.
+pub(crate) fn consecutive_groups(
+    data: &Arc<dyn Communicator>,
+    size: usize,
+    device: &Device,
+    key: &str,
+    why: impl FnOnce(usize) -> String,
+) -> Result<Option<(Arc<dyn Communicator>, TensorParallel)>> {
+    let world = data.world_size();
+    if size == 0 || !world.is_multiple_of(size) {
+        return Err(DeepSpeedError::Unsupported {
+            key: key.into(),
+            reason: why(world),
+        });
+    }
+    if size == 1 {
+        return Ok(None);
+    }
+    let group = data.split(data.rank() / size)?;
+    let exchange = TensorParallel::new(device_collectives(group.clone(), device)?);
+    Ok(Some((group, exchange)))
+}
+
 pub(crate) fn alone() -> Result<Arc<dyn Communicator>> {
     let mut world = ThreadWorld::new(1, ThreadWorldOptions::default())?.communicators();
     let comm = world.pop().ok_or_else(|| {

@@ -148,13 +148,15 @@ impl<M: LearnerModel> RankRun<'_, M> {
                 gather_bytes(self.comm.as_ref(), &mine)?
             }
         };
-        let record = match &self.chunks {
-            Some(plan) => parts.map(|p| join_chunks(&p, plan)).transpose()?,
-            None => parts.map(|p| join_records(&p, |_| true)).transpose()?,
-        };
+        // Every collective before rank 0's own work on the records, so that a record it
+        // cannot join fails it alone, not while its peers wait in a collective.
         let flat = match &self.chunks {
             Some(_) => self.whole_values(sync, mixed)?,
             None => None,
+        };
+        let record = match &self.chunks {
+            Some(plan) => parts.map(|p| join_chunks(&p, plan)).transpose()?,
+            None => parts.map(|p| join_records(&p, |_| true)).transpose()?,
         };
         if self.comm.rank() != 0 || (record.is_none() && mixed.is_none()) {
             return Ok((None, None));

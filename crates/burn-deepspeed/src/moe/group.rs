@@ -11,11 +11,10 @@ use burn::module::ParamId;
 use burn::tensor::{Device, Tensor};
 use burn_deepspeed_strategies::CommError;
 use burn_deepspeed_strategies::comm::Communicator;
-use burn_deepspeed_strategies::device::device_collectives;
 
-use crate::grid::alone;
+use crate::Result;
+use crate::grid::{alone, consecutive_groups};
 use crate::tensor_parallel::TensorParallel;
-use crate::{DeepSpeedError, Result};
 
 /// The groups of expert parallelism, shared by every MoE layer of a model. Cloning shares
 /// them. [`ExpertParallel::none`] is `ep_size` 1: every rank holds every expert and its
@@ -63,29 +62,24 @@ impl ExpertParallel {
     /// collectives. A collective: every rank of `data` calls it.
     pub fn new(data: &Arc<dyn Communicator>, ep_size: usize, device: &Device) -> Result<Self> {
         let world = data.world_size();
-        if ep_size == 0 || !world.is_multiple_of(ep_size) {
-            return Err(DeepSpeedError::Unsupported {
-                key: "moe.ep_size".into(),
-                reason: format!(
-                    "ep_size {ep_size} must divide the {world} data-parallel ranks \
-                     (DeepSpeed's expert-parallel groups tile the data-parallel group)"
-                ),
-            });
-        }
-        if ep_size == 1 {
-            return Ok(Self::none());
-        }
-        let rank = data.rank();
         // Both splits in the same order on every rank. The exchange group is a communicator
         // of its own even when it spans the data group, so that its traffic counts the
         // all-to-alls alone; an expert-data group of one is a world of its own.
-        let ep = data.split(rank / ep_size)?;
+        let groups = consecutive_groups(data, ep_size, device, "moe.ep_size", |world| {
+            format!(
+                "ep_size {ep_size} must divide the {world} data-parallel ranks \
+                 (DeepSpeed's expert-parallel groups tile the data-parallel group)"
+            )
+        })?;
+        let Some((ep, exchange)) = groups else {
+            return Ok(Self::none());
+        };
         let expert_data = match ep_size == world {
             true => alone()?,
-            false => data.split(rank % ep_size)?,
+            false => data.split(data.rank() % ep_size)?,
         };
         Ok(Self {
-            exchange: TensorParallel::new(device_collectives(ep.clone(), device)?),
+            exchange,
             ep: Some(ep),
             expert_data: Some(expert_data),
             experts: Arc::default(),

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use burn::tensor::kind::Basic;
 use burn::tensor::{Device, Tensor};
 use burn_deepspeed_strategies::comm::Communicator;
-use burn_deepspeed_strategies::device::device_collectives;
 
+use crate::grid::consecutive_groups;
 use crate::tensor_parallel::TensorParallel;
 use crate::{DeepSpeedError, Result};
 
@@ -46,23 +46,18 @@ impl SequenceParallel {
     /// # Errors
     /// When `sp_size` is 0 or does not divide the ranks, naming `sequence_parallel_size`.
     pub fn new(data: &Arc<dyn Communicator>, sp_size: usize, device: &Device) -> Result<Self> {
-        let world = data.world_size();
-        if sp_size == 0 || !world.is_multiple_of(sp_size) {
-            return Err(DeepSpeedError::Unsupported {
-                key: SEQUENCE_PARALLEL_KEY.into(),
-                reason: format!(
-                    "{sp_size} must divide the {world} data-parallel ranks: each \
-                     sequence-parallel group is that many consecutive ranks"
-                ),
-            });
-        }
-        if sp_size == 1 {
-            return Ok(Self::none());
-        }
-        let group = data.split(data.rank() / sp_size)?;
-        Ok(Self {
-            exchange: TensorParallel::new(device_collectives(group.clone(), device)?),
-            group: Some(group),
+        let groups = consecutive_groups(data, sp_size, device, SEQUENCE_PARALLEL_KEY, |world| {
+            format!(
+                "{sp_size} must divide the {world} data-parallel ranks: each \
+                 sequence-parallel group is that many consecutive ranks"
+            )
+        })?;
+        Ok(match groups {
+            None => Self::none(),
+            Some((group, exchange)) => Self {
+                exchange,
+                group: Some(group),
+            },
         })
     }
 

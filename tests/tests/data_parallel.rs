@@ -8,7 +8,6 @@ use crate::common;
 use crate::common::max_rel_diff;
 use burn_deepspeed::DeepSpeedConfig;
 use burn_deepspeed::launch::launch;
-use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
 use burn_deepspeed_example_gpt::model::GptShape;
 use burn_deepspeed_example_gpt::run::{RunReport, RunSpec, run_rank};
 
@@ -104,21 +103,13 @@ fn accumulation_and_buckets_do_not_change_the_trajectory() {
 
 #[test]
 fn unsupported_settings_are_refused_with_the_key() {
-    let spec = RunSpec {
-        config: config(r#", "zero_optimization": {"stage": 2, "mics_shard_size": 2}"#),
-        shape: SHAPE,
-        steps: 1,
-        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 1),
-        seed: 1,
-        progress: false,
-        save_dir: None,
-        resume_from: None,
-        keep_final_state: true,
-        device: Default::default(),
-        ep_size: 1,
-        teacher: None,
-        heldout: None,
-    };
+    let spec = RunSpec::on_embedded_corpus(
+        config(r#", "zero_optimization": {"stage": 2, "mics_shard_size": 2}"#),
+        SHAPE,
+        1,
+        1,
+        1,
+    );
     let err = launch(1, Duration::from_secs(30), |comm| run_rank(&spec, comm))
         .expect_err("MiCS is refused")
         .to_string();
@@ -135,21 +126,7 @@ fn unsupported_settings_are_refused_with_the_key() {
 
 #[test]
 fn a_failing_rank_fails_the_run_instead_of_hanging() {
-    let spec = RunSpec {
-        config: config(""),
-        shape: SHAPE,
-        steps: 3,
-        corpus: ByteCorpus::new(EMBEDDED_CORPUS.to_vec(), 1),
-        seed: 1,
-        progress: false,
-        save_dir: None,
-        resume_from: None,
-        keep_final_state: true,
-        device: Default::default(),
-        ep_size: 1,
-        teacher: None,
-        heldout: None,
-    };
+    let spec = RunSpec::on_embedded_corpus(config(""), SHAPE, 3, 1, 1);
     let start = std::time::Instant::now();
     let result = launch(2, Duration::from_secs(60), |comm| {
         if comm.rank() == 1 {

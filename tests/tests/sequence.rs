@@ -18,7 +18,7 @@ use burn::tensor::Device;
 use burn_deepspeed::grid::Grid;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
-use burn_deepspeed_example_gpt::model::{Gpt, GptShape};
+use burn_deepspeed_example_gpt::model::{Gpt, GptShape, LongContext};
 use burn_deepspeed_example_gpt::run::RunReport;
 
 /// 8 sequences per step in micro-batches of 4 at ZeRO `stage`, sequences cut over `sp`.
@@ -37,7 +37,18 @@ fn config(sp: usize, stage: u8) -> DeepSpeedConfig {
 }
 
 fn train(ranks: usize, config: DeepSpeedConfig, steps: u64) -> RunReport {
-    common::train(ranks, &common::spec(config, GptShape::TINY, steps, 3, 11))
+    train_keeping(ranks, config, steps, LongContext::default())
+}
+
+fn train_keeping(
+    ranks: usize,
+    config: DeepSpeedConfig,
+    steps: u64,
+    long_context: LongContext,
+) -> RunReport {
+    let mut spec = common::spec(config, GptShape::TINY, steps, 3, 11);
+    spec.long_context = long_context;
+    common::train(ranks, &spec)
 }
 
 /// The run with cut sequences against the one with whole sequences: losses within 1e-5 and
@@ -69,6 +80,38 @@ fn cut_sequences_follow_whole_ones() {
         let cut = train(4, config(2, stage), STEPS);
         assert_follows(&replicas, &cut, &format!("sp 2 x dp 2, stage {stage}"));
     }
+}
+
+/// ALST's memory side keeps the trajectory: blockwise attention with the MLP and the loss in
+/// tiles of 48 positions (which do not divide the 128-position context, nor its halves),
+/// alone, under block checkpoints held in host memory (`cpu_checkpointing`), and with the
+/// sequences cut over 2 ranks, follows the GPT that keeps every activation.
+#[test]
+fn long_context_memory_keeps_the_trajectory() {
+    const STEPS: u64 = 4;
+    let long = LongContext {
+        blockwise_attention: true,
+        tile: Some(48),
+    };
+    let whole = train(1, config(1, 0), STEPS);
+    let tiled = train_keeping(1, config(1, 0), STEPS, long);
+    assert_follows(&whole, &tiled, "blockwise attention, tiles of 48");
+    let mut checkpointed = config(1, 0);
+    checkpointed.activation_checkpointing =
+        Some(serde_json::from_str(r#"{"cpu_checkpointing": true}"#).expect("a valid section"));
+    let run = train_keeping(1, checkpointed, STEPS, long);
+    assert_follows(&whole, &run, "tiles under block checkpoints in host memory");
+    let host = run
+        .checkpoint_host_bytes
+        .expect("the bytes kept in host memory");
+    // Each step's 2 micro-batches keep each of the 4 blocks' input, [4, 128, 128] f32.
+    assert_eq!(
+        host,
+        2 * 4 * 4 * 128 * 128 * 4,
+        "bytes of checkpoints in host memory"
+    );
+    let cut = train_keeping(2, config(2, 0), STEPS, long);
+    assert_follows(&whole, &cut, "sp 2, blockwise attention, tiles of 48");
 }
 
 /// What sequence parallelism does not run beside is refused by key: without a grid, beside

@@ -6,6 +6,7 @@
 //!     [--steps N] [--data PATH] [--heldout-bytes N] [--seed S] [--json]
 //!     [--teacher DIR --teacher-model PRESET [--kd-stop-step N] [--kd-temperature T]]
 //!     [--trace FILE] [--params-digest]
+//!     [--seq-len N] [--blockwise-attention] [--tile N]
 //! mpirun -n N target/release/examples/gpt ...        # built with --features mpi
 //! ```
 
@@ -20,7 +21,7 @@ use burn_deepspeed::launch::{launch, mpirun_rank};
 use burn_deepspeed::trace::ChromeTrace;
 use burn_deepspeed_example_gpt::DEFAULT_CONFIG;
 use burn_deepspeed_example_gpt::data::{ByteCorpus, EMBEDDED_CORPUS};
-use burn_deepspeed_example_gpt::model::GptShape;
+use burn_deepspeed_example_gpt::model::{GptShape, LongContext};
 use burn_deepspeed_example_gpt::run::{
     DiskBaselineReport, ModelDevice, RunSpec, Teacher, run_rank,
 };
@@ -44,6 +45,18 @@ struct Args {
     /// layer's experts; it must divide the data-parallel ranks and the experts.
     #[arg(long, default_value_t = 1)]
     ep_size: usize,
+    /// Overrides the preset's context: the sequence length trained on, and the positions the
+    /// model learns (longer than the preset for long-context runs).
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Attention computes its scores one block of queries at a time and again in the
+    /// backward, with memory linear in the sequence instead of quadratic.
+    #[arg(long)]
+    blockwise_attention: bool,
+    /// Positions per tile of the MLP and the loss, each tile an activation checkpoint
+    /// (ALST's tiled compute, for long sequences).
+    #[arg(long)]
+    tile: Option<usize>,
     /// Overrides the preset's number of transformer blocks (e.g. the `xl` width at a depth
     /// that fits in memory without offload).
     #[arg(long)]
@@ -160,6 +173,21 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         }
         shape.layers = layers;
     }
+    if args.tile == Some(0) {
+        return Err(burn_deepspeed::DeepSpeedError::Data(
+            "--tile must be at least 1 position".into(),
+        ));
+    }
+    if let Some(seq_len) = args.seq_len {
+        if seq_len == 0 || seq_len + 1 >= bytes.len() {
+            return Err(burn_deepspeed::DeepSpeedError::Data(format!(
+                "--seq-len {seq_len} needs at least 1 position and fewer than the {} bytes of \
+                 the training data (give a longer file with --data)",
+                bytes.len()
+            )));
+        }
+        shape.seq_len = seq_len;
+    }
     let (bytes, heldout) = match args.heldout_bytes {
         Some(n) if n >= bytes.len() => {
             return Err(burn_deepspeed::DeepSpeedError::Data(format!(
@@ -217,6 +245,10 @@ fn run(args: &Args) -> burn_deepspeed::Result<()> {
         ep_size: args.ep_size,
         teacher,
         heldout,
+        long_context: LongContext {
+            blockwise_attention: args.blockwise_attention,
+            tile: args.tile,
+        },
     };
     // ANCHOR: launch
     let (_, reports) = launch(args.ranks, Duration::from_secs(args.timeout), |comm| {

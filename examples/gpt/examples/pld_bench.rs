@@ -95,6 +95,7 @@ fn main() -> ExitCode {
         ep_size: 1,
         teacher: None,
         heldout: None,
+        long_context: Default::default(),
     });
     let outcome = launch(1, Duration::from_secs(3600), |comm| {
         let device = Device::flex().autodiff();

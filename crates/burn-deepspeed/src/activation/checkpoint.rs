@@ -175,7 +175,9 @@ impl<const D: usize> Saved<D> {
     fn new(input: Tensor<D>, host: bool) -> Self {
         if host {
             let device = input.device();
-            Saved::Host(transfer::read(input), device)
+            let data = transfer::read(input);
+            record(|s| s.host_bytes += data.bytes().len() as u64);
+            Saved::Host(data, device)
         } else {
             Saved::Device(input)
         }
@@ -410,6 +412,8 @@ mod tests {
         let stats = take_stats();
         assert_eq!(ckpt, plain);
         assert!(stats.forward_seconds > 0.0 && stats.recompute_seconds > 0.0);
+        // Three blocks' inputs of 4 × 8 f32 went to host memory.
+        assert_eq!(stats.host_bytes, 3 * 4 * 8 * 4);
         assert_eq!(current_options(), CheckpointOptions::default());
     }
 

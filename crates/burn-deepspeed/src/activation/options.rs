@@ -45,6 +45,9 @@ pub struct CheckpointStats {
     pub forward_seconds: f64,
     /// Seconds in recomputes, their backward included (measured with `profile` only).
     pub recompute_seconds: f64,
+    /// Bytes of checkpoint inputs copied to host memory (`cpu_checkpointing`), counted as
+    /// each copy is made.
+    pub host_bytes: u64,
 }
 
 impl CheckpointStats {
@@ -56,6 +59,7 @@ impl CheckpointStats {
             recomputes = self.recomputes,
             forward_ms = self.forward_seconds * 1e3,
             recompute_ms = self.recompute_seconds * 1e3,
+            host_bytes = self.host_bytes,
             "activation checkpoints"
         );
     }
@@ -75,6 +79,7 @@ thread_local! {
             recomputes: 0,
             forward_seconds: 0.0,
             recompute_seconds: 0.0,
+            host_bytes: 0,
         })
     };
 }

@@ -34,70 +34,143 @@ pub trait FusedAttentionOps: burn::backend::Backend {
     ) -> FloatTensor<Self>;
 }
 
-/// The additive mask of queries `[start, start + n)` over `keys` keys: −1e9 above the
-/// diagonal (the GPT's causal mask), in `like`'s dtype and on its device.
-fn causal_block(start: usize, n: usize, keys: usize, like: &Tensor<4>) -> Tensor<4> {
+/// The additive causal mask of a block of `n` queries over the same `n` positions as keys:
+/// −1e9 above the diagonal (the GPT's causal mask), in `like`'s dtype and on its device.
+fn diagonal_mask(n: usize, like: &Tensor<4>) -> Tensor<4> {
     let values = (0..n)
-        .flat_map(|i| (0..keys).map(move |j| if j > start + i { -1e9f32 } else { 0.0 }))
+        .flat_map(|i| (0..n).map(move |j| if j > i { -1e9f32 } else { 0.0 }))
         .collect();
-    Tensor::<4>::from_data(TensorData::new(values, [1, 1, n, keys]), &like.device())
-        .cast(like.dtype())
+    Tensor::<4>::from_data(TensorData::new(values, [1, 1, n, n]), &like.device()).cast(like.dtype())
 }
 
-/// The scores of queries `qb` (the block at `start`) over `k`, scaled and masked.
+/// The scores of queries `qb` (the block at `start`) over `k`, scaled, and masked when
+/// `causal`. Causal, `k` holds the keys up to the block's last query: those before the
+/// block are all visible, and only the block's own diagonal square is masked.
 fn scores(qb: Tensor<4>, k: &Tensor<4>, start: usize, causal: bool) -> Tensor<4> {
     let [_, _, n, d] = qb.dims();
     let keys = k.dims()[2];
-    let s = qb
-        .matmul(k.clone().swap_dims(2, 3))
-        .div_scalar((d as f64).sqrt());
-    match causal {
-        true => {
-            let mask = causal_block(start, n, keys, &s);
-            s + mask
-        }
-        false => s,
+    let scale = 1.0 / (d as f64).sqrt();
+    let product = |k: Tensor<4>| qb.clone().matmul(k.swap_dims(2, 3)).mul_scalar(scale);
+    if !causal {
+        return product(k.clone());
+    }
+    debug_assert_eq!(
+        keys,
+        start + n,
+        "causal blocks read the keys up to their last query"
+    );
+    let diagonal = product(k.clone().narrow(2, start, n));
+    let diagonal = diagonal.clone() + diagonal_mask(n, &diagonal);
+    match start {
+        0 => diagonal,
+        _ => Tensor::cat(vec![product(k.clone().narrow(2, 0, start)), diagonal], 3),
     }
 }
 
-/// The blocks of queries: `(start, length)`.
-fn blocks(positions: usize) -> impl Iterator<Item = (usize, usize)> {
-    (0..positions)
-        .step_by(ATTENTION_BLOCK)
-        .map(move |start| (start, ATTENTION_BLOCK.min(positions - start)))
+/// The blocks of queries: `(start, length, keys)`, where `keys` is how many keys the block
+/// reads: all of them, or under the causal mask only those up to its last query (the later
+/// ones would get a weight of exactly 0, so about half of the products are skipped).
+fn blocks(
+    positions: usize,
+    keys: usize,
+    causal: bool,
+) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..positions).step_by(ATTENTION_BLOCK).map(move |start| {
+        let n = ATTENTION_BLOCK.min(positions - start);
+        let read = match causal {
+            true => (start + n).min(keys),
+            false => keys,
+        };
+        (start, n, read)
+    })
 }
 
 /// The forward: the output `[b, h, t, d]` and each query's log-sum-exp `[b, h, t, 1]`.
 fn forward(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>, causal: bool) -> (Tensor<4>, Tensor<4>) {
     let (mut out, mut lse) = (Vec::new(), Vec::new());
-    for (start, n) in blocks(q.dims()[2]) {
-        let s = scores(q.clone().narrow(2, start, n), k, start, causal);
+    for (start, n, keys) in blocks(q.dims()[2], k.dims()[2], causal) {
+        let kb = k.clone().narrow(2, 0, keys);
+        let s = scores(q.clone().narrow(2, start, n), &kb, start, causal);
         let max = s.clone().max_dim(3);
         let p = (s - max.clone()).exp();
         let sum = p.clone().sum_dim(3);
-        out.push(p.matmul(v.clone()) / sum.clone());
+        out.push(p.matmul(v.clone().narrow(2, 0, keys)) / sum.clone());
         lse.push(max + sum.log());
     }
     (Tensor::cat(out, 2), Tensor::cat(lse, 2))
+}
+
+/// Keys per running sum of the backward's key gradients.
+const KEY_CHUNK: usize = 1024;
+
+/// Running sums of gradients over the keys, chunk by chunk: a block of queries adds to the
+/// chunks it read, so no whole `[keys, d]` tensor is copied per block of queries.
+struct KeyGrads(Vec<Option<Tensor<4>>>);
+
+impl KeyGrads {
+    fn new(keys: usize) -> Self {
+        Self(vec![None; keys.div_ceil(KEY_CHUNK)])
+    }
+
+    /// Adds `update`, the gradients of the first `update.dims()[2]` keys.
+    fn add(&mut self, update: Tensor<4>) {
+        let n = update.dims()[2];
+        for (c, sum) in self.0.iter_mut().enumerate().take(n.div_ceil(KEY_CHUNK)) {
+            let start = c * KEY_CHUNK;
+            let part = update.clone().narrow(2, start, KEY_CHUNK.min(n - start));
+            *sum = Some(match sum.take() {
+                None => part,
+                // A chunk the earlier blocks read only in part (the causal diagonal).
+                Some(acc) if acc.dims()[2] < part.dims()[2] => {
+                    let m = acc.dims()[2];
+                    let rest = part.clone().narrow(2, m, part.dims()[2] - m);
+                    Tensor::cat(vec![acc + part.narrow(2, 0, m), rest], 2)
+                }
+                Some(acc) => acc + part,
+            });
+        }
+    }
+
+    /// The gradients of every key, `like` shaped (zero where no query read a key).
+    fn finish(self, like: &Tensor<4>) -> Tensor<4> {
+        let keys = like.dims()[2];
+        let parts = (self.0.into_iter().enumerate())
+            .map(|(c, sum)| {
+                let len = KEY_CHUNK.min(keys - c * KEY_CHUNK);
+                let zeros = || like.clone().narrow(2, c * KEY_CHUNK, len).zeros_like();
+                match sum {
+                    Some(s) if s.dims()[2] == len => s,
+                    Some(s) => {
+                        let m = s.dims()[2];
+                        Tensor::cat(vec![s, zeros().narrow(2, m, len - m)], 2)
+                    }
+                    None => zeros(),
+                }
+            })
+            .collect();
+        Tensor::cat(parts, 2)
+    }
 }
 
 /// The backward: `(dq, dk, dv)` from the output's gradient `dout`, the scores of each block
 /// computed again from the log-sum-exp.
 fn backward([q, k, v, out, lse]: [Tensor<4>; 5], dout: Tensor<4>, causal: bool) -> [Tensor<4>; 3] {
     let scale = 1.0 / (q.dims()[3] as f64).sqrt();
-    let (mut dq, mut dk, mut dv) = (Vec::new(), k.zeros_like(), v.zeros_like());
-    for (start, n) in blocks(q.dims()[2]) {
+    let keys = k.dims()[2];
+    let (mut dq, mut dk, mut dv) = (Vec::new(), KeyGrads::new(keys), KeyGrads::new(keys));
+    for (start, n, read) in blocks(q.dims()[2], keys, causal) {
+        let (kb, vb) = (k.clone().narrow(2, 0, read), v.clone().narrow(2, 0, read));
         let qb = q.clone().narrow(2, start, n);
         let dob = dout.clone().narrow(2, start, n);
-        let p = (scores(qb.clone(), &k, start, causal) - lse.clone().narrow(2, start, n)).exp();
-        dv = dv + p.clone().swap_dims(2, 3).matmul(dob.clone());
-        let dp = dob.clone().matmul(v.clone().swap_dims(2, 3));
+        let p = (scores(qb.clone(), &kb, start, causal) - lse.clone().narrow(2, start, n)).exp();
+        dv.add(p.clone().swap_dims(2, 3).matmul(dob.clone()));
+        let dp = dob.clone().matmul(vb.swap_dims(2, 3));
         let delta = (dob * out.clone().narrow(2, start, n)).sum_dim(3);
         let ds = p * (dp - delta);
-        dq.push(ds.clone().matmul(k.clone()).mul_scalar(scale));
-        dk = dk + ds.swap_dims(2, 3).matmul(qb).mul_scalar(scale);
+        dq.push(ds.clone().matmul(kb).mul_scalar(scale));
+        dk.add(ds.swap_dims(2, 3).matmul(qb).mul_scalar(scale));
     }
-    [Tensor::cat(dq, 2), dk, dv]
+    [Tensor::cat(dq, 2), dk.finish(&k), dv.finish(&v)]
 }
 
 /// A primitive as a tensor of its own backend (no autodiff), and back.
@@ -198,8 +271,15 @@ pub fn attention_keeping_scores(
     v: Tensor<4>,
     causal: bool,
 ) -> Tensor<4> {
-    let t = q.dims()[2];
-    let s = scores(q, &k, 0, causal && t > 0);
+    let d = q.dims()[3];
+    let s = q.matmul(k.swap_dims(2, 3)).div_scalar((d as f64).sqrt());
+    let s = match causal {
+        true => {
+            let mask = diagonal_mask(s.dims()[2], &s);
+            s + mask
+        }
+        false => s,
+    };
     burn::tensor::activation::softmax(s, 3).matmul(v)
 }
 
@@ -214,7 +294,13 @@ mod tests {
     #[test]
     fn matches_the_decomposition_and_its_gradients() {
         let device = Device::flex().autodiff();
-        for (t, causal) in [(5, true), (64, true), (150, true), (150, false)] {
+        for (t, causal) in [
+            (5, true),
+            (64, true),
+            (150, true),
+            (200, true),
+            (150, false),
+        ] {
             let x = |seed| {
                 Tensor::<4>::random([2, 3, t, 8], Distribution::Normal(0.0, 1.0), &device)
                     .mul_scalar(seed)

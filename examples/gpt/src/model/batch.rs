@@ -93,14 +93,24 @@ impl GptBatch {
         logits: Tensor<3>,
         tp: &TensorParallel,
     ) -> (Tensor<1>, Tensor<2>, Tensor<1, Int>) {
-        let [b, t, v] = logits.dims();
-        // The loss in f32 whatever the parameters' dtype (its backward casts the gradient
-        // back), as mixed precision training computes it.
-        let logits = logits.reshape([b * t, v]).cast(FloatDType::F32);
-        let targets = self.targets.clone().reshape([b * t]);
-        let loss = vocab_parallel_cross_entropy(logits.clone(), targets.clone(), tp);
-        (loss, logits, targets)
+        token_cross_entropy(logits, self.targets.clone(), tp)
     }
+}
+
+/// Mean cross-entropy of `logits` `[batch, seq, 256 / tp]` against `targets` `[batch, seq]`,
+/// with the flattened logits and targets (see [`GptBatch::cross_entropy`]).
+pub(crate) fn token_cross_entropy(
+    logits: Tensor<3>,
+    targets: Tensor<2, Int>,
+    tp: &TensorParallel,
+) -> (Tensor<1>, Tensor<2>, Tensor<1, Int>) {
+    let [b, t, v] = logits.dims();
+    // The loss in f32 whatever the parameters' dtype (its backward casts the gradient
+    // back), as mixed precision training computes it.
+    let logits = logits.reshape([b * t, v]).cast(FloatDType::F32);
+    let targets = targets.reshape([b * t]);
+    let loss = vocab_parallel_cross_entropy(logits.clone(), targets.clone(), tp);
+    (loss, logits, targets)
 }
 
 impl PipeBatch for GptBatch {

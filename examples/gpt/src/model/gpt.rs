@@ -5,9 +5,9 @@ use burn::module::Module;
 use burn::nn::{EmbeddingConfig, LayerNormConfig, LinearConfig};
 
 use super::{batch::*, init::*, layers::*, moe_log::*, shape::*};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Int, Tensor};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
-use burn_deepspeed::activation::checkpoint;
+use burn_deepspeed::activation::{checkpoint, checkpoint_tiles};
 use burn_deepspeed::distill::distillation_loss;
 use burn_deepspeed::flat::{ParamLayout, params_from_flat};
 use burn_deepspeed::inference::{CausalLm, KvCache, WeightQuantization};
@@ -29,6 +29,9 @@ pub struct Gpt {
     pub(crate) head: GptHead,
     /// Whether each block is an activation checkpoint.
     pub(crate) checkpoint_blocks: bool,
+    /// How the blocks and the loss keep their activations over long sequences.
+    #[module(skip)]
+    pub(crate) long: LongContext,
     /// The MoE blocks' routing summed since the log was last drained.
     #[module(skip)]
     pub(crate) moe_log: MoeLog,
@@ -73,6 +76,7 @@ impl Gpt {
                 .expect("a whole layer is not cut"),
             },
             checkpoint_blocks: false,
+            long: LongContext::default(),
             moe_log: MoeLog::default(),
         };
         model.map(&mut GptInit::new(seed, shape.layers))
@@ -174,6 +178,7 @@ impl Gpt {
                 head: self.head.head.slice(tp.clone())?,
             },
             checkpoint_blocks: self.checkpoint_blocks,
+            long: self.long,
             moe_log: self.moe_log,
         })
     }
@@ -242,6 +247,7 @@ impl Gpt {
                 head: self.head.head.quantized(how)?,
             },
             checkpoint_blocks: self.checkpoint_blocks,
+            long: self.long,
             moe_log: self.moe_log.clone(),
         })
     }
@@ -274,6 +280,18 @@ impl Gpt {
         self
     }
 
+    /// The model keeping its activations over long sequences as `long` says (blockwise
+    /// attention, tiles of the MLP and the loss; see [`LongContext`]). A tile must hold at
+    /// least one position.
+    pub fn with_long_context(mut self, long: LongContext) -> Self {
+        assert!(long.tile != Some(0), "a tile holds at least one position");
+        self.long = long;
+        for block in &mut self.blocks {
+            block.long = long;
+        }
+        self
+    }
+
     // ANCHOR: checkpoint_block
     /// One block, checkpointed or not (an MoE block never is: its recompute would route
     /// with new draws); an MoE block's figures go to the log, and its `l_aux` is returned.
@@ -281,7 +299,7 @@ impl Gpt {
         &self,
         block: &Block,
         x: Tensor<3>,
-        causal: &Tensor<4>,
+        causal: &Option<Tensor<4>>,
         scale: f64,
     ) -> (Tensor<3>, Option<Tensor<1>>) {
         if self.checkpoint_blocks && block.moe.is_none() {
@@ -320,6 +338,18 @@ impl Gpt {
         inputs: Tensor<2, Int>,
         layer_drop: Option<LayerDrop>,
     ) -> (Tensor<3>, Option<Tensor<1>>) {
+        let device = inputs.device();
+        let (x, aux) = self.hidden(inputs, layer_drop);
+        (scope("head", &device, || self.head.forward(x)), aux)
+    }
+
+    /// The last block's output `[batch, seq, d]` (what the head reads), with the MoE blocks'
+    /// summed `l_aux`.
+    fn hidden(
+        &self,
+        inputs: Tensor<2, Int>,
+        layer_drop: Option<LayerDrop>,
+    ) -> (Tensor<3>, Option<Tensor<1>>) {
         let mut aux: Option<Tensor<1>> = None;
         let mut add = |a: Option<Tensor<1>>| {
             if let Some(a) = a {
@@ -335,7 +365,7 @@ impl Gpt {
         // In the parameters' dtype: one op may not mix f32 with f16 or bf16. Attention runs
         // over whole sequences (under sequence parallelism, after the heads' exchange).
         let whole = x.dims()[1] * self.embed.sp.size();
-        let causal = causal_mask(whole, &x.device()).cast(x.dtype());
+        let causal = self.blocks.first().and_then(|b| b.mask(whole, &x));
         // ANCHOR: pld_forward
         let keep = layer_drop.map(|d| {
             (
@@ -366,7 +396,7 @@ impl Gpt {
             }
         }
         // ANCHOR_END: pld_forward
-        (scope("head", &device, || self.head.forward(x)), aux)
+        (x, aux)
     }
 
     /// Mean next-token cross-entropy over the batch, with the logits and targets flattened.
@@ -380,6 +410,11 @@ impl Gpt {
         &self,
         batch: GptBatch,
     ) -> (ClassificationOutput, Option<Tensor<1>>) {
+        let tile = self.long.tile.filter(|_| batch.soft_targets.is_none());
+        if let Some(tile) = tile {
+            let (x, aux) = self.hidden(batch.inputs.clone(), batch.layer_drop);
+            return (self.tiled_loss(x, &batch, tile), aux);
+        }
         let (logits, aux) = self.forward_aux(batch.inputs.clone(), batch.layer_drop);
         let (loss, logits, targets) = batch.cross_entropy(logits, &self.head.head.tp);
         // With a teacher: its term beside the cross-entropy (the whole vocabulary is here:
@@ -394,6 +429,30 @@ impl Gpt {
             None => loss,
         };
         (ClassificationOutput::new(loss, logits, targets), aux)
+    }
+
+    /// ALST's tiled loss: the head and the cross-entropy over tiles of `tile` positions of
+    /// the last hidden states `x`, each tile an activation checkpoint, so that its logits and
+    /// their softmax exist for one tile at a time, in the forward and in the backward. The
+    /// mean is the untiled one (each tile's mean weighted by its share of the positions). The
+    /// output's logits, for metrics only, are made again outside the graph.
+    fn tiled_loss(&self, x: Tensor<3>, batch: &GptBatch, tile: usize) -> ClassificationOutput {
+        let t = x.dims()[1];
+        let targets = batch.targets.clone();
+        let losses = checkpoint_tiles(&self.head, x.clone(), 1, tile, move |head, x, start| {
+            let n = x.dims()[1];
+            let tile_targets = targets.clone().narrow(1, start, n);
+            let (loss, _, _) = token_cross_entropy(head.forward(x), tile_targets, &head.head.tp);
+            loss.mul_scalar(n as f64 / t as f64)
+        });
+        let loss = losses
+            .into_iter()
+            .reduce(|a, b| a + b)
+            .expect("a sequence has at least one position");
+        let logits = self.head.clone().no_grad().forward(x.detach());
+        let [b, _, v] = logits.dims();
+        let logits = logits.reshape([b * t, v]).cast(FloatDType::F32);
+        ClassificationOutput::new(loss, logits, batch.targets.clone().reshape([b * t]))
     }
 
     /// The model as a sequence of pipeline layers: the embeddings, each block, the head. The
@@ -431,7 +490,7 @@ impl PipeLayer<GptBatch> for GptLayer {
             }
             (GptLayer::Block(b), input) => {
                 let x = input.hidden("Block");
-                let causal = causal_mask(x.dims()[1], &x.device()).cast(x.dtype());
+                let causal = b.mask(x.dims()[1], &x);
                 b.forward(x, causal, 1.0)
             }
             (GptLayer::Head(h), input) => h.forward(input.hidden("Head")),
@@ -449,14 +508,6 @@ impl PipeLayer<GptBatch> for GptLayer {
 }
 
 // ANCHOR_END: pipe_layer
-
-/// Additive causal mask `[1, 1, t, t]`: 0 on and below the diagonal, −1e9 above.
-pub(crate) fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
-    let values: Vec<f32> = (0..t * t)
-        .map(|i| if i % t > i / t { -1e9 } else { 0.0 })
-        .collect();
-    Tensor::<2>::from_data(TensorData::new(values, [t, t]), device).reshape([1, 1, t, t])
-}
 
 // ANCHOR: causal_lm
 /// Generation from key/value caches ([`burn_deepspeed::inference::generate`]), whole or

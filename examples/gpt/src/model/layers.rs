@@ -3,11 +3,12 @@
 
 use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn_deepspeed::fused::{gelu, layer_norm, softmax};
+use burn_deepspeed::activation::checkpoint_tiles;
+use burn_deepspeed::fused::{blockwise_attention, gelu, layer_norm, softmax};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::shape::*;
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_deepspeed::inference::{KvCache, WeightQuantization};
 use burn_deepspeed::moe::{ExpertMlp, MoE, MoeConfig, MoeStats};
 use burn_deepspeed::profiler::scope;
@@ -35,6 +36,21 @@ pub(crate) fn row(d_in: usize, d_out: usize, device: &Device) -> RowParallelLine
         .expect("a whole layer is not cut")
 }
 
+/// How the GPT keeps its activations over long sequences (the memory side of Arctic Long
+/// Sequence Training, arXiv 2506.13996). The default keeps everything, as a short context
+/// wants.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LongContext {
+    /// Attention computes its scores one block of queries at a time, in the forward and
+    /// again in the backward ([`blockwise_attention`]), instead of keeping `[t, t]` scores
+    /// per head; its memory is linear in the sequence.
+    pub blockwise_attention: bool,
+    /// Positions per tile of the MLP and of the head with its loss, each tile an activation
+    /// checkpoint ([`checkpoint_tiles`]): their `4·d`-wide and vocabulary-wide intermediates
+    /// exist for one tile at a time. `None`: whole sequences.
+    pub tile: Option<usize>,
+}
+
 /// One pre-LN transformer block: attention (a fused `[q | k | v]` projection, column
 /// parallel by heads, and a row-parallel output) and an MLP (column then row parallel).
 /// Whole, its group is [`TensorParallel::none`] and every op is Burn's.
@@ -55,6 +71,9 @@ pub struct Block {
     /// sequences).
     #[module(skip)]
     pub(crate) sp: SequenceParallel,
+    /// How it keeps its activations over long sequences.
+    #[module(skip)]
+    pub(crate) long: LongContext,
 }
 
 impl Block {
@@ -85,6 +104,7 @@ impl Block {
             moe,
             heads,
             sp: SequenceParallel::none(),
+            long: LongContext::default(),
         }
     }
 
@@ -122,6 +142,7 @@ impl Block {
             moe: self.moe.clone(),
             heads: self.heads,
             sp: self.sp.clone(),
+            long: self.long,
         })
     }
 
@@ -143,6 +164,7 @@ impl Block {
             moe: None,
             heads: self.heads,
             sp: self.sp.clone(),
+            long: self.long,
         })
     }
 
@@ -217,9 +239,16 @@ impl Block {
         }
     }
 
+    /// The additive causal mask its attention takes over `t` positions, in `like`'s dtype;
+    /// `None` when the attention is blockwise (it masks each block itself, and a `[t, t]`
+    /// mask is what a long context cannot hold).
+    pub(crate) fn mask(&self, t: usize, like: &Tensor<3>) -> Option<Tensor<4>> {
+        (!self.long.blockwise_attention).then(|| causal_mask(t, &like.device()).cast(like.dtype()))
+    }
+
     /// The block, with its two residual branches multiplied by `scale` (1/p_l for a block
-    /// kept by progressive layer dropping, else 1).
-    pub(crate) fn forward(&self, x: Tensor<3>, causal: Tensor<4>, scale: f64) -> Tensor<3> {
+    /// kept by progressive layer dropping, else 1), under `causal` ([`Block::mask`]).
+    pub(crate) fn forward(&self, x: Tensor<3>, causal: Option<Tensor<4>>, scale: f64) -> Tensor<3> {
         self.forward_moe(x, causal, scale).0
     }
 
@@ -227,20 +256,39 @@ impl Block {
     pub(crate) fn forward_moe(
         &self,
         x: Tensor<3>,
-        causal: Tensor<4>,
+        causal: Option<Tensor<4>>,
         scale: f64,
     ) -> (Tensor<3>, Option<(Tensor<1>, MoeStats)>) {
         let branch = |y: Tensor<3>| if scale == 1.0 { y } else { y.mul_scalar(scale) };
+        let attend = |q, k, v| match causal {
+            Some(mask) => attention(q, k, v, mask),
+            None => blockwise_attention(q, k, v, true),
+        };
         // ANCHOR: ulysses
         // Sequence parallel (DeepSpeed-Ulysses): this rank's positions of every head become
         // every position of its heads for attention, and back for the projection.
         let [q, k, v] = self.heads(&x).map(|t| self.sp.heads_from_sequence(t));
-        let att = self.sp.sequence_from_heads(attention(q, k, v, causal));
+        let att = self.sp.sequence_from_heads(attend(q, k, v));
         let x = x + branch(self.project(att));
         // ANCHOR_END: ulysses
-        let (y, aux) = self.mlp(x.clone());
+        let (y, aux) = match (self.long.tile, &self.moe) {
+            // ALST's tiled MLP: one tile's hidden features at a time.
+            (Some(tile), None) => {
+                let tiles = checkpoint_tiles(self, x.clone(), 1, tile, |b, x, _| b.mlp(x).0);
+                (Tensor::cat(tiles, 1), None)
+            }
+            _ => self.mlp(x.clone()),
+        };
         (x + branch(y), aux)
     }
+}
+
+/// Additive causal mask `[1, 1, t, t]`: 0 on and below the diagonal, −1e9 above.
+pub(crate) fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
+    let values: Vec<f32> = (0..t * t)
+        .map(|i| if i % t > i / t { -1e9 } else { 0.0 })
+        .collect();
+    Tensor::<2>::from_data(TensorData::new(values, [t, t]), device).reshape([1, 1, t, t])
 }
 
 /// Scaled dot-product attention of `q` over `k` and `v` `[b, heads, t, d_head]` under the

@@ -55,6 +55,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     }
     let model = Gpt::new(spec.shape, spec.seed, &device)
         .with_activation_checkpointing(spec.config.activation_checkpointing.is_some())
+        .with_long_context(spec.long_context)
         .sliced(grid.tensor_parallel())?
         .with_experts(grid.expert_parallel(), moe_seed(spec, rank))?
         .with_sequence_parallel(grid.sequence_parallel())?;
@@ -93,7 +94,7 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
     let (mut breakdown, mut timed_steps) = (StepBreakdown::default(), 0u64);
     let mut pld_theta = None;
     let mut loss_scale = Vec::new();
-    let mut peak_activation = None;
+    let (mut peak_activation, mut checkpoint_host_bytes) = (None, None);
     let mut moe = spec.shape.moe.map(|_| MoeReport::default());
     let all_to_all = || {
         grid.expert_parallel()
@@ -130,6 +131,8 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         pld_theta = report.pld_theta;
         loss_scale.extend(report.loss_scale);
         peak_activation = peak_activation.max(report.peak_activation_bytes);
+        let host = report.activation_checkpoints.map(|c| c.host_bytes);
+        checkpoint_host_bytes = checkpoint_host_bytes.max(host.filter(|&b| b > 0));
         let elapsed = start.elapsed().as_secs_f64();
         let tokens = (step + 1 - first_step) * batch.train_batch_size * seq as u64;
         progress.update(step + 1, report.loss, tokens as f64 / elapsed);
@@ -201,6 +204,10 @@ pub fn run_rank(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Result<RunReport
         skipped_steps: engine.skipped_steps(),
         peak_activation_bytes: peak_activation,
         activation_checkpointing: engine.config().activation_checkpointing.is_some(),
+        checkpoint_host_bytes,
+        seq_len: seq,
+        blockwise_attention: spec.long_context.blockwise_attention,
+        tile: spec.long_context.tile,
         pld_theta,
         step_seconds_per_sample: per_sample,
         forward_backward_seconds: fb_seconds,

@@ -152,6 +152,10 @@ pub(crate) fn run_pipelined(spec: &RunSpec, comm: Arc<dyn Communicator>) -> Resu
             .pipeline
             .as_ref()
             .is_some_and(|p| p.activation_checkpoint_interval > 0),
+        checkpoint_host_bytes: None,
+        seq_len: spec.shape.seq_len,
+        blockwise_attention: spec.long_context.blockwise_attention,
+        tile: spec.long_context.tile,
         pld_theta: None,
         step_seconds_per_sample: Vec::new(),
         forward_backward_seconds: Vec::new(),

@@ -124,6 +124,18 @@ pub struct RunReport {
     /// Whether the blocks were activation checkpoints (the config's
     /// `activation_checkpointing` section).
     pub activation_checkpointing: bool,
+    /// Bytes of activation checkpoints copied to host memory in one step, the most over the
+    /// run (`cpu_checkpointing`; this rank's, counted as each copy is made). Data-parallel
+    /// runs only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_host_bytes: Option<u64>,
+    /// The positions of each sequence (all ranks of a sequence-parallel group together).
+    pub seq_len: usize,
+    /// How the model kept its activations over long sequences: blockwise attention.
+    pub blockwise_attention: bool,
+    /// ... and the positions per tile of its MLP and loss (none: whole sequences).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tile: Option<usize>,
     /// Progressive layer dropping: θ of the last step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pld_theta: Option<f64>,

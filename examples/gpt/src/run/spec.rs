@@ -13,7 +13,7 @@ use burn_deepspeed::{DeepSpeedConfig, DeepSpeedError, Result};
 use super::{data_parallel::*, report::*};
 use crate::data::ByteCorpus;
 use crate::generate::GenerateSpec;
-use crate::model::{Gpt, GptShape, SoftTargets};
+use crate::model::{Gpt, GptShape, LongContext, SoftTargets};
 
 /// What one run trains.
 #[derive(Debug, Clone)]
@@ -49,6 +49,9 @@ pub struct RunSpec {
     /// Held-out bytes: the report's held-out loss after the last step, over their
     /// non-overlapping windows.
     pub heldout: Option<Arc<Vec<u8>>>,
+    /// How the model keeps its activations over long sequences (blockwise attention, tiled
+    /// MLP and loss).
+    pub long_context: LongContext,
 }
 
 /// A trained teacher and how a student learns from it (DeepSpeed-MoE's Mixture-of-Students,
@@ -182,6 +185,7 @@ impl RunSpec {
             ep_size: 1,
             teacher: None,
             heldout: None,
+            long_context: LongContext::default(),
         }
     }
 }

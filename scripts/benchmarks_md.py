@@ -15,6 +15,7 @@ Usage: benchmarks_md.py pipeline BENCH_JSON GRID_MPI_JSON GRID_THREADS_JSON CORE
        benchmarks_md.py resume DIR CORES
        benchmarks_md.py recorder DIR CORES
        benchmarks_md.py slow-links DIR CORES
+       benchmarks_md.py long-context DIR CORES
        benchmarks_md.py 3d BENCH_JSON MPI_JSON CORES
        benchmarks_md.py inference DIR NEW_TOKENS CORES
        benchmarks_md.py quantization DIR STEPS_SMALL STEPS_TINY CORES
@@ -36,6 +37,7 @@ from bench_md.offload import offload
 from bench_md.resume import resume
 from bench_md.recorder import recorder
 from bench_md.slow_links import slow_links
+from bench_md.long_context import long_context
 from bench_md.moonshot import moonshot, moonshot_plot
 from bench_md.device_flex import device_flex
 from bench_md.grid3d import grid3d
@@ -70,6 +72,8 @@ if __name__ == "__main__":
         write_section("recorder", recorder(*sys.argv[2:4]))
     elif kind == "slow-links":
         write_section("slow-links", slow_links(*sys.argv[2:4]))
+    elif kind == "long-context":
+        write_section("long-context", long_context(*sys.argv[2:4]))
     elif kind == "resume":
         write_section("resume", resume(*sys.argv[2:4]))
     elif kind == "moonshot":

@@ -142,6 +142,7 @@ SECTIONS = {
     "resume": ("resume", [FAKE, "2"]),
     "recorder": ("recorder", [FAKE, "2"]),
     "slow_links": ("slow_links", [FAKE, "2"]),
+    "long_context": ("long_context", [FAKE, "2"]),
     "moonshot": ("moonshot", [FAKE, "2", "1"]),
     "device_flex": ("device_flex", [FAKE, "2", "rev", "2"]),
     "redesign_flex": ("device_flex", [FAKE, "2", "rev", "2", "redesign-flex"]),

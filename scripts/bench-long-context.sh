@@ -69,7 +69,9 @@ if int(rc) == 0 and lines:
     row["report"] = json.loads(lines[-1])
 else:
     err = open(f"{out}/{name}.err").read().strip().splitlines()
-    row["error"] = "timed out" if int(rc) == 124 else (err[-1] if err else f"exit {rc}")
+    # The cause: an allocation failure's or a panic's own line, not the backtrace after it.
+    cause = [l for l in err if l.startswith(("memory allocation", "error", "thread "))]
+    row["error"] = "timed out" if int(rc) == 124 else (cause or err or [f"exit {rc}"])[0]
 with open(f"{out}/runs.jsonl", "a") as f:
     f.write(json.dumps(row) + "\n")
 print(f"{name}: {'ok' if int(rc) == 0 else row['error']} in {took} s", flush=True)

@@ -571,6 +571,49 @@ sys.exit(0 if ok else 1)
 PY
 }
 
+# DeepSpeed-Ulysses under mpirun -n 4: GPT tiny with its sequences cut over 4 processes, and
+# over 2 beside 2 replicas, at ZeRO stages 0-3, follows one rank with whole sequences over 20
+# steps (8 sequences per step), and the sequence group's transport counts Ulysses' volume.
+mpi_sequence() {
+python3 - "$out/sp" <<'PY'
+import json, sys
+for sp in (1, 2, 4):
+    for stage in range(4):
+        json.dump({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                   "sequence_parallel_size": sp, "zero_optimization": {"stage": stage}},
+                  open(f"{sys.argv[1]}-{sp}-{stage}.json", "w"))
+PY
+args=(--model tiny --steps 20 --seed 7 --json)
+"$gpt" --ranks 1 --config "$out/sp-1-0.json" "${args[@]}" | tail -n 1 > "$out/sp-whole.json"
+for sp in 2 4; do
+    for stage in 0 1 2 3; do
+        mpirun -n 4 "$gpt" --config "$out/sp-$sp-$stage.json" "${args[@]}" | tail -n 1 \
+            > "$out/sp-mpi-$sp-$stage.json"
+    done
+done
+python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+whole = json.load(open(f"{out}/sp-whole.json"))
+ok = whole["backend"] == "threads" and len(whole["losses"]) == 20
+for sp in (2, 4):
+    for stage in range(4):
+        b = json.load(open(f"{out}/sp-mpi-{sp}-{stage}.json"))
+        worst = max(abs(x - y) / abs(x) for x, y in zip(whole["losses"], b["losses"]))
+        # q, k, v and the output, forward and backward, 4 layers, micro-batches of 4 of
+        # 128 / sp positions of d 128 in f32, 8 / (4 / sp · 4) micro-batches per step.
+        formula = 2 * 4 * 4 * (128 // sp) * 128 * 4 * 4 * (8 // ((4 // sp) * 4)) * 20
+        sent = b["comm_bytes_per_axis"][0]["sequence"]
+        print(f"gpt tiny sp {sp} x dp {4 // sp} mpirun -n 4, stage {stage}, 20 steps: max rel "
+              f"loss diff {worst:.2e}; sequence group sent {sent} B, Ulysses' formula {formula} B")
+        ok = ok and b["backend"] == "mpi" and len(b["losses"]) == 20 and worst <= 1e-5
+        ok = ok and sent == formula
+print("mpi sequence parity: 1 passed, 0 failed" if ok else "mpi sequence parity: 0 passed, 1 failed")
+sys.exit(0 if ok else 1)
+PY
+}
+
 # The Learner strategy (SupervisedTraining) at ZeRO stage 3 under mpirun -n 2 trains the same
 # model as its two ranks in threads: prepare_model on every process, chunks from rank 0's
 # values, gathers over MPI, the whole model back on every rank.
@@ -610,6 +653,7 @@ group "mpi 3d grid parity" mpi_3d
 group "mpi generation parity" mpi_generate
 group "mpi 1-bit parity" mpi_onebit
 group "mpi moe parity" mpi_moe
+group "mpi sequence parity" mpi_sequence
 group "mpi learner stage 3 parity" mpi_learner
 
 # The `cuda` feature compiles: the CubeCL kernels, the extension's Cube arm, the NCCL device

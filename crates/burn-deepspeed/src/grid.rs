@@ -180,6 +180,7 @@ impl Grid {
             tensor,
             pipe,
             data,
+            sequence: self.sequence.group().map_or(0, sent),
             other: match axes.into_iter().any(is_world) {
                 true => 0,
                 false => sent(&self.world),
@@ -188,11 +189,15 @@ impl Grid {
     }
 
     /// This rank's counters summed over the world and its distinct groups (pipe, data,
-    /// tensor; a group that is the world counted once): every byte the grid's
+    /// tensor, sequence; a group that is the world counted once): every byte the grid's
     /// communicators moved for it.
     pub fn traffic(&self) -> CommStats {
         let mut seen: Vec<&Arc<dyn Communicator>> = Vec::new();
-        for c in [&self.world, &self.pipe, &self.data, &self.tensor] {
+        let sequence = self.sequence.group();
+        for c in [&self.world, &self.pipe, &self.data, &self.tensor]
+            .into_iter()
+            .chain(sequence)
+        {
             if !seen.iter().any(|s| Arc::ptr_eq(s, c)) {
                 seen.push(c);
             }
@@ -222,16 +227,11 @@ impl Grid {
     /// data-parallel ranks share each sequence. The model's attention exchanges through
     /// [`sequence_parallel`](Self::sequence_parallel), and the engine averages gradients over
     /// the whole data group (the replicas and the sequence blocks together), its batch sizes
-    /// counting `data / sp_size` replicas. This version runs it beside data parallelism
-    /// only. A collective.
+    /// counting `data / sp_size` replicas. Beside tensor slicing each tensor-parallel rank
+    /// has its own groups (the data group is per tensor rank), so a rank's attention splits
+    /// its `heads / tp` heads over the group. A collective.
     pub fn with_sequence_parallel(mut self, sp_size: usize, device: &Device) -> Result<Self> {
         if sp_size > 1 {
-            if self.topology.tensor > 1 {
-                return Err(not_with_sequence_parallel(
-                    "tensor_parallel.tp_size",
-                    "tensor slicing",
-                ));
-            }
             if self.topology.pipe > 1 {
                 return Err(not_with_sequence_parallel("pipeline.stages", "a pipeline"));
             }
@@ -271,7 +271,7 @@ fn not_with_sequence_parallel(key: &str, what: &str) -> DeepSpeedError {
         key: key.into(),
         reason: format!(
             "{what} with {SEQUENCE_PARALLEL_KEY} above 1 is not built: sequence parallelism \
-             runs beside data parallelism (ZeRO stages 0-3)"
+             runs beside data parallelism (ZeRO stages 0-3) and tensor slicing"
         ),
     }
 }
@@ -285,11 +285,12 @@ pub struct AxisBytes {
     pub pipe: u64,
     /// Within the data-parallel group (gradient reductions, ZeRO's gathers).
     pub data: u64,
+    /// Within the sequence-parallel group (Ulysses' all-to-alls around attention).
+    pub sequence: u64,
     /// On the world's communicator beside the groups.
     pub other: u64,
 }
 
-/// A world of this rank alone.
 /// The group of `size` consecutive ranks of `data` that holds this rank, as a host
 /// communicator and as the tensor ops' group on `device`'s collectives (`None` at `size` 1).
 /// A `size` of 0 or one that does not divide the ranks is refused at `key`, with `why` (given
@@ -316,6 +317,7 @@ pub(crate) fn consecutive_groups(
     Ok(Some((group, exchange)))
 }
 
+/// A world of this rank alone.
 pub(crate) fn alone() -> Result<Arc<dyn Communicator>> {
     let mut world = ThreadWorld::new(1, ThreadWorldOptions::default())?.communicators();
     let comm = world.pop().ok_or_else(|| {

@@ -195,8 +195,9 @@ impl Gpt {
         if sp.size() == 1 {
             return Ok(self);
         }
+        // Sliced, a rank's attention holds heads / tp of them, which the group splits again.
         if let Some(block) = self.blocks.first() {
-            sp.check_heads(block.heads)?;
+            sp.check_heads(block.heads / block.qkv.tp.size())?;
         }
         if !self.embed.seq_len.is_multiple_of(sp.size()) {
             return Err(burn_deepspeed::DeepSpeedError::Unsupported {

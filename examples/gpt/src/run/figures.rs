@@ -41,6 +41,7 @@ pub(crate) fn gather_figures(
         mine.axis.pipe,
         mine.axis.data,
         mine.axis.other,
+        mine.axis.sequence,
     ]
     .into_iter()
     .chain(mine.breakdown.words().map(f64::to_bits))
@@ -66,9 +67,10 @@ pub(crate) fn gather_figures(
                     pipe: v(9),
                     data: v(10),
                     other: v(11),
+                    sequence: v(12),
                 },
                 breakdown: StepBreakdown::from_words(std::array::from_fn(|i| {
-                    f64::from_bits(v(12 + i))
+                    f64::from_bits(v(13 + i))
                 })),
             }
         })

@@ -324,7 +324,8 @@ fn overlap_comm_changes_nothing_but_when_buckets_are_reduced() {
 /// forward the next prefetch bundle is all-gathered on the communication thread while the
 /// current layer computes. The same steps bit for bit, the same bytes and the same number of
 /// all-gathers as gathering on the rank's thread, at 2 and 4 ranks, with the all-reduce fetch
-/// and in fp16 (16-bit chunks on the wire); and the bundles did go to the thread.
+/// in fp16 (16-bit chunks on the wire) and under qwZ (int8 codes on the wire); and the bundles
+/// did go to the thread.
 #[test]
 fn stage_3_gathers_ahead_on_the_communication_thread() {
     let bucket =
@@ -338,6 +339,12 @@ fn stage_3_gathers_ahead_on_the_communication_thread() {
             false,
         ),
         (2, bucket.to_string(), true),
+        // qwZ: the bundles gathered ahead travel as int8 codes too.
+        (
+            2,
+            format!(r#"{bucket}, "zero_quantized_weights": true"#),
+            false,
+        ),
     ];
     for (world, extra, fp16) in cases {
         let run = |overlap: &str| {

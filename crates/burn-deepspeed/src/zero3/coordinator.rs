@@ -6,7 +6,7 @@ use burn_deepspeed_strategies::CommError;
 use burn_deepspeed_strategies::comm::CommWorker;
 
 use super::group::*;
-use super::wire::fetch;
+use super::wire::fetch_as_set;
 use crate::transfer;
 
 impl GatherGroup {
@@ -148,14 +148,15 @@ impl GatherGroup {
         st.stats.gathered_ahead += 1;
         st.stats.peak_live_elems = st.stats.peak_live_elems.max(live);
         let world = self.comm.world_size();
-        let (wire, by_all_reduce) = (st.wire, self.fetch_by_all_reduce);
+        // As the rank's own gathers travel: int8 codes under qwZ, else the wire dtype.
+        let (quantized, wire, by_all_reduce) = (st.quantized, st.wire, self.fetch_by_all_reduce);
         let key = label("gather", &bundle);
         let pending = worker.submit(move |comm| {
             let mut out = vec![0.0f32; input.len() * world];
             let _span = tracing::trace_span!("zero3_all_gather", elems = out.len()).entered();
             comm.label_next(key);
             let before = comm.stats().total_sent();
-            fetch(comm, wire, by_all_reduce, &input, &mut out)?;
+            fetch_as_set(comm, quantized, wire, by_all_reduce, &input, &mut out)?;
             Ok((out, comm.stats().total_sent() - before))
         });
         st.inflight = Some(Inflight { bundle, pending });

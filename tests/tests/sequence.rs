@@ -21,7 +21,7 @@ use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
 use burn_deepspeed_example_gpt::model::{Gpt, GptShape, LongContext};
 use burn_deepspeed_example_gpt::run::RunReport;
 
-/// 8 sequences per step in micro-batches of 4 at ZeRO `stage`, sequences cut over `sp`, the
+/// 4 sequences per step in micro-batches of 2 at ZeRO `stage`, sequences cut over `sp`, the
 /// layers sliced over `tp`. At a learning rate of 1e-3 the 20 steps learn without a spike; at
 /// 2e-3 the loss jumps at step 5 and the runs' f32 rounding differences (3e-7 at the first
 /// steps) grow to 3e-4 by step 18, which measures the trajectory's sensitivity, not the
@@ -32,7 +32,7 @@ fn config(sp: usize, stage: u8) -> DeepSpeedConfig {
 
 fn sliced_config(sp: usize, tp: usize, stage: u8) -> DeepSpeedConfig {
     let text = format!(
-        r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+        r#"{{"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
             "gradient_clipping": 0.5,
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "weight_decay": 0.01}}}},
             "sequence_parallel_size": {sp}, "tensor_parallel": {{"tp_size": {tp}}},
@@ -75,23 +75,25 @@ fn assert_follows(base: &RunReport, cut: &RunReport, what: &str) {
 /// Ulysses' volume of one step of GPT `tiny` (4 layers, d 128, context 128) at `sp` with one
 /// replica, as the sequence group's communicator counts it: per micro-batch and layer, q, k,
 /// v and the attention's output exchanged once in the forward and once in the backward, each
-/// a rank's `micro · (seq / sp) · d` f32 values; one replica takes 2 micro-batches of 4 per
+/// a rank's `micro · (seq / sp) · d` f32 values; one replica takes 2 micro-batches of 2 per
 /// step.
 fn ulysses_bytes(sp: usize) -> u64 {
-    let (layers, micro, seq, d) = (4, 4, 128, 128);
+    let (layers, micro, seq, d) = (4, 2, 128, 128);
     let per_layer = 2 * 4 * micro * (seq / sp) * d * 4;
-    (per_layer * layers * (8 / micro)) as u64
+    (per_layer * layers * (4 / micro)) as u64
 }
 
-/// GPT `tiny` (4 heads, context 128) over 20 steps: sequences cut over 2 and 4 ranks follow
-/// one rank with whole sequences; cut over 2 ranks beside 2 replicas follow 2 replicas with
-/// whole sequences, and cut over 2 ranks beside a tensor slicing of 2 follow the sliced model
-/// with whole sequences; each at ZeRO stages 0-3 (ZeRO partitions over every rank of the
-/// data group, the sequence ranks included).
+/// GPT `tiny` (4 heads, context 128) over 20 steps: sequences cut over 2 and 4 ranks, and
+/// cut over 2 ranks beside 2 replicas, follow one rank with whole sequences; cut over 2 ranks
+/// beside a tensor slicing of 2 follow the sliced model with whole sequences; each at ZeRO
+/// stages 0-3 (ZeRO partitions over every rank of the data group, the sequence ranks
+/// included). The references run once, at stage 0: the stages' own parity with it is the
+/// `zero` suite's.
 #[test]
 fn cut_sequences_follow_whole_ones() {
     const STEPS: u64 = 20;
     let whole = train(1, config(1, 0), STEPS);
+    let sliced = train(2, sliced_config(1, 2, 0), STEPS);
     for stage in 0..=3 {
         for sp in [2, 4] {
             let cut = train(sp, config(sp, stage), STEPS);
@@ -106,10 +108,8 @@ fn cut_sequences_follow_whole_ones() {
                 "sp {sp}: the sequence group's bytes are Ulysses' volume"
             );
         }
-        let replicas = train(2, config(1, stage), STEPS);
         let cut = train(4, config(2, stage), STEPS);
-        assert_follows(&replicas, &cut, &format!("sp 2 x dp 2, stage {stage}"));
-        let sliced = train(2, sliced_config(1, 2, stage), STEPS);
+        assert_follows(&whole, &cut, &format!("sp 2 x dp 2, stage {stage}"));
         let cut = train(4, sliced_config(2, 2, stage), STEPS);
         assert_follows(&sliced, &cut, &format!("sp 2 x tp 2, stage {stage}"));
     }
@@ -137,10 +137,10 @@ fn long_context_memory_keeps_the_trajectory() {
     let host = run
         .checkpoint_host_bytes
         .expect("the bytes kept in host memory");
-    // Each step's 2 micro-batches keep each of the 4 blocks' input, [4, 128, 128] f32.
+    // Each step's 2 micro-batches keep each of the 4 blocks' input, [2, 128, 128] f32.
     assert_eq!(
         host,
-        2 * 4 * 4 * 128 * 128 * 4,
+        2 * 4 * 2 * 128 * 128 * 4,
         "bytes of checkpoints in host memory"
     );
     let cut = train_keeping(2, config(2, 0), STEPS, long);

@@ -32,8 +32,12 @@ fn blockwise_attention_memory_grows_linearly() {
     // neither measure.
     peak(256, true);
     peak(256, false);
-    let [fused_1k, fused_2k] = [1024, 2048].map(|t| peak(t, true));
-    let [plain_1k, plain_2k] = [1024, 2048].map(|t| peak(t, false));
+    // The least of three: now and then (about one run in ten at 2,048 positions) a window also
+    // counts one allocation of exactly 2 MiB that comes and goes with the thread pool's timing,
+    // not with the attention.
+    let least = |t, fused| (0..3).map(|_| peak(t, fused)).min().unwrap_or(u64::MAX);
+    let [fused_1k, fused_2k] = [1024, 2048].map(|t| least(t, true));
+    let [plain_1k, plain_2k] = [1024, 2048].map(|t| least(t, false));
     println!(
         "heap of a causal attention's forward and backward: blockwise {fused_1k} B (1024 \
          positions), {fused_2k} B (2048); keeping the scores {plain_1k} B, {plain_2k} B"

@@ -115,6 +115,28 @@ fn cut_sequences_follow_whole_ones() {
     }
 }
 
+/// In bf16 the exchanges move the working copy's 16-bit activations: half of Ulysses' fp32
+/// volume. The cut run follows the whole one in bf16 too, within bf16's rounding.
+#[test]
+fn half_precision_exchanges_move_two_bytes_a_value() {
+    const STEPS: u64 = 4;
+    let bf16 = |sp: usize| {
+        let mut c = config(sp, 0);
+        c.bf16.enabled = true;
+        c
+    };
+    let whole = train(1, bf16(1), STEPS);
+    let cut = train(2, bf16(2), STEPS);
+    assert_eq!(
+        cut.comm_bytes_per_axis[0].sequence,
+        ulysses_bytes(2) * STEPS / 2,
+        "bf16 exchanges move 2 bytes a value"
+    );
+    let loss = max_rel_diff(&whole.losses, &cut.losses);
+    println!("bf16 sp 2: max rel loss diff {loss:.2e}");
+    assert!(loss <= 1e-2, "bf16 sp 2: losses differ by {loss}");
+}
+
 /// ALST's memory side keeps the trajectory: blockwise attention with the MLP and the loss in
 /// tiles of 48 positions (which do not divide the 128-position context, nor its halves),
 /// alone, under block checkpoints held in host memory (`cpu_checkpointing`), and with the

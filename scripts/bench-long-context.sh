@@ -12,14 +12,14 @@
 # example's counting allocator: the most one step held above what was live before it, all
 # thread ranks of the process together) and tokens/s are measured. Then tokens/s at sp 2
 # against sp 1 (the long way, 2 thread ranks against 1) at SPEED_LEN positions, STEPS steps.
-# The time of a step grows with the square of the length (attention): 32K positions took
-# about 10 minutes at sp 4 on 2 cores. The 8x-plain point (65536) on a later day, keeping the
-# runs already made:  KEEP=1 PLAIN="" LONG="" SP4="65536" SPEED_LEN="" bash <this script>
+# The time of a step grows with the square of the length (attention): at sp 4 on 2 cores,
+# 32K positions took about 10 minutes and 64K about 47. A point can be added on another day,
+# keeping the runs already made:  KEEP=1 PLAIN="" LONG="" SP4="65536" SPEED_LEN="" bash <this script>
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PLAIN="${PLAIN-4096 8192 10240 12288 14336}"
 LONG="${LONG-16384 32768}"
-SP4="${SP4-16384 32768}"
+SP4="${SP4-16384 32768 65536}"
 TILE="${TILE:-1024}"
 MEM_GB="${MEM_GB:-22}"
 LIMIT_S="${LIMIT_S:-3600}"

@@ -17,6 +17,8 @@ MODEL="${MODEL:-tiny}"
 STEPS="${STEPS:-12}"
 LOSS_STEPS="${LOSS_STEPS:-200}"
 RATES="${RATES-1gbit 10gbit}"
+BATCH="${BATCH:-}"
+SEQ_LEN="${SEQ_LEN:-}"
 PROFILE="${PROFILE:-release}"
 target="${CARGO_TARGET_DIR:-target}"
 out="${OUT:-$target/bench-slow-links}"
@@ -27,6 +29,10 @@ out="${OUT:-$target/bench-slow-links}"
 # the loss runs; the section's generator reads two such folders when they exist:
 #   MODEL=small NAMES="s3 s3-fp16 s3-zeropp" RATES=1gbit LOSS_STEPS=0 OUT=<target>/bench-slow-links-small
 #   NAMES="s3 s3-zeropp" RATES="" LOSS_STEPS=200 OUT=<target>/bench-slow-links-long
+# and a third, where the links bound the step: BATCH (sequences per step, every config) and
+# SEQ_LEN (positions per sequence) shrink the compute of a step until moving the model costs
+# what it would next to a real node's compute:
+#   MODEL=small BATCH=4 SEQ_LEN=32 NAMES="s3 s3-fp16 s3-hpz s3-zeropp adam onebit_adam zero_one_adam" LOSS_STEPS=0 OUT=<target>/bench-slow-links-bound
 features="${FEATURES:-burn-deepspeed-example-gpt/mpi,burn-deepspeed-cli/mpi}"
 if [ "$PROFILE" = release ]; then
     cargo build --release --example gpt --bin burn-deepspeed --features "$features"
@@ -42,9 +48,9 @@ cluster_check || { echo "slow links: cannot run here: $CLUSTER_SKIP"; exit 1; }
 rm -rf "$out"
 mkdir -p "$out/configs"
 freeze=$((LOSS_STEPS / 5))
-python3 - "$out/configs" "$freeze" <<'PY'
+python3 - "$out/configs" "$freeze" "$BATCH" <<'PY'
 import copy, json, sys
-out, freeze = sys.argv[1], int(sys.argv[2])
+out, freeze, batch = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 load = lambda name: json.load(open(f"examples/gpt/configs/{name}.json"))
 s3 = load("zero3")
 def stage3(**keys):
@@ -75,6 +81,8 @@ configs["onebit_lamb"]["optimizer"]["params"]["freeze_step"] = freeze
 zo = configs["zero_one_adam"]["optimizer"]["params"]
 zo["var_freeze_step"], zo["var_update_scaler"], zo["local_step_scaler"] = freeze, freeze // 2, freeze
 for name, c in configs.items():
+    if batch:
+        c["train_batch_size"] = int(batch)
     json.dump(c, open(f"{out}/{name}.json", "w"), indent=1)
 # The timed runs compress from their second step: one warm-up step (a variance of zero would
 # divide by eps), and 0/1 Adam's variance frozen after it, its syncs 1, 2, 4, 8 steps apart.
@@ -87,9 +95,11 @@ for name in ("onebit_adam", "onebit_lamb", "zero_one_adam"):
         p["var_freeze_step"], p["var_update_scaler"], p["local_step_scaler"] = 1, 1, 2
     json.dump(c, open(f"{out}/{name}-timed.json", "w"), indent=1)
 PY
+seq_len_args=()
+[ -z "$SEQ_LEN" ] || seq_len_args=(--seq-len "$SEQ_LEN")
 all="s3 s3-fp16 s3-qwz s3-hpz s3-qgz s3-zeropp adam onebit_adam zero_one_adam lamb onebit_lamb"
 names="${NAMES:-$all}"
-echo "{\"profile\": \"$PROFILE\", \"model\": \"$MODEL\", \"steps\": $STEPS, \"loss_steps\": $LOSS_STEPS, \"rates\": \"$RATES\", \"freeze\": $freeze}" \
+echo "{\"profile\": \"$PROFILE\", \"model\": \"$MODEL\", \"steps\": $STEPS, \"loss_steps\": $LOSS_STEPS, \"rates\": \"$RATES\", \"freeze\": $freeze, \"names\": \"$names\", \"batch\": \"$BATCH\", \"seq_len\": \"$SEQ_LEN\"}" \
     > "$out/setup.json"
 # run NAME STEPS TAG: the configuration on the cluster as it is shaped now, its JSON summary
 # and the bytes over the links and inside the nodes. Timed runs (TAG a rate, or `one`) of the
@@ -104,7 +114,7 @@ run() {
     nodes=$(cluster_node_bytes)
     CLUSTER_JOB_TIMEOUT=3600 cluster_retrying "$tag-$name" "$gpt" -- \
         "$cli" launch "${launch_args[@]}" -- "$gpt" --model "$MODEL" \
-        --config "$config" --steps "$steps" --seed 7 --json || rc=$?
+        --config "$config" --steps "$steps" --seed 7 --json "${seq_len_args[@]}" || rc=$?
     if [ "$rc" -ne 0 ]; then
         tail -n 20 "$CLUSTER_WORK/$tag-$name.err"
         exit 1

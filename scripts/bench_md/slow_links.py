@@ -65,7 +65,8 @@ def slow_links(directory, cores):
 
 def extras(d):
     """The extra runs beside the section, when their folders exist: stage 3 on a larger model
-    (`<section>-small`: bytes per step at one rate) and longer loss runs (`<section>-long`)."""
+    (`<section>-small`: bytes per step at one rate), the same model where the links bound the
+    step (`<section>-bound`) and longer loss runs (`<section>-long`)."""
     out = []
     small = Path(f"{d}-small")
     if small.exists():
@@ -89,6 +90,9 @@ def extras(d):
                 f"| {per_step(name, 'nodes'):,.0f} | {per_step('s3', 'links') / links:.2f}x "
                 f"| {per_step('s3-fp16', 'links') / links:.2f}x |")
         out.append("")
+    bound = Path(f"{d}-bound")
+    if bound.exists():
+        out.append(bound_table(bound))
     long = Path(f"{d}-long")
     if long.exists():
         setup = json.load(open(long / "setup.json"))
@@ -102,3 +106,40 @@ def extras(d):
             f"parts of ZeRO++ ({(zpp - base) / base:+.2%}); at step {steps} "
             f"{losses['s3'][-1]:.4f} and {losses['s3-zeropp'][-1]:.4f}.\n")
     return "\n".join(out)
+
+
+def bound_table(folder):
+    """Tokens/s at each rate and bytes across nodes where moving the model bounds the step: a
+    few short sequences per step, each run against its uncompressed baseline."""
+    setup = json.load(open(folder / "setup.json"))
+    rates = setup["rates"].split()
+    names = setup["names"].split()
+    load = lambda name: json.load(open(folder / f"{name}.json"))
+    between = setup["steps"] - 1
+    links = lambda name: (load(f"{rates[-1]}-{name}.bytes")["links"]
+                          - load(f"one-{name}.bytes")["links"]) / between
+    speed = lambda rate, name: load(f"{rate}-{name}")["tokens_per_s"]
+    head = "".join(f" tokens/s at {r} | vs baseline |" for r in rates)
+    lines = [
+        f"Less compute per step: GPT `{setup['model']}` with {setup['batch']} sequences of "
+        f"{setup['seq_len']} positions per step (one per rank), {setup['steps']} steps "
+        f"(`MODEL={setup['model']} BATCH={setup['batch']} SEQ_LEN={setup['seq_len']} "
+        f"NAMES=\"{setup['names']}\" RATES=\"{setup['rates']}\" LOSS_STEPS=0 "
+        f"OUT=<target>/bench-slow-links-bound`), so that the model's bytes weigh more "
+        f"against a step's compute, as on nodes faster than these cores. Bytes per step as "
+        f"above, at {rates[-1]}:\n",
+        f"| run |{head} bytes/step across nodes | vs baseline |",
+        "|---|" + "---|---|" * len(rates) + "---|---|",
+    ]
+    for name, label, base in ROWS:
+        if name not in names:
+            continue
+        paired = base is not None and base in names
+        cells = [label]
+        for rate in rates:
+            ratio = f"{speed(rate, name) / speed(rate, base):.2f}x" if paired else ""
+            cells += [f"{speed(rate, name):.0f}", ratio]
+        cells += [f"{links(name):,.0f}", f"{links(base) / links(name):.2f}x" if paired else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    return "\n".join(lines)

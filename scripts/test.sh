@@ -579,20 +579,24 @@ PY
 
 # DeepSpeed-Ulysses under mpirun -n 4: GPT tiny with its sequences cut over 4 processes, and
 # over 2 beside 2 replicas, at ZeRO stages 0-3, follows one rank with whole sequences over 20
-# steps (8 sequences per step), and the sequence group's transport counts Ulysses' volume.
+# steps (4 sequences per step); cut over 2 beside a tensor slicing of 2, it follows the sliced
+# model on 2 thread ranks; the sequence group's transport counts Ulysses' volume in each.
 mpi_sequence() {
 python3 - "$out/sp" <<'PY'
 import json, sys
-for sp in (1, 2, 4):
+for sp, tp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)):
     for stage in range(4):
         json.dump({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                   "sequence_parallel_size": sp, "zero_optimization": {"stage": stage}},
-                  open(f"{sys.argv[1]}-{sp}-{stage}.json", "w"))
+                   "sequence_parallel_size": sp, "tensor_parallel": {"tp_size": tp},
+                   "zero_optimization": {"stage": stage}},
+                  open(f"{sys.argv[1]}-{sp}{'tp2' if tp == 2 else ''}-{stage}.json", "w"))
 PY
 args=(--model tiny --steps 20 --seed 7 --json)
 "$gpt" --ranks 1 --config "$out/sp-1-0.json" "${args[@]}" | tail -n 1 > "$out/sp-whole.json"
-for sp in 2 4; do
+# Cut over 2 ranks beside a tensor slicing of 2 against the sliced model on 2 thread ranks.
+"$gpt" --ranks 2 --config "$out/sp-1tp2-0.json" "${args[@]}" | tail -n 1 > "$out/sp-sliced.json"
+for sp in 2 4 2tp2; do
     for stage in 0 1 2 3; do
         mpirun -n 4 "$gpt" --config "$out/sp-$sp-$stage.json" "${args[@]}" | tail -n 1 \
             > "$out/sp-mpi-$sp-$stage.json"
@@ -603,16 +607,23 @@ import json, sys
 out = sys.argv[1]
 whole = json.load(open(f"{out}/sp-whole.json"))
 ok = whole["backend"] == "threads" and len(whole["losses"]) == 20
-for sp in (2, 4):
+sliced = json.load(open(f"{out}/sp-sliced.json"))
+ok = ok and sliced["backend"] == "threads" and len(sliced["losses"]) == 20
+for sp, tp in ((2, 1), (4, 1), (2, 2)):
     for stage in range(4):
-        b = json.load(open(f"{out}/sp-mpi-{sp}-{stage}.json"))
-        worst = max(abs(x - y) / abs(x) for x, y in zip(whole["losses"], b["losses"]))
+        name = f"{sp}tp2" if tp == 2 else f"{sp}"
+        b = json.load(open(f"{out}/sp-mpi-{name}-{stage}.json"))
+        base = sliced if tp == 2 else whole
+        worst = max(abs(x - y) / abs(x) for x, y in zip(base["losses"], b["losses"]))
         # q, k, v and the output, forward and backward, 4 layers, micro-batches of 2 of
-        # 128 / sp positions of d 128 in f32, 4 / (4 / sp · 2) micro-batches per step.
-        formula = 2 * 4 * 2 * (128 // sp) * 128 * 4 * 4 * (4 // ((4 // sp) * 2)) * 20
+        # 128 / sp positions of the rank's d 128 / tp in f32, 4 / (dp · 2) micro-batches per
+        # step with dp = 4 / (sp · tp).
+        dp = 4 // (sp * tp)
+        formula = 2 * 4 * 2 * (128 // sp) * (128 // tp) * 4 * 4 * (4 // (dp * 2)) * 20
         sent = b["comm_bytes_per_axis"][0]["sequence"]
-        print(f"gpt tiny sp {sp} x dp {4 // sp} mpirun -n 4, stage {stage}, 20 steps: max rel "
-              f"loss diff {worst:.2e}; sequence group sent {sent} B, Ulysses' formula {formula} B")
+        print(f"gpt tiny sp {sp} x tp {tp} x dp {dp} mpirun -n 4, stage {stage}, 20 steps: max "
+              f"rel loss diff {worst:.2e}; sequence group sent {sent} B, Ulysses' formula "
+              f"{formula} B")
         ok = ok and b["backend"] == "mpi" and len(b["losses"]) == 20 and worst <= 1e-5
         ok = ok and sent == formula
 print("mpi sequence parity: 1 passed, 0 failed" if ok else "mpi sequence parity: 0 passed, 1 failed")

@@ -29,10 +29,9 @@ out="${OUT:-$target/bench-slow-links}"
 # the loss runs; the section's generator reads two such folders when they exist:
 #   MODEL=small NAMES="s3 s3-fp16 s3-zeropp" RATES=1gbit LOSS_STEPS=0 OUT=<target>/bench-slow-links-small
 #   NAMES="s3 s3-zeropp" RATES="" LOSS_STEPS=200 OUT=<target>/bench-slow-links-long
-# and a third, where the links bound the step: BATCH (sequences per step, every config) and
-# SEQ_LEN (positions per sequence) shrink the compute of a step until moving the model costs
-# what it would next to a real node's compute:
-#   MODEL=small BATCH=4 SEQ_LEN=32 NAMES="s3 s3-fp16 s3-hpz s3-zeropp adam onebit_adam zero_one_adam" LOSS_STEPS=0 OUT=<target>/bench-slow-links-bound
+# and a third with less compute per step: BATCH (sequences per step, every config) and SEQ_LEN
+# (positions per sequence) shrink a step's compute, so the model's bytes weigh more against it:
+#   MODEL=small BATCH=4 SEQ_LEN=32 STEPS=6 NAMES="s3 s3-fp16 s3-zeropp adam onebit_adam" RATES=1gbit LOSS_STEPS=0 OUT=<target>/bench-slow-links-bound
 features="${FEATURES:-burn-deepspeed-example-gpt/mpi,burn-deepspeed-cli/mpi}"
 if [ "$PROFILE" = release ]; then
     cargo build --release --example gpt --bin burn-deepspeed --features "$features"

@@ -65,17 +65,14 @@ def slow_links(directory, cores):
 
 def extras(d):
     """The extra runs beside the section, when their folders exist: stage 3 on a larger model
-    (`<section>-small`: bytes per step at one rate), the same model where the links bound the
-    step (`<section>-bound`) and longer loss runs (`<section>-long`)."""
+    (`<section>-small`: bytes per step at one rate), the same model with less compute per step
+    (`<section>-bound`) and longer loss runs (`<section>-long`)."""
     out = []
     small = Path(f"{d}-small")
     if small.exists():
         setup = json.load(open(small / "setup.json"))
         rate = setup["rates"].split()[-1]
-        load = lambda name: json.load(open(small / f"{name}.json"))
-        between = setup["steps"] - 1
-        per_step = lambda name, where: (load(f"{rate}-{name}.bytes")[where]
-                                        - load(f"one-{name}.bytes")[where]) / between
+        per_step = lambda name, where: bytes_per_step(small, setup, rate, name, where)
         out.append(
             f"GPT `{setup['model']}` at stage 3, {setup['steps']} steps at {rate} (`MODEL="
             f"{setup['model']} NAMES=\"s3 s3-fp16 s3-zeropp\" RATES={rate} LOSS_STEPS=0 "
@@ -109,21 +106,19 @@ def extras(d):
 
 
 def bound_table(folder):
-    """Tokens/s at each rate and bytes across nodes where moving the model bounds the step: a
-    few short sequences per step, each run against its uncompressed baseline."""
+    """Tokens/s at each rate and bytes across nodes with less compute per step (a few short
+    sequences), each run against its uncompressed baseline."""
     setup = json.load(open(folder / "setup.json"))
     rates = setup["rates"].split()
     names = setup["names"].split()
-    load = lambda name: json.load(open(folder / f"{name}.json"))
-    between = setup["steps"] - 1
-    links = lambda name: (load(f"{rates[-1]}-{name}.bytes")["links"]
-                          - load(f"one-{name}.bytes")["links"]) / between
-    speed = lambda rate, name: load(f"{rate}-{name}")["tokens_per_s"]
+    links = lambda name: bytes_per_step(folder, setup, rates[-1], name, "links")
+    speed = lambda rate, name: json.load(open(folder / f"{rate}-{name}.json"))["tokens_per_s"]
     head = "".join(f" tokens/s at {r} | vs baseline |" for r in rates)
     lines = [
         f"Less compute per step: GPT `{setup['model']}` with {setup['batch']} sequences of "
         f"{setup['seq_len']} positions per step (one per rank), {setup['steps']} steps "
         f"(`MODEL={setup['model']} BATCH={setup['batch']} SEQ_LEN={setup['seq_len']} "
+        f"STEPS={setup['steps']} "
         f"NAMES=\"{setup['names']}\" RATES=\"{setup['rates']}\" LOSS_STEPS=0 "
         f"OUT=<target>/bench-slow-links-bound`), so that the model's bytes weigh more "
         f"against a step's compute, as on nodes faster than these cores. Bytes per step as "
@@ -143,3 +138,10 @@ def bound_table(folder):
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     return "\n".join(lines)
+
+
+def bytes_per_step(folder, setup, rate, name, where):
+    """Bytes per step of an extra folder's run at `rate` (`links` or `nodes`): the timed run's
+    less the one-step run's, which share a run's start and end, over the steps between."""
+    load = lambda tag: json.load(open(folder / f"{tag}-{name}.bytes.json"))[where]
+    return (load(rate) - load("one")) / (setup["steps"] - 1)

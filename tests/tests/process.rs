@@ -10,7 +10,7 @@ use std::sync::{Mutex, MutexGuard};
 use burn_deepspeed::memory::heap::CountingAllocator;
 
 #[global_allocator]
-static HEAP: CountingAllocator = CountingAllocator;
+static HEAP: CountingAllocator = CountingAllocator(std::alloc::System);
 
 static ALONE: Mutex<()> = Mutex::new(());
 

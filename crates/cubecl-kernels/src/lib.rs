@@ -9,6 +9,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod adam;
+pub mod attention;
 #[cfg(feature = "cube")]
 pub mod cube;
 pub mod ext;

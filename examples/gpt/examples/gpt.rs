@@ -30,7 +30,7 @@ use clap::Parser;
 /// Counts the heap, so that the report's `peak_activation_bytes` is measured.
 #[global_allocator]
 static HEAP: burn_deepspeed::memory::heap::CountingAllocator =
-    burn_deepspeed::memory::heap::CountingAllocator;
+    burn_deepspeed::memory::heap::CountingAllocator(std::alloc::System);
 
 #[derive(Parser)]
 #[command(about = "Train a byte-level GPT with burn-deepspeed")]

@@ -22,15 +22,20 @@ use std::time::{Duration, Instant};
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn_deepspeed::launch::launch;
+use burn_deepspeed::memory::caching::{self, CachingAllocator};
 use burn_deepspeed::progress::TaskProgress;
 use burn_deepspeed::{DeepSpeedConfig, DeepSpeedEngine};
 use burn_deepspeed_example_gpt::DEFAULT_CONFIG;
-use burn_deepspeed_example_gpt::model::{Gpt, GptShape, set_fused_ops};
+use burn_deepspeed_example_gpt::model::{Gpt, GptShape, LongContext, set_fused_ops};
 use burn_deepspeed_example_gpt::run::{ModelDevice, RunSpec, train_step};
 use clap::Parser;
 use serde_json::json;
 
-#[derive(Parser, Debug)]
+/// Large freed blocks kept for reuse when `--host-cache` is on (off otherwise).
+#[global_allocator]
+static HEAP: CachingAllocator = CachingAllocator;
+
+#[derive(Parser, Debug, Clone)]
 struct Args {
     /// Model (`tiny`, `small`).
     #[arg(long, default_value = "tiny")]
@@ -50,6 +55,17 @@ struct Args {
     /// Also run the plain loop with Burn's own softmax and layer norm.
     #[arg(long)]
     unfused: bool,
+    /// Attention by the fused kernel (`blockwise_attention`: on Flex the CPU flash-attention
+    /// kernel) instead of the decomposition that keeps the scores.
+    #[arg(long)]
+    flash: bool,
+    /// Keep large freed blocks for reuse (`burn_deepspeed::memory::caching`).
+    #[arg(long)]
+    host_cache: bool,
+    /// Instead of the engine comparison: the plain loop with each CPU lever off and on
+    /// (host cache, fused attention, both), alternating, round by round.
+    #[arg(long)]
+    levers: bool,
     /// The device both loops train on (`wgpu` and `cuda` need the example's feature).
     #[arg(long, default_value = "flex", value_parser = ["flex", "wgpu", "cuda"])]
     device: String,
@@ -129,6 +145,12 @@ fn plain(spec: &RunSpec, args: &Args, on: ModelDevice) -> Timed {
     let device = on.device(0);
     let inner = device.clone().inner();
     let mut model = Gpt::new(shape, spec.seed, &device);
+    if args.flash {
+        model = model.with_long_context(LongContext {
+            blockwise_attention: true,
+            tile: None,
+        });
+    }
     let mut optim = AdamWConfig::new()
         .with_beta_1(0.9)
         .with_beta_2(0.95)
@@ -172,7 +194,13 @@ fn engine(spec: &RunSpec, args: &Args, on: ModelDevice) -> Result<Timed, String>
     let outcome = launch(1, Duration::from_secs(3600), |comm| {
         let device = on.device(0);
         let inner = device.clone().inner();
-        let model = Gpt::new(shape, spec.seed, &device);
+        let mut model = Gpt::new(shape, spec.seed, &device);
+        if args.flash {
+            model = model.with_long_context(LongContext {
+                blockwise_attention: true,
+                tile: None,
+            });
+        }
         let mut engine = DeepSpeedEngine::new(model, spec.config.clone(), comm)?;
         let mut timed = Timed::default();
         for step in 0..args.steps {
@@ -198,6 +226,53 @@ fn engine(spec: &RunSpec, args: &Args, on: ModelDevice) -> Result<Timed, String>
     }
 }
 
+/// The plain loop with the CPU levers off and on, alternating within each round: tokens/s
+/// and phases of each, and the largest loss difference from the loop without them.
+fn levers(spec: &RunSpec, args: &Args, on: ModelDevice, tokens_per_step: u64) -> ExitCode {
+    let variants = [
+        ("none", false, false),
+        ("host cache", true, false),
+        ("fused attention", false, true),
+        ("both", true, true),
+    ];
+    let mut all: Vec<Timed> = variants.iter().map(|_| Timed::default()).collect();
+    for round in 0..args.rounds {
+        for (i, &(name, cache, flash)) in variants.iter().enumerate() {
+            caching::set_enabled(cache);
+            let run_args = Args {
+                flash,
+                ..args.clone()
+            };
+            let t = plain(spec, &run_args, on);
+            eprintln!(
+                "round {round}: {name}: {:.0} tokens/s",
+                t.tokens_per_s(tokens_per_step)
+            );
+            if round == 0 {
+                all[i].losses = t.losses.clone();
+            }
+            all[i].merge(&t);
+        }
+    }
+    caching::set_enabled(false);
+    let base = all[0].tokens_per_s(tokens_per_step);
+    let rows: Vec<_> = (variants.iter().zip(&all))
+        .map(|(&(name, cache, flash), t)| {
+            let diff = (t.losses.iter().zip(&all[0].losses))
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f64, f64::max);
+            let tps = t.tokens_per_s(tokens_per_step);
+            json!({"levers": name, "host_cache": cache, "fused_attention": flash,
+                "tokens_per_s": tps, "ratio": tps / base, "ms_per_step": t.ms_per_step(),
+                "max_loss_difference": diff, "losses": t.losses})
+        })
+        .collect();
+    let report = json!({"model": args.model, "device": on.name(), "steps": args.steps,
+        "warm_up": args.warm_up, "rounds": args.rounds, "levers": rows});
+    println!("{report}");
+    ExitCode::SUCCESS
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     let Some(shape) = GptShape::preset(&args.model) else {
@@ -219,6 +294,10 @@ fn main() -> ExitCode {
     let mut spec = RunSpec::on_embedded_corpus(config(args.stage), shape, args.steps, 7, 5);
     spec.keep_final_state = false;
     let tokens_per_step = 16 * shape.seq_len as u64;
+    caching::set_enabled(args.host_cache);
+    if args.levers {
+        return levers(&spec, &args, on, tokens_per_step);
+    }
     let loops = if args.unfused { 3 } else { 2 };
     let bar = TaskProgress::items("overhead_bench", loops * args.rounds as u64, !args.json);
     let (mut plain_all, mut engine_all) = (Timed::default(), Timed::default());

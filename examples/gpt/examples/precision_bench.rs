@@ -25,7 +25,7 @@ use clap::Parser;
 use serde_json::{Value, json};
 
 #[global_allocator]
-static HEAP: CountingAllocator = CountingAllocator;
+static HEAP: CountingAllocator = CountingAllocator(std::alloc::System);
 
 #[derive(Parser, Debug)]
 struct Args {

@@ -13,9 +13,11 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Dispatch, Flex, TensorMetadata, backend_extension};
+use burn::backend::{DType, Dispatch, Flex, TensorMetadata, backend_extension};
 use burn::tensor::{Tensor, TensorData};
+use burn_deepspeed_cubecl_kernels::attention::{Strided, attention_backward, attention_forward};
 
 use crate::primitive::FlatPrimitive;
 
@@ -185,6 +187,114 @@ fn primitive<B: FlatPrimitive>(t: Tensor<4>) -> FloatTensor<B> {
     B::from_flat(t.reshape([n]), shape)
 }
 
+/// How a backend computes the attention's two passes: the forward's output and log-sum-exp,
+/// and the backward's `(dq, dk, dv)`. By default, blocks of the backend's own tensor ops.
+pub trait AttentionKernel: FlatPrimitive {
+    /// The output `[b, h, t, d]` and each query's log-sum-exp `[b, h, t, 1]`.
+    fn attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        forward_by_blocks::<Self>([q, k, v], causal)
+    }
+
+    /// `(dq, dk, dv)` from q, k, v, the output and the log-sum-exp (in that order), and the
+    /// output's gradient.
+    fn attention_backward(
+        saved: [FloatTensor<Self>; 5],
+        dout: FloatTensor<Self>,
+        causal: bool,
+    ) -> [FloatTensor<Self>; 3] {
+        backward_by_blocks::<Self>(saved, dout, causal)
+    }
+}
+
+/// The passes written with the backend's tensor ops: a product per block of queries.
+fn forward_by_blocks<B: FlatPrimitive>(
+    [q, k, v]: [FloatTensor<B>; 3],
+    causal: bool,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let [q, k, v] = [q, k, v].map(tensor::<B>);
+    let (out, lse) = forward(&q, &k, &v, causal);
+    (primitive::<B>(out), primitive::<B>(lse))
+}
+
+fn backward_by_blocks<B: FlatPrimitive>(
+    saved: [FloatTensor<B>; 5],
+    dout: FloatTensor<B>,
+    causal: bool,
+) -> [FloatTensor<B>; 3] {
+    backward(saved.map(tensor::<B>), tensor::<B>(dout), causal).map(primitive::<B>)
+}
+
+/// A Flex tensor as the CPU kernel reads it: f32 with no negative stride (else `None`).
+fn strided(t: &FlexTensor) -> Option<Strided<'_>> {
+    let layout = t.layout();
+    let shape = layout.shape();
+    if shape.num_dims() != 4 {
+        return None;
+    }
+    let dims: [usize; 4] = shape.dims();
+    let strides: Vec<usize> = (layout.strides().iter())
+        .map(|&s| usize::try_from(s).ok())
+        .collect::<Option<_>>()?;
+    (t.dtype() == DType::F32).then(|| Strided {
+        values: t.storage::<f32>(),
+        offset: layout.start_offset(),
+        shape: dims,
+        strides: strides.try_into().expect("four strides"),
+    })
+}
+
+fn flex(values: Vec<f32>, shape: [usize; 4]) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+/// On Flex, f32: the CPU flash-attention kernel (one `gemm` per block and product, the heads
+/// in parallel); other dtypes by blocks of tensor ops.
+impl AttentionKernel for Flex {
+    fn attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (Some(sq), Some(sk), Some(sv)) = (strided(&q), strided(&k), strided(&v)) else {
+            return forward_by_blocks::<Self>([q, k, v], causal);
+        };
+        let [b, h, t, d] = sq.shape;
+        let (out, lse) = attention_forward(sq, sk, sv, causal)
+            .unwrap_or_else(|e| panic!("fused attention: {e}"));
+        (flex(out, [b, h, t, d]), flex(lse, [b, h, t, 1]))
+    }
+
+    fn attention_backward(
+        saved: [FloatTensor<Self>; 5],
+        dout: FloatTensor<Self>,
+        causal: bool,
+    ) -> [FloatTensor<Self>; 3] {
+        let [q, k, v, out, lse] = &saved;
+        let fast = (strided(q), strided(k), strided(v), strided(&dout));
+        let (Some(sq), Some(sk), Some(sv), Some(sd)) = fast else {
+            return backward_by_blocks::<Self>(saved, dout, causal);
+        };
+        let (out, lse) = (out.to_contiguous(), lse.to_contiguous());
+        let (Some(out_values), Some(lse_values)) = (out.as_slice::<f32>(), lse.as_slice::<f32>())
+        else {
+            return backward_by_blocks::<Self>(saved, dout, causal);
+        };
+        let (dq, dk, dv) = attention_backward([sq, sk, sv], out_values, lse_values, sd, causal)
+            .unwrap_or_else(|e| panic!("fused attention backward: {e}"));
+        [(dq, sq.shape), (dk, sk.shape), (dv, sv.shape)].map(|(g, shape)| flex(g, shape))
+    }
+}
+
+/// On the Cube backends, blocks of tensor ops.
+#[cfg(feature = "cube")]
+impl AttentionKernel for burn::backend::Cube {}
+
 macro_rules! plain_attention_ops {
     ($backend:ty) => {
         impl FusedAttentionOps for $backend {
@@ -194,8 +304,7 @@ macro_rules! plain_attention_ops {
                 v: FloatTensor<Self>,
                 causal: bool,
             ) -> FloatTensor<Self> {
-                let [q, k, v] = [q, k, v].map(tensor::<Self>);
-                primitive::<Self>(forward(&q, &k, &v, causal).0)
+                <Self as AttentionKernel>::attention_forward(q, k, v, causal).0
             }
         }
     };
@@ -208,23 +317,23 @@ plain_attention_ops!(burn::backend::Cube);
 #[derive(Debug)]
 struct AttentionBackward;
 
-impl<B: FlatPrimitive> Backward<B, 3> for AttentionBackward {
+impl<B: AttentionKernel> Backward<B, 3> for AttentionBackward {
     /// q, k, v, the output, the log-sum-exp, and whether it is causal.
     type State = ([FloatTensor<B>; 5], bool);
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (saved, causal) = ops.state;
-        let dout = tensor::<B>(grads.consume::<B>(&ops.node));
-        let grads_qkv = backward(saved.map(tensor::<B>), dout, causal);
+        let dout = grads.consume::<B>(&ops.node);
+        let grads_qkv = B::attention_backward(saved, dout, causal);
         for (parent, grad) in ops.parents.into_iter().zip(grads_qkv) {
             if let Some(node) = parent {
-                grads.register::<B>(node.id, primitive::<B>(grad));
+                grads.register::<B>(node.id, grad);
             }
         }
     }
 }
 
-impl<B: FlatPrimitive, C: CheckpointStrategy> FusedAttentionOps for Autodiff<B, C> {
+impl<B: AttentionKernel, C: CheckpointStrategy> FusedAttentionOps for Autodiff<B, C> {
     fn fused_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -237,14 +346,13 @@ impl<B: FlatPrimitive, C: CheckpointStrategy> FusedAttentionOps for Autodiff<B, 
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let [q, k, v] = [q, k, v].map(|t| tensor::<B>(t.into_primitive()));
-                let (out, lse) = forward(&q, &k, &v, causal);
-                let state = [q, k, v, out.clone(), lse].map(primitive::<B>);
-                prep.finish((state, causal), primitive::<B>(out))
+                let [q, k, v] = [q, k, v].map(|t| t.into_primitive());
+                let (out, lse) = B::attention_forward(q.clone(), k.clone(), v.clone(), causal);
+                prep.finish(([q, k, v, out.clone(), lse], causal), out)
             }
             OpsKind::UnTracked(prep) => {
-                let [q, k, v] = [q, k, v].map(|t| tensor::<B>(t.into_primitive()));
-                prep.finish(primitive::<B>(forward(&q, &k, &v, causal).0))
+                let [q, k, v] = [q, k, v].map(|t| t.into_primitive());
+                prep.finish(B::attention_forward(q, k, v, causal).0)
             }
         }
     }
@@ -323,6 +431,37 @@ mod tests {
                 .assert_approx_eq::<f32>(&y_ref.into_data(), tol);
             for (a, b) in g.into_iter().zip(g_ref) {
                 a.into_data().assert_approx_eq::<f32>(&b.into_data(), tol);
+            }
+        }
+    }
+
+    /// Flex's CPU kernel and the passes by blocks of tensor ops (the other backends' and
+    /// other dtypes' path) give the same output, log-sum-exp and gradients, for q, k, v seen
+    /// through a transposed layout as the GPT makes them.
+    #[test]
+    fn the_cpu_kernel_equals_the_passes_by_blocks() {
+        let device = Device::flex();
+        for (t, causal) in [(70, true), (130, false)] {
+            let x = |seed: f64| {
+                Tensor::<4>::random([2, t, 3, 8], Distribution::Normal(0.0, 1.0), &device)
+                    .mul_scalar(seed)
+                    .swap_dims(1, 2)
+            };
+            let prim = |x: Tensor<4>| x.try_into_primitive::<Flex>().expect("a Flex tensor");
+            let [q, k, v, dout] = [x(1.0), x(0.7), x(1.3), x(1.0)].map(prim);
+            let (out, lse) = Flex::attention_forward(q.clone(), k.clone(), v.clone(), causal);
+            let (out_ref, lse_ref) =
+                forward_by_blocks::<Flex>([q.clone(), k.clone(), v.clone()], causal);
+            let saved = [q, k, v, out.clone(), lse.clone()];
+            let grads = Flex::attention_backward(saved.clone(), dout.clone(), causal);
+            let grads_ref = backward_by_blocks::<Flex>(saved, dout, causal);
+            let tol = Tolerance::absolute(2e-5);
+            let data = |p| Tensor::<4>::from_primitive::<Flex>(p).into_data();
+            for (a, b) in [(out, out_ref), (lse, lse_ref)]
+                .into_iter()
+                .chain(grads.into_iter().zip(grads_ref))
+            {
+                data(a).assert_approx_eq::<f32>(&data(b), tol);
             }
         }
     }

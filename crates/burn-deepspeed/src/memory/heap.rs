@@ -9,7 +9,7 @@
 //! use burn_deepspeed::memory::heap::CountingAllocator;
 //!
 //! #[global_allocator]
-//! static HEAP: CountingAllocator = CountingAllocator;
+//! static HEAP: CountingAllocator = CountingAllocator(std::alloc::System);
 //! # fn main() {
 //! let bytes = vec![0u8; 1 << 20];
 //! assert!(burn_deepspeed::memory::heap::live_bytes().unwrap() >= bytes.len() as u64);
@@ -27,8 +27,9 @@ static LIVE: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
-/// The system allocator, counting the bytes live and their peak.
-pub struct CountingAllocator;
+/// An allocator (the system's, or [`CachingAllocator`](super::caching::CachingAllocator)),
+/// counting the bytes the program holds and their peak.
+pub struct CountingAllocator<A: GlobalAlloc = System>(pub A);
 
 fn grew(bytes: usize) {
     let live = LIVE.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
@@ -39,12 +40,12 @@ fn shrank(bytes: usize) {
     LIVE.fetch_sub(bytes as u64, Ordering::Relaxed);
 }
 
-// SAFETY: every call forwards to `System` with the caller's arguments; the counters are
-// atomics and never allocate.
-unsafe impl GlobalAlloc for CountingAllocator {
+// SAFETY: every call forwards to the inner allocator with the caller's arguments; the
+// counters are atomics and never allocate.
+unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAllocator<A> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract for `alloc` is `System::alloc`'s.
-        let ptr = unsafe { System.alloc(layout) };
+        // SAFETY: the caller's contract for `alloc` is the inner allocator's.
+        let ptr = unsafe { self.0.alloc(layout) };
         if !ptr.is_null() {
             if !INSTALLED.load(Ordering::Relaxed) {
                 INSTALLED.store(true, Ordering::Relaxed);
@@ -56,7 +57,7 @@ unsafe impl GlobalAlloc for CountingAllocator {
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         // SAFETY: as `alloc`.
-        let ptr = unsafe { System.alloc_zeroed(layout) };
+        let ptr = unsafe { self.0.alloc_zeroed(layout) };
         if !ptr.is_null() {
             grew(layout.size());
         }
@@ -64,14 +65,14 @@ unsafe impl GlobalAlloc for CountingAllocator {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from this allocator, that is from `System`, with `layout`.
-        unsafe { System.dealloc(ptr, layout) };
+        // SAFETY: `ptr` came from this allocator, that is from the inner one, with `layout`.
+        unsafe { self.0.dealloc(ptr, layout) };
         shrank(layout.size());
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         // SAFETY: as `dealloc`, and `new_size` is the caller's.
-        let new = unsafe { System.realloc(ptr, layout, new_size) };
+        let new = unsafe { self.0.realloc(ptr, layout, new_size) };
         if !new.is_null() {
             shrank(layout.size());
             grew(new_size);

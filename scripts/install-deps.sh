@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the system packages burn-deepspeed needs (OpenMPI, and libclang for the `mpi`
 # crate's bindgen; Mesa's lavapipe software Vulkan, on which the CubeCL kernels' tests run
-# the wgpu runtime). Idempotent: does nothing when they are present.
+# the wgpu runtime; OpenBLAS for the `blas` feature). Idempotent: does nothing when they are present.
 set -euo pipefail
 need=()
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
@@ -11,6 +11,8 @@ dpkg -s libclang-dev >/dev/null 2>&1 || need+=(libclang-dev)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 dpkg -s mesa-vulkan-drivers >/dev/null 2>&1 || need+=(mesa-vulkan-drivers)
 dpkg -s libvulkan1 >/dev/null 2>&1 || need+=(libvulkan1)
+# OpenBLAS, for the `blas` feature (the linear layers' products on the CPU).
+dpkg -s libopenblas-dev >/dev/null 2>&1 || need+=(libopenblas-dev)
 if [ ${#need[@]} -eq 0 ]; then
     exit 0
 fi

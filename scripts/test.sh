@@ -18,7 +18,9 @@ export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 # The CubeCL kernels, the device collectives and the GPT run on the wgpu runtime: every
 # build below shares these features, so that Burn is built once.
 KERNELS="burn-deepspeed-cubecl-kernels/wgpu,burn-deepspeed-strategies/wgpu,burn-deepspeed/wgpu,burn-deepspeed-example-gpt/wgpu,burn-deepspeed-tests/wgpu"
-FEATURES="burn-deepspeed-strategies/mpi,burn-deepspeed/mpi,burn-deepspeed-example-gpt/mpi,burn-deepspeed-tests/mpi,$KERNELS"
+# The linear layers multiply through OpenBLAS (the `blas` feature): the suite trains with it, and
+# `fused::linear`'s tests compare it with Flex's own product in the same build.
+FEATURES="burn-deepspeed-strategies/mpi,burn-deepspeed/mpi,burn-deepspeed-example-gpt/mpi,burn-deepspeed-tests/mpi,burn-deepspeed/blas,$KERNELS"
 
 out=$(mktemp -d)
 target_dir="${CARGO_TARGET_DIR:-target}"

@@ -10,6 +10,8 @@
 
 pub mod adam;
 pub mod attention;
+#[cfg(feature = "blas")]
+pub mod blas;
 #[cfg(feature = "cube")]
 pub mod cube;
 pub mod ext;

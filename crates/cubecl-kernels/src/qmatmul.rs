@@ -167,19 +167,20 @@ fn dequantize_block_any(w: &Quantized, n: usize, j0: usize, tile: &mut [f32]) {
     }
 }
 
-/// The output's pointer, shared by the column blocks that each write their own columns.
+/// The output's pointer, shared by blocks that each write their own rows or columns (here
+/// and in the `blas` module's products).
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 
-// SAFETY: the blocks that share it write disjoint columns (see `dequant_matmul`).
+// SAFETY: the blocks that share it write disjoint parts (see `dequant_matmul` and `sgemm`).
 unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
-    /// The pointer to column `j0` of row 0 (a method, so that closures capture the whole
-    /// wrapper rather than its raw field).
-    fn at(self, j0: usize) -> *mut f32 {
+    /// The pointer `j0` values on (a method, so that closures capture the whole wrapper
+    /// rather than its raw field).
+    pub(crate) fn at(self, j0: usize) -> *mut f32 {
         self.0.wrapping_add(j0)
     }
 }

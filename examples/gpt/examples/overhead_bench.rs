@@ -21,6 +21,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use burn::optim::{AdamWConfig, GradientsParams};
+use burn_deepspeed::fused::set_blas;
 use burn_deepspeed::launch::launch;
 use burn_deepspeed::memory::caching::{self, CachingAllocator};
 use burn_deepspeed::progress::TaskProgress;
@@ -63,7 +64,8 @@ struct Args {
     #[arg(long)]
     host_cache: bool,
     /// Instead of the engine comparison: the plain loop with each CPU lever off and on
-    /// (host cache, fused attention, both), alternating, round by round.
+    /// (host cache, fused attention, and with the `blas` feature OpenBLAS), alternating,
+    /// round by round.
     #[arg(long)]
     levers: bool,
     /// The device both loops train on (`wgpu` and `cuda` need the example's feature).
@@ -229,16 +231,23 @@ fn engine(spec: &RunSpec, args: &Args, on: ModelDevice) -> Result<Timed, String>
 /// The plain loop with the CPU levers off and on, alternating within each round: tokens/s
 /// and phases of each, and the largest loss difference from the loop without them.
 fn levers(spec: &RunSpec, args: &Args, on: ModelDevice, tokens_per_step: u64) -> ExitCode {
-    let variants = [
-        ("none", false, false),
-        ("host cache", true, false),
-        ("fused attention", false, true),
-        ("both", true, true),
+    // (name, host cache, fused attention, OpenBLAS); the OpenBLAS rows only when built with
+    // the example's `blas` feature.
+    let mut variants = vec![
+        ("none", false, false, false),
+        ("host cache", true, false, false),
+        ("fused attention", false, true, false),
+        ("cache + attention", true, true, false),
     ];
+    if cfg!(feature = "blas") {
+        variants.push(("OpenBLAS", false, false, true));
+        variants.push(("all three", true, true, true));
+    }
     let mut all: Vec<Timed> = variants.iter().map(|_| Timed::default()).collect();
     for round in 0..args.rounds {
-        for (i, &(name, cache, flash)) in variants.iter().enumerate() {
+        for (i, &(name, cache, flash, blas)) in variants.iter().enumerate() {
             caching::set_enabled(cache);
+            set_blas(blas);
             let run_args = Args {
                 flash,
                 ..args.clone()
@@ -254,15 +263,16 @@ fn levers(spec: &RunSpec, args: &Args, on: ModelDevice, tokens_per_step: u64) ->
             all[i].merge(&t);
         }
     }
+    set_blas(true);
     caching::set_enabled(false);
     let base = all[0].tokens_per_s(tokens_per_step);
     let rows: Vec<_> = (variants.iter().zip(&all))
-        .map(|(&(name, cache, flash), t)| {
+        .map(|(&(name, cache, flash, blas), t)| {
             let diff = (t.losses.iter().zip(&all[0].losses))
                 .map(|(a, b)| (a - b).abs())
                 .fold(0.0f64, f64::max);
             let tps = t.tokens_per_s(tokens_per_step);
-            json!({"levers": name, "host_cache": cache, "fused_attention": flash,
+            json!({"levers": name, "host_cache": cache, "fused_attention": flash, "openblas": blas,
                 "tokens_per_s": tps, "ratio": tps / base, "ms_per_step": t.ms_per_step(),
                 "max_loss_difference": diff, "losses": t.losses})
         })

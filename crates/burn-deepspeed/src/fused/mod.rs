@@ -10,14 +10,17 @@
 //! autodiff already, but Flex evaluates its `erf` and `exp` one scalar libm call at a time:
 //! [`gelu`] brings vectorized passes for its forward and backward on the CPU. [`blockwise_attention`]
 //! keeps memory linear in the sequence by computing the scores one block of queries at a
-//! time, in the forward and again in the backward.
+//! time, in the forward and again in the backward. [`linear`] multiplies through OpenBLAS on the
+//! CPU under the `blas` feature.
 
 mod attention;
 mod gelu;
 mod layer_norm;
+mod linear;
 mod softmax;
 
 pub use attention::*;
 pub use gelu::*;
 pub use layer_norm::*;
+pub use linear::*;
 pub use softmax::*;

@@ -10,9 +10,9 @@
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::Tensor;
-use burn::tensor::module::linear;
 
 use super::{SliceLayout, TensorParallel};
+use crate::fused::linear;
 use crate::inference::{QuantizedMatrix, WeightQuantization};
 use crate::{DeepSpeedError, Result};
 

@@ -23,8 +23,10 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import torch, deepspe
 fi
 # DeepSpeed JIT-builds its CPU ops with the venv's ninja.
 export PATH="$venv/bin:$PATH"
-cargo build --release --features burn-deepspeed-example-gpt/mpi --example gpt \
-    --example overhead_bench
+# Ours with the CPU levers: the linear layers through OpenBLAS (`blas`), the flash-attention
+# kernel (`--blockwise-attention`, `--flash`) and the host cache (`--host-cache`).
+cargo build --release --features burn-deepspeed-example-gpt/mpi,burn-deepspeed-example-gpt/blas \
+    --example gpt --example overhead_bench
 gpt="$target/release/examples/gpt"
 out=$(mktemp -d)
 for model in tiny small; do
@@ -35,7 +37,10 @@ for model in tiny small; do
     "$venv/bin/python" scripts/bench_vs_pytorch.py --impl ddp --world 1 --model "$model" \
         --steps "$steps" | tail -n 1 > "$out/$model-torch1.json"
     "$target/release/examples/overhead_bench" --model "$model" --steps "$steps" --warm-up 5 \
-        --rounds 1 --json | tail -n 1 > "$out/$model-burn1.json"
+        --rounds 1 --flash --host-cache --json | tail -n 1 > "$out/$model-burn1.json"
+    # Each lever alone and all together, against the plain loop without them.
+    "$target/release/examples/overhead_bench" --model "$model" --steps "$steps" --warm-up 5 \
+        --rounds 1 --levers | tail -n 1 > "$out/$model-levers.json"
     "$venv/bin/python" scripts/bench_vs_pytorch.py --impl ddp --world "$WORLD" \
         --model "$model" --steps "$steps" | tail -n 1 > "$out/$model-ddp.json"
     for stage in 0 1 2 3; do
@@ -49,8 +54,10 @@ c["zero_optimization"]["stage"] = int(sys.argv[1])
 print(json.dumps(c))
 PY
         "$gpt" --config "$config" --model "$model" --ranks "$WORLD" --steps "$steps" --json \
+            --blockwise-attention --host-cache \
             | tail -n 1 > "$out/$model-ours$stage.json"
         mpirun -n "$WORLD" "$gpt" --config "$config" --model "$model" --steps "$steps" --json \
+            --blockwise-attention --host-cache \
             | tail -n 1 > "$out/$model-mpi$stage.json"
         rm -f "$config"
     done

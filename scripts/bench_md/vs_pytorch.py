@@ -52,8 +52,19 @@ def vs_pytorch(directory, cores):
                 f"| `{model}` | {name} | {ms['forward']:.1f} | {ms['backward']:.1f} "
                 f"| {ms['optimizer']:.1f} | {(ms['forward'] + ms['backward']) / base:.2f} |"
             )
+    lever_rows = []
+    for model in ["tiny", "small"]:
+        path = d / f"{model}-levers.json"
+        if not path.exists():
+            continue
+        for r in json.load(open(path))["levers"]:
+            ms = r["ms_per_step"]
+            lever_rows.append(
+                f"| `{model}` | {r['levers']} | {r['tokens_per_s']:.0f} | {r['ratio']:.2f} "
+                f"| {ms['forward']:.1f} | {ms['backward']:.1f} | {r['max_loss_difference']:.1e} |"
+            )
     return render("vs-pytorch", cores=cores, torch=torch, rows="\n".join(rows),
-                  phase_rows="\n".join(phase_rows))
+                  phase_rows="\n".join(phase_rows), lever_rows="\n".join(lever_rows))
 
 
 

@@ -141,10 +141,13 @@ impl<B: FusedMatmulOps, C: CheckpointStrategy> FusedMatmulOps for Autodiff<B, C>
 }
 
 /// `x · w + b` over `x`'s last dimension (`w` `[d_in, d_out]`, as Burn's `Linear` holds it).
-/// With the `blas` feature the product is [`FusedMatmulOps::fused_matmul`] (OpenBLAS on Flex);
-/// without it, Burn's [`linear`](burn::tensor::module::linear), unchanged.
+/// With the `blas` feature and under autodiff the product is
+/// [`FusedMatmulOps::fused_matmul`] (OpenBLAS on Flex); otherwise Burn's
+/// [`linear`](burn::tensor::module::linear), unchanged.
 pub fn linear<const D: usize>(x: Tensor<D>, w: Tensor<2>, b: Option<Tensor<1>>) -> Tensor<D> {
-    if !blas_enabled() || D < 2 {
+    // As the other fused ops: only under autodiff (training), where every backend the op
+    // knows is below (a capture device for the flops profiler is not).
+    if !blas_enabled() || D < 2 || !x.is_autodiff() {
         return burn::tensor::module::linear(x, w, b);
     }
     let dims = x.dims();

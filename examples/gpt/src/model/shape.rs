@@ -83,6 +83,19 @@ impl GptShape {
         moe: None,
     };
 
+    /// GPT-2 small's body (Radford et al. 2019; the model llm.c and nanoGPT train): d 768,
+    /// 12 layers, 12 heads, context 1024; about 86M parameters with this example's byte
+    /// vocabulary of 256, where GPT-2's 124M include a 50,257-token embedding (38.6M) tied to
+    /// its output layer. Per token the blocks do the same work; only the embedding and the
+    /// output layer are smaller.
+    pub const GPT2: GptShape = GptShape {
+        d_model: 768,
+        layers: 12,
+        heads: 12,
+        seq_len: 1024,
+        moe: None,
+    };
+
     /// d 2048, 40 layers, 16 heads, context 128 (about 2.01B parameters: its fp32 Adam
     /// state alone, 16 bytes per parameter, is 32 GB). Built lazily: [`Gpt::new`](super::Gpt::new) makes no
     /// values until a parameter is read, so that ZeRO-3 with `offload_param` cuts it into
@@ -150,10 +163,11 @@ impl GptShape {
     };
 
     /// The preset names [`preset`](Self::preset) knows.
-    pub const PRESETS: [&'static str; 8] = [
+    pub const PRESETS: [&'static str; 9] = [
         "tiny",
         "small",
         "medium",
+        "gpt2",
         "xl",
         "tiny-moe",
         "small-moe",
@@ -167,6 +181,7 @@ impl GptShape {
             "tiny" => Some(Self::TINY),
             "small" => Some(Self::SMALL),
             "medium" => Some(Self::MEDIUM),
+            "gpt2" => Some(Self::GPT2),
             "xl" => Some(Self::XL),
             "tiny-moe" => Some(Self::TINY_MOE),
             "small-moe" => Some(Self::SMALL_MOE),

@@ -67,16 +67,21 @@ impl<'a> Strided<'a> {
         }
     }
 
-    /// A pointer to head `i` (of `batch · heads`), position `t`, and the steps between
-    /// positions and between features.
-    fn at(&self, i: usize, t: usize) -> (*const f32, isize, isize) {
-        let [_, heads, _, _] = self.shape;
-        let at = self.offset
+    /// Where head `i` (of `batch · heads`), position `t`, feature `c` lies in `values`.
+    fn index(&self, i: usize, t: usize, c: usize) -> usize {
+        let heads = self.shape[1];
+        self.offset
             + (i / heads) * self.strides[0]
             + (i % heads) * self.strides[1]
-            + t * self.strides[2];
+            + t * self.strides[2]
+            + c * self.strides[3]
+    }
+
+    /// A pointer to head `i`, position `t`, and the steps between positions and between
+    /// features.
+    fn at(&self, i: usize, t: usize) -> (*const f32, isize, isize) {
         (
-            self.values.as_ptr().wrapping_add(at),
+            self.values.as_ptr().wrapping_add(self.index(i, t, 0)),
             self.strides[2] as isize,
             self.strides[3] as isize,
         )
@@ -84,12 +89,7 @@ impl<'a> Strided<'a> {
 
     /// Element `c` of head `i`, position `t`.
     fn get(&self, i: usize, t: usize, c: usize) -> f32 {
-        let [_, heads, _, _] = self.shape;
-        self.values[self.offset
-            + (i / heads) * self.strides[0]
-            + (i % heads) * self.strides[1]
-            + t * self.strides[2]
-            + c * self.strides[3]]
+        self.values[self.index(i, t, c)]
     }
 }
 

@@ -140,19 +140,25 @@ impl Timed {
     }
 }
 
+/// `spec`'s GPT, initialized from its seed, with the fused attention under `--flash`.
+fn gpt(spec: &RunSpec, args: &Args, device: &burn::tensor::Device) -> Gpt {
+    let model = Gpt::new(spec.shape, spec.seed, device);
+    match args.flash {
+        true => model.with_long_context(LongContext {
+            blockwise_attention: true,
+            tile: None,
+        }),
+        false => model,
+    }
+}
+
 /// The plain loop: `spec`'s model, batches and schedule, with Burn's AdamW at the config's
 /// hyper-parameters.
 fn plain(spec: &RunSpec, args: &Args, on: ModelDevice) -> Timed {
     let shape = spec.shape;
     let device = on.device(0);
     let inner = device.clone().inner();
-    let mut model = Gpt::new(shape, spec.seed, &device);
-    if args.flash {
-        model = model.with_long_context(LongContext {
-            blockwise_attention: true,
-            tile: None,
-        });
-    }
+    let mut model = gpt(spec, args, &device);
     let mut optim = AdamWConfig::new()
         .with_beta_1(0.9)
         .with_beta_2(0.95)
@@ -192,17 +198,10 @@ fn plain(spec: &RunSpec, args: &Args, on: ModelDevice) -> Timed {
 
 /// The engine at one rank on `spec`: the plain loop's model, batches and hyper-parameters.
 fn engine(spec: &RunSpec, args: &Args, on: ModelDevice) -> Result<Timed, String> {
-    let shape = spec.shape;
     let outcome = launch(1, Duration::from_secs(3600), |comm| {
         let device = on.device(0);
         let inner = device.clone().inner();
-        let mut model = Gpt::new(shape, spec.seed, &device);
-        if args.flash {
-            model = model.with_long_context(LongContext {
-                blockwise_attention: true,
-                tile: None,
-            });
-        }
+        let model = gpt(spec, args, &device);
         let mut engine = DeepSpeedEngine::new(model, spec.config.clone(), comm)?;
         let mut timed = Timed::default();
         for step in 0..args.steps {
@@ -274,7 +273,7 @@ fn levers(spec: &RunSpec, args: &Args, on: ModelDevice, tokens_per_step: u64) ->
             let tps = t.tokens_per_s(tokens_per_step);
             json!({"levers": name, "host_cache": cache, "fused_attention": flash, "openblas": blas,
                 "tokens_per_s": tps, "ratio": tps / base, "ms_per_step": t.ms_per_step(),
-                "max_loss_difference": diff, "losses": t.losses})
+                "max_loss_difference": diff})
         })
         .collect();
     let report = json!({"model": args.model, "device": on.name(), "steps": args.steps,

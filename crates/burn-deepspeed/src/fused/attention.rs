@@ -19,6 +19,7 @@ use burn::backend::{DType, Dispatch, Flex, TensorMetadata, backend_extension};
 use burn::tensor::{Tensor, TensorData};
 use burn_deepspeed_cubecl_kernels::attention::{Strided, attention_backward, attention_forward};
 
+use super::gelu::values;
 use crate::primitive::FlatPrimitive;
 
 /// Queries per block of scores.
@@ -280,12 +281,9 @@ impl AttentionKernel for Flex {
         let (Some(sq), Some(sk), Some(sv), Some(sd)) = fast else {
             return backward_by_blocks::<Self>(saved, dout, causal);
         };
-        let (out, lse) = (out.to_contiguous(), lse.to_contiguous());
-        let (Some(out_values), Some(lse_values)) = (out.as_slice::<f32>(), lse.as_slice::<f32>())
-        else {
-            return backward_by_blocks::<Self>(saved, dout, causal);
-        };
-        let (dq, dk, dv) = attention_backward([sq, sk, sv], out_values, lse_values, sd, causal)
+        // The forward made `out` and `lse` in f32 whenever q, k and v are (checked above).
+        let (out, lse) = (values(out), values(lse));
+        let (dq, dk, dv) = attention_backward([sq, sk, sv], &out, &lse, sd, causal)
             .unwrap_or_else(|e| panic!("fused attention backward: {e}"));
         [(dq, sq.shape), (dk, sk.shape), (dv, sv.shape)].map(|(g, shape)| flex(g, shape))
     }

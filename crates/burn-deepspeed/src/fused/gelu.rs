@@ -102,7 +102,7 @@ fn gelu_backward_slice(x: &[f32], dy: &[f32]) -> Vec<f32> {
 }
 
 /// The f32 values of a Flex tensor in order (copied only when strided).
-fn values(t: &FlexTensor) -> std::borrow::Cow<'_, [f32]> {
+pub(super) fn values(t: &FlexTensor) -> std::borrow::Cow<'_, [f32]> {
     match t.as_slice::<f32>() {
         Some(v) if v.len() == t.shape().num_elements() => std::borrow::Cow::Borrowed(v),
         _ => std::borrow::Cow::Owned(
